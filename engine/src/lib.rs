@@ -1,0 +1,1 @@
+//! tandem inference engine (being built).

@@ -1,0 +1,1 @@
+//! tandem compute kernels (being built).
