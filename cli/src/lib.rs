@@ -1,1 +1,2 @@
 //! Library half of the `tandem` command (being built).
+pub mod plan;
