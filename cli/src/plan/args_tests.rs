@@ -51,16 +51,31 @@ fn reserve_frac_is_a_fraction_of_gpu_memory() {
 #[test]
 fn params_times_weight_dtype_gives_weight_bytes() {
     let flags = TP4.replace("--weights-gb 140", "--params 70B");
-    assert_eq!(resolve(&parse(&flags).unwrap()).unwrap().input.weight_bytes, 140_000_000_000);
+    assert_eq!(
+        resolve(&parse(&flags).unwrap()).unwrap().input.weight_bytes,
+        140_000_000_000
+    );
     let int4 = format!("{flags} --weight-dtype int4");
-    assert_eq!(resolve(&parse(&int4).unwrap()).unwrap().input.weight_bytes, 35_000_000_000);
+    assert_eq!(
+        resolve(&parse(&int4).unwrap()).unwrap().input.weight_bytes,
+        35_000_000_000
+    );
 }
 
 #[test]
 fn conflicting_flag_pairs_are_rejected_by_clap() {
-    for extra in ["--reserve-frac 0.1", "--params 70B", "--weight-dtype f32", "--model x.gguf"] {
+    for extra in [
+        "--reserve-frac 0.1",
+        "--params 70B",
+        "--weight-dtype f32",
+        "--model x.gguf",
+    ] {
         let err = parse(&format!("{TP4} {extra}")).expect_err(extra);
-        assert_eq!(err.kind(), clap::error::ErrorKind::ArgumentConflict, "{extra}");
+        assert_eq!(
+            err.kind(),
+            clap::error::ErrorKind::ArgumentConflict,
+            "{extra}"
+        );
     }
 }
 
@@ -82,10 +97,16 @@ fn negative_and_nan_values_are_rejected_by_clap_naming_the_flag() {
         ("--weights-gb", "NaN", "must be a number, not NaN"),
     ];
     for (flag, value, reason) in cases {
-        let err = parse(&format!("{} {flag} {value}", tp4_without(flag))).expect_err(flag).to_string();
-        assert!(err.contains(flag) && err.contains(reason), "{flag} {value}: {err}");
+        let err = parse(&format!("{} {flag} {value}", tp4_without(flag)))
+            .expect_err(flag)
+            .to_string();
+        assert!(
+            err.contains(flag) && err.contains(reason),
+            "{flag} {value}: {err}"
+        );
     }
-    let err = parse(&format!("{TP4} --reserve-frac=-0.1").replace("--reserve-gb 5 ", "")).unwrap_err();
+    let err =
+        parse(&format!("{TP4} --reserve-frac=-0.1").replace("--reserve-gb 5 ", "")).unwrap_err();
     assert!(err.to_string().contains("must not be negative"), "{err}");
 }
 
@@ -93,8 +114,15 @@ fn negative_and_nan_values_are_rejected_by_clap_naming_the_flag() {
 fn shape_flags_are_required_without_a_model() {
     let err = parse("--gpu-mem-gb 80 --seq-len 2048 --weights-gb 10").unwrap_err();
     assert_eq!(err.kind(), clap::error::ErrorKind::MissingRequiredArgument);
-    let no_weights = parse("--layers 2 --kv-heads 2 --head-dim 64 --gpu-mem-gb 80 --seq-len 2048").unwrap();
-    assert!(matches!(resolve(&no_weights), Err(PlanError::Missing { what: "weights", .. })));
+    let no_weights =
+        parse("--layers 2 --kv-heads 2 --head-dim 64 --gpu-mem-gb 80 --seq-len 2048").unwrap();
+    assert!(matches!(
+        resolve(&no_weights),
+        Err(PlanError::Missing {
+            what: "weights",
+            ..
+        })
+    ));
 }
 
 #[test]
@@ -105,9 +133,19 @@ fn served_smollm2_from_model_is_23040_bytes_per_token_in_bf16_and_46080_in_f32()
     assert_eq!(bf16["kv_bytes_per_token"], 23_040);
     assert_eq!(bf16["layers"], 30);
     let params = bf16["param_count"].as_u64().unwrap();
-    assert_eq!(bf16["weight_bytes"].as_u64().unwrap(), 2 * params, "bf16 weights by default");
-    assert_eq!(json(&format!("{base} --dtype f32"))["kv_bytes_per_token"], 46_080);
-    assert_eq!(json(&format!("{base} --weights-gb 1"))["weight_bytes"], 1u64 << 30);
+    assert_eq!(
+        bf16["weight_bytes"].as_u64().unwrap(),
+        2 * params,
+        "bf16 weights by default"
+    );
+    assert_eq!(
+        json(&format!("{base} --dtype f32"))["kv_bytes_per_token"],
+        46_080
+    );
+    assert_eq!(
+        json(&format!("{base} --weights-gb 1"))["weight_bytes"],
+        1u64 << 30
+    );
 }
 
 #[test]
@@ -115,9 +153,18 @@ fn table_names_the_mode_and_how_the_other_mode_differs() {
     let split = run(&parse(TP4).unwrap()).unwrap();
     assert!(split.contains("KV per GPU: split (default)"), "{split}");
     assert!(split.contains("2 of 8 KV heads"), "{split}");
-    assert!(split.contains("64 concurrent requests, 4 batches in flight"), "{split}");
+    assert!(
+        split.contains("64 concurrent requests, 4 batches in flight"),
+        "{split}"
+    );
     assert!(split.contains("327680  320.00 KiB"), "{split}");
     let full = run(&parse(&format!("{TP4} --kv-per-gpu full")).unwrap()).unwrap();
-    assert!(full.contains("KV per GPU: full (the seed's arithmetic)"), "{full}");
-    assert!(full.contains("256 concurrent requests, 16 batches in flight"), "{full}");
+    assert!(
+        full.contains("KV per GPU: full (the seed's arithmetic)"),
+        "{full}"
+    );
+    assert!(
+        full.contains("256 concurrent requests, 16 batches in flight"),
+        "{full}"
+    );
 }

@@ -133,23 +133,39 @@ impl KvCost {
         block_size_tokens: usize,
     ) -> Result<Self, PlanError> {
         let layout = |d| {
-            KvLayout::new(shape.num_layers, num_kv_heads, shape.head_dim, block_size_tokens, d, 0)
+            KvLayout::new(
+                shape.num_layers,
+                num_kv_heads,
+                shape.head_dim,
+                block_size_tokens,
+                d,
+                0,
+            )
         };
         let exact = |d| -> Result<KvCost, PlanError> {
             let bytes = layout(d)?
                 .bytes_per_token_exact()
                 .expect("unquantised KV dtypes have an exact per-token size");
-            Ok(KvCost { bytes: bytes as u64, tokens: 1 })
+            Ok(KvCost {
+                bytes: bytes as u64,
+                tokens: 1,
+            })
         };
         match dtype {
             PlanKvDtype::F32 => exact(KvDtype::F32),
             PlanKvDtype::F16 => exact(KvDtype::F16),
             PlanKvDtype::Bf16 => exact(KvDtype::Bf16),
             // fp8 has no KvDtype yet: one byte per element, no scales, so half of f16's bytes.
-            PlanKvDtype::Fp8 => exact(KvDtype::F16).map(|c| KvCost { bytes: c.bytes / 2, ..c }),
+            PlanKvDtype::Fp8 => exact(KvDtype::F16).map(|c| KvCost {
+                bytes: c.bytes / 2,
+                ..c
+            }),
             PlanKvDtype::Int8 => {
                 let l = layout(KvDtype::Int8)?;
-                Ok(KvCost { bytes: l.block_bytes() as u64, tokens: block_size_tokens as u64 })
+                Ok(KvCost {
+                    bytes: l.block_bytes() as u64,
+                    tokens: block_size_tokens as u64,
+                })
             }
         }
     }
@@ -242,7 +258,12 @@ pub fn compute(input: &PlanInput) -> Result<Plan, PlanError> {
     }
     let kv_budget_bytes = input.gpu_mem_bytes - weight_bytes_per_gpu - input.reserve_bytes;
 
-    let whole = KvCost::of(input.shape, input.shape.num_kv_heads, input.kv_dtype, input.block_size_tokens)?;
+    let whole = KvCost::of(
+        input.shape,
+        input.shape.num_kv_heads,
+        input.kv_dtype,
+        input.block_size_tokens,
+    )?;
     let request_bytes = whole.bytes_for("--seq-len", seq_len)?;
     let kv_bytes_at_batch = checked_product("--batch", request_bytes, batch)?;
 

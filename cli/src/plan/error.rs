@@ -52,7 +52,7 @@ pub enum PlanError {
         tp: u32,
     },
     /// The model path could not be opened or read.
-    #[error("cannot read model at {}: {source}", path.display())]
+    #[error("cannot read model at {}", path.display())]
     ModelRead {
         /// The file or directory given to `--model`.
         path: PathBuf,
@@ -80,7 +80,7 @@ pub enum PlanError {
         reason: String,
     },
     /// A `config.json` or safetensors header that is not the JSON we expect.
-    #[error("malformed {}: {source}", path.display())]
+    #[error("malformed JSON in {}", path.display())]
     JsonMalformed {
         /// The JSON file (or safetensors file whose header is JSON).
         path: PathBuf,

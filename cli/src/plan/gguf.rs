@@ -65,8 +65,15 @@ const MAX_ARRAY_NESTING: u32 = 4;
 
 /// Reads the header of the GGUF file at `path`.
 pub fn read_header(path: &Path) -> Result<GgufHeader, PlanError> {
-    let file = File::open(path).map_err(|source| PlanError::ModelRead { path: path.into(), source })?;
-    let mut r = Reader { inner: BufReader::new(file), offset: 0, path };
+    let file = File::open(path).map_err(|source| PlanError::ModelRead {
+        path: path.into(),
+        source,
+    })?;
+    let mut r = Reader {
+        inner: BufReader::new(file),
+        offset: 0,
+        path,
+    };
     let magic = r.bytes::<4>()?;
     if &magic != b"GGUF" {
         return Err(r.malformed("no GGUF magic"));
@@ -95,14 +102,22 @@ pub fn read_header(path: &Path) -> Result<GgufHeader, PlanError> {
         let mut elems: u64 = 1;
         for _ in 0..n_dims {
             let d = r.u64()?;
-            elems = elems.checked_mul(d).ok_or_else(|| r.malformed("tensor size overflows u64"))?;
+            elems = elems
+                .checked_mul(d)
+                .ok_or_else(|| r.malformed("tensor size overflows u64"))?;
         }
         let _ggml_type = r.u32()?;
         let _offset = r.u64()?;
-        param_count =
-            param_count.checked_add(elems).ok_or_else(|| r.malformed("parameter count overflows u64"))?;
+        param_count = param_count
+            .checked_add(elems)
+            .ok_or_else(|| r.malformed("parameter count overflows u64"))?;
     }
-    Ok(GgufHeader { version, metadata, param_count, tensor_count })
+    Ok(GgufHeader {
+        version,
+        metadata,
+        param_count,
+        tensor_count,
+    })
 }
 
 struct Reader<'p> {
@@ -113,7 +128,11 @@ struct Reader<'p> {
 
 impl Reader<'_> {
     fn malformed(&self, reason: impl Into<String>) -> PlanError {
-        PlanError::GgufMalformed { path: self.path.into(), offset: self.offset, reason: reason.into() }
+        PlanError::GgufMalformed {
+            path: self.path.into(),
+            offset: self.offset,
+            reason: reason.into(),
+        }
     }
 
     fn bytes<const N: usize>(&mut self) -> Result<[u8; N], PlanError> {
@@ -127,7 +146,10 @@ impl Reader<'_> {
         if e.kind() == std::io::ErrorKind::UnexpectedEof {
             self.malformed("file ends inside the header")
         } else {
-            PlanError::ModelRead { path: self.path.into(), source: e }
+            PlanError::ModelRead {
+                path: self.path.into(),
+                source: e,
+            }
         }
     }
 
@@ -200,7 +222,9 @@ impl Reader<'_> {
             _ => None,
         };
         if let Some(size) = fixed {
-            let bytes = n.checked_mul(size).ok_or_else(|| self.malformed("array size overflows"))?;
+            let bytes = n
+                .checked_mul(size)
+                .ok_or_else(|| self.malformed("array size overflows"))?;
             return self.skip(bytes);
         }
         for _ in 0..n {

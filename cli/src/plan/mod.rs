@@ -69,7 +69,10 @@ impl WeightDtype {
 
     /// e.g. `bf16 (2 B)`, for the table.
     pub fn describe(self) -> String {
-        let name = self.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default();
+        let name = self
+            .to_possible_value()
+            .map(|v| v.get_name().to_string())
+            .unwrap_or_default();
         match self.bits_per_param() {
             4 => format!("{name} (0.5 B)"),
             bits => format!("{name} ({} B)", bits / 8),
@@ -114,7 +117,13 @@ pub struct PlanArgs {
     #[arg(long, env = "TANDEM_PLAN_PARAMS", conflicts_with = "weights_gb", value_parser = parse_params)]
     pub params: Option<u64>,
     /// Bytes per parameter for --params or a --model's counted parameters
-    #[arg(long, env = "TANDEM_PLAN_WEIGHT_DTYPE", value_enum, default_value = "bf16", conflicts_with = "weights_gb")]
+    #[arg(
+        long,
+        env = "TANDEM_PLAN_WEIGHT_DTYPE",
+        value_enum,
+        default_value = "bf16",
+        conflicts_with = "weights_gb"
+    )]
     pub weight_dtype: WeightDtype,
     /// Total weights in GB (2^30 bytes), all GPUs together
     #[arg(long, env = "TANDEM_PLAN_WEIGHTS_GB", allow_negative_numbers = true, value_parser = parse_non_negative)]
@@ -138,7 +147,12 @@ pub struct PlanArgs {
     #[arg(long, env = "TANDEM_PLAN_BATCH", default_value = "1", allow_negative_numbers = true, value_parser = parse_count)]
     pub batch: u64,
     /// How KV heads are charged per GPU under TP: split across GPUs, or all on every GPU (the seed)
-    #[arg(long, env = "TANDEM_PLAN_KV_PER_GPU", value_enum, default_value = "split")]
+    #[arg(
+        long,
+        env = "TANDEM_PLAN_KV_PER_GPU",
+        value_enum,
+        default_value = "split"
+    )]
     pub kv_per_gpu: KvPerGpu,
     /// Output format
     #[arg(long, env = "TANDEM_PLAN_FORMAT", value_enum, default_value = "table")]
@@ -183,8 +197,16 @@ pub fn resolve(args: &PlanArgs) -> Result<Resolved, PlanError> {
             head_dim: flag_usize("--head-dim", args.head_dim)?,
         },
     };
-    let params = |count, from_model| WeightSource::Params { count, dtype: args.weight_dtype, from_model };
-    let weights = match (args.weights_gb, args.params, model.as_ref().map(|m| m.param_count)) {
+    let params = |count, from_model| WeightSource::Params {
+        count,
+        dtype: args.weight_dtype,
+        from_model,
+    };
+    let weights = match (
+        args.weights_gb,
+        args.params,
+        model.as_ref().map(|m| m.param_count),
+    ) {
         (Some(gb), _, _) => WeightSource::Gb(gb),
         (None, Some(count), _) => params(count, false),
         (None, None, Some(Some(count))) => params(count, true),
@@ -195,16 +217,24 @@ pub fn resolve(args: &PlanArgs) -> Result<Resolved, PlanError> {
             });
         }
         (None, None, None) => {
-            return Err(PlanError::Missing { what: "weights", hint: "--params, --weights-gb or --model" });
+            return Err(PlanError::Missing {
+                what: "weights",
+                hint: "--params, --weights-gb or --model",
+            });
         }
     };
     let weight_bytes = match weights {
         WeightSource::Gb(gb) => to_bytes("--weights-gb", gb, GIB_BYTES, Rounding::Up)?,
         WeightSource::Params { count, dtype, .. } => {
             let bits = count as u128 * u128::from(dtype.bits_per_param());
-            u64::try_from(bits.div_ceil(8)).ok().filter(|b| *b < 1 << 63).ok_or_else(|| {
-                PlanError::InvalidValue { field: "--params", value: count.to_string(), reason: "is too large" }
-            })?
+            u64::try_from(bits.div_ceil(8))
+                .ok()
+                .filter(|b| *b < 1 << 63)
+                .ok_or_else(|| PlanError::InvalidValue {
+                    field: "--params",
+                    value: count.to_string(),
+                    reason: "is too large",
+                })?
         }
     };
     let gpu_mem_bytes = to_bytes("--gpu-mem-gb", args.gpu_mem_gb, GIB_BYTES, Rounding::Down)?;
@@ -238,7 +268,11 @@ pub fn resolve(args: &PlanArgs) -> Result<Resolved, PlanError> {
         batch: args.batch,
         kv_per_gpu: args.kv_per_gpu,
     };
-    Ok(Resolved { input, model, weights })
+    Ok(Resolved {
+        input,
+        model,
+        weights,
+    })
 }
 
 /// Computes the plan for `args` and returns the text to print (a table or one JSON object).
@@ -252,7 +286,10 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<String> {
 }
 
 fn flag_usize(flag: &'static str, value: Option<u64>) -> Result<usize, PlanError> {
-    let value = value.ok_or(PlanError::Missing { what: "model shape", hint: "--layers, --kv-heads and --head-dim, or --model" })?;
+    let value = value.ok_or(PlanError::Missing {
+        what: "model shape",
+        hint: "--layers, --kv-heads and --head-dim, or --model",
+    })?;
     usize::try_from(value).map_err(|_| PlanError::InvalidValue {
         field: flag,
         value: value.to_string(),
@@ -262,7 +299,10 @@ fn flag_usize(flag: &'static str, value: Option<u64>) -> Result<usize, PlanError
 
 /// clap parser for GB amounts and fractions: a finite number `>= 0`.
 fn parse_non_negative(text: &str) -> Result<f64, String> {
-    let v: f64 = text.trim().parse().map_err(|_| format!("`{text}` is not a number"))?;
+    let v: f64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{text}` is not a number"))?;
     non_negative("value", v).map_err(|e| match e {
         PlanError::InvalidValue { reason, .. } => reason.to_string(),
         other => other.to_string(),
@@ -276,7 +316,8 @@ fn parse_count(text: &str) -> Result<u64, String> {
     if t.starts_with('-') {
         return Err("must not be negative".to_string());
     }
-    t.parse().map_err(|_| format!("`{text}` is not a whole number"))
+    t.parse()
+        .map_err(|_| format!("`{text}` is not a whole number"))
 }
 
 /// clap parser for `--params`.

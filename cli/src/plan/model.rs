@@ -57,7 +57,10 @@ pub struct ModelInfo {
 
 /// Reads `path`: a GGUF file, a Hugging Face directory, or a `config.json` inside one.
 pub fn read_model(path: &Path) -> Result<ModelInfo, PlanError> {
-    let read_err = |source| PlanError::ModelRead { path: path.into(), source };
+    let read_err = |source| PlanError::ModelRead {
+        path: path.into(),
+        source,
+    };
     let meta = std::fs::metadata(path).map_err(read_err)?;
     if meta.is_dir() {
         let config = path.join("config.json");
@@ -67,12 +70,17 @@ pub fn read_model(path: &Path) -> Result<ModelInfo, PlanError> {
         return read_hf(path, &config);
     }
     let mut magic = [0u8; 4];
-    let n = File::open(path).and_then(|mut f| f.read(&mut magic)).map_err(read_err)?;
+    let n = File::open(path)
+        .and_then(|mut f| f.read(&mut magic))
+        .map_err(read_err)?;
     if n == 4 && &magic == b"GGUF" {
         return read_gguf(path);
     }
     if path.file_name().is_some_and(|n| n == "config.json") {
-        let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let dir = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
         return read_hf(dir, path);
     }
     Err(PlanError::UnknownModelFormat { path: path.into() })
@@ -80,15 +88,22 @@ pub fn read_model(path: &Path) -> Result<ModelInfo, PlanError> {
 
 fn read_gguf(path: &Path) -> Result<ModelInfo, PlanError> {
     let header = gguf::read_header(path)?;
-    let missing = |key: String| PlanError::ModelFieldMissing { path: path.into(), key };
+    let missing = |key: String| PlanError::ModelFieldMissing {
+        path: path.into(),
+        key,
+    };
     let architecture = match header.metadata.get("general.architecture") {
         Some(gguf::GgufValue::Str(s)) => s.clone(),
         _ => return Err(missing("general.architecture".into())),
     };
     let int = |suffix: &str| {
-        header.metadata.get(&format!("{architecture}.{suffix}")).and_then(gguf::GgufValue::as_u64)
+        header
+            .metadata
+            .get(&format!("{architecture}.{suffix}"))
+            .and_then(gguf::GgufValue::as_u64)
     };
-    let require = |suffix: &str| int(suffix).ok_or_else(|| missing(format!("{architecture}.{suffix}")));
+    let require =
+        |suffix: &str| int(suffix).ok_or_else(|| missing(format!("{architecture}.{suffix}")));
     let num_layers = require("block_count")?;
     let heads = int("attention.head_count");
     let num_kv_heads = match int("attention.head_count_kv").or(heads) {
@@ -112,10 +127,14 @@ fn read_gguf(path: &Path) -> Result<ModelInfo, PlanError> {
 }
 
 fn read_hf(dir: &Path, config_path: &Path) -> Result<ModelInfo, PlanError> {
-    let text = std::fs::read_to_string(config_path)
-        .map_err(|source| PlanError::ModelRead { path: config_path.into(), source })?;
-    let config: Value = serde_json::from_str(&text)
-        .map_err(|source| PlanError::JsonMalformed { path: config_path.into(), source })?;
+    let text = std::fs::read_to_string(config_path).map_err(|source| PlanError::ModelRead {
+        path: config_path.into(),
+        source,
+    })?;
+    let config: Value = serde_json::from_str(&text).map_err(|source| PlanError::JsonMalformed {
+        path: config_path.into(),
+        source,
+    })?;
     let text_config = config.get("text_config");
     let field = |names: &[&str]| -> Option<u64> {
         [Some(&config), text_config]
@@ -125,7 +144,10 @@ fn read_hf(dir: &Path, config_path: &Path) -> Result<ModelInfo, PlanError> {
             .flatten()
             .find_map(Value::as_u64)
     };
-    let missing = |key: &str| PlanError::ModelFieldMissing { path: config_path.into(), key: key.into() };
+    let missing = |key: &str| PlanError::ModelFieldMissing {
+        path: config_path.into(),
+        key: key.into(),
+    };
     let num_layers = field(&["num_hidden_layers", "n_layer", "num_layers"])
         .ok_or_else(|| missing("num_hidden_layers"))?;
     let heads = field(&["num_attention_heads", "n_head"]);
@@ -136,11 +158,15 @@ fn read_hf(dir: &Path, config_path: &Path) -> Result<ModelInfo, PlanError> {
         (Some(e), Some(h)) if h > 0 && e % h == 0 => Some(e / h),
         _ => None,
     };
-    let head_dim = field(&["head_dim"]).or(from_hidden).ok_or_else(|| missing("head_dim"))?;
+    let head_dim = field(&["head_dim"])
+        .or(from_hidden)
+        .ok_or_else(|| missing("head_dim"))?;
     let (param_count, files) = count_safetensors_params(dir)?;
     Ok(ModelInfo {
         path: dir.into(),
-        format: ModelFormat::HuggingFace { safetensors_files: files },
+        format: ModelFormat::HuggingFace {
+            safetensors_files: files,
+        },
         shape: shape(num_layers, num_kv_heads, head_dim)?,
         param_count,
     })
@@ -152,7 +178,10 @@ const MAX_SAFETENSORS_HEADER_BYTES: u64 = 100 << 20;
 /// Sums tensor elements over every `*.safetensors` in `dir`: `(None, 0)` when there are none.
 fn count_safetensors_params(dir: &Path) -> Result<(Option<u64>, usize), PlanError> {
     fn read_err(path: &Path) -> impl Fn(std::io::Error) -> PlanError + '_ {
-        move |source| PlanError::ModelRead { path: path.into(), source }
+        move |source| PlanError::ModelRead {
+            path: path.into(),
+            source,
+        }
     }
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(read_err(dir))?
@@ -178,17 +207,28 @@ fn count_safetensors_params(dir: &Path) -> Result<(Option<u64>, usize), PlanErro
         }
         let mut header = vec![0u8; len as usize];
         f.read_exact(&mut header).map_err(read_err(path))?;
-        let header: serde_json::Map<String, Value> = serde_json::from_slice(&header)
-            .map_err(|source| PlanError::JsonMalformed { path: path.clone(), source })?;
-        for (name, entry) in header.iter().filter(|(k, _)| *k != "__metadata__") {
-            let dims = entry.get("shape").and_then(Value::as_array).ok_or_else(|| {
-                PlanError::ModelFieldMissing { path: path.clone(), key: format!("{name}.shape") }
+        let header: serde_json::Map<String, Value> =
+            serde_json::from_slice(&header).map_err(|source| PlanError::JsonMalformed {
+                path: path.clone(),
+                source,
             })?;
-            let elems = dims.iter().try_fold(1u64, |acc, d| d.as_u64().and_then(|d| acc.checked_mul(d)));
-            total = elems.and_then(|e| total.checked_add(e)).ok_or_else(|| PlanError::InvalidValue {
-                field: "safetensors tensor shape",
-                value: format!("{name} in {}", path.display()),
-                reason: "is not a list of integers whose product fits in u64",
+        for (name, entry) in header.iter().filter(|(k, _)| *k != "__metadata__") {
+            let dims = entry
+                .get("shape")
+                .and_then(Value::as_array)
+                .ok_or_else(|| PlanError::ModelFieldMissing {
+                    path: path.clone(),
+                    key: format!("{name}.shape"),
+                })?;
+            let elems = dims
+                .iter()
+                .try_fold(1u64, |acc, d| d.as_u64().and_then(|d| acc.checked_mul(d)));
+            total = elems.and_then(|e| total.checked_add(e)).ok_or_else(|| {
+                PlanError::InvalidValue {
+                    field: "safetensors tensor shape",
+                    value: format!("{name} in {}", path.display()),
+                    reason: "is not a list of integers whose product fits in u64",
+                }
             })?;
         }
     }
@@ -197,7 +237,11 @@ fn count_safetensors_params(dir: &Path) -> Result<(Option<u64>, usize), PlanErro
 
 fn shape(num_layers: u64, num_kv_heads: u64, head_dim: u64) -> Result<ModelShape, PlanError> {
     let to_usize = |field, v: u64| {
-        let invalid = |reason| PlanError::InvalidValue { field, value: v.to_string(), reason };
+        let invalid = |reason| PlanError::InvalidValue {
+            field,
+            value: v.to_string(),
+            reason,
+        };
         match usize::try_from(v) {
             Ok(0) => Err(invalid("must be at least 1")),
             Ok(v) => Ok(v),

@@ -64,14 +64,17 @@ fn gguf_bytes(meta: &[(&str, Meta)], tensors: &[&[u64]]) -> Vec<u8> {
                 out.extend_from_slice(&9u32.to_le_bytes());
                 out.extend_from_slice(&6u32.to_le_bytes());
                 out.extend_from_slice(&(items.len() as u64).to_le_bytes());
-                items.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
+                items
+                    .iter()
+                    .for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
             }
         }
     }
     for (i, dims) in tensors.iter().enumerate() {
         gguf_string(&mut out, &format!("t{i}"));
         out.extend_from_slice(&(dims.len() as u32).to_le_bytes());
-        dims.iter().for_each(|d| out.extend_from_slice(&d.to_le_bytes()));
+        dims.iter()
+            .for_each(|d| out.extend_from_slice(&d.to_le_bytes()));
         out.extend_from_slice(&0u32.to_le_bytes());
         out.extend_from_slice(&0u64.to_le_bytes());
     }
@@ -94,23 +97,49 @@ fn llama_meta<'a>() -> Vec<(&'a str, Meta<'a>)> {
 fn gguf_shape_and_param_count_come_from_metadata_and_tensor_table() {
     let dir = Scratch::new("gguf-llama");
     let path = dir.0.join("m.gguf");
-    std::fs::write(&path, gguf_bytes(&llama_meta(), &[&[8192, 1000], &[8192], &[7, 3, 2]])).unwrap();
+    std::fs::write(
+        &path,
+        gguf_bytes(&llama_meta(), &[&[8192, 1000], &[8192], &[7, 3, 2]]),
+    )
+    .unwrap();
     let info = read_model(&path).unwrap();
-    assert_eq!(info.shape, ModelShape { num_layers: 80, num_kv_heads: 8, head_dim: 128 });
+    assert_eq!(
+        info.shape,
+        ModelShape {
+            num_layers: 80,
+            num_kv_heads: 8,
+            head_dim: 128
+        }
+    );
     assert_eq!(info.param_count, Some(8_192_000 + 8192 + 42));
-    assert_eq!(info.format, ModelFormat::Gguf { architecture: "llama".into() });
+    assert_eq!(
+        info.format,
+        ModelFormat::Gguf {
+            architecture: "llama".into()
+        }
+    );
 }
 
 #[test]
 fn gguf_key_length_wins_over_embedding_over_heads_and_kv_heads_default_to_heads() {
     let dir = Scratch::new("gguf-keylen");
     let path = dir.0.join("m.gguf");
-    let mut meta: Vec<_> = llama_meta().into_iter().filter(|(k, _)| !k.ends_with("head_count_kv")).collect();
+    let mut meta: Vec<_> = llama_meta()
+        .into_iter()
+        .filter(|(k, _)| !k.ends_with("head_count_kv"))
+        .collect();
     meta.push(("llama.attention.key_length", Meta::U32(96)));
     meta.push(("llama.rope.dimension_count", Meta::U32(32)));
     std::fs::write(&path, gguf_bytes(&meta, &[])).unwrap();
     let info = read_model(&path).unwrap();
-    assert_eq!(info.shape, ModelShape { num_layers: 80, num_kv_heads: 64, head_dim: 96 });
+    assert_eq!(
+        info.shape,
+        ModelShape {
+            num_layers: 80,
+            num_kv_heads: 64,
+            head_dim: 96
+        }
+    );
     assert_eq!(info.param_count, Some(0));
 }
 
@@ -118,7 +147,10 @@ fn gguf_key_length_wins_over_embedding_over_heads_and_kv_heads_default_to_heads(
 fn gguf_without_block_count_names_the_missing_key() {
     let dir = Scratch::new("gguf-missing");
     let path = dir.0.join("m.gguf");
-    let meta: Vec<_> = llama_meta().into_iter().filter(|(k, _)| *k != "llama.block_count").collect();
+    let meta: Vec<_> = llama_meta()
+        .into_iter()
+        .filter(|(k, _)| *k != "llama.block_count")
+        .collect();
     std::fs::write(&path, gguf_bytes(&meta, &[])).unwrap();
     match read_model(&path) {
         Err(PlanError::ModelFieldMissing { key, .. }) => assert_eq!(key, "llama.block_count"),
@@ -134,7 +166,10 @@ fn truncated_gguf_is_reported_as_malformed_with_an_offset() {
     std::fs::write(&path, &bytes[..bytes.len() - 5]).unwrap();
     match read_model(&path) {
         Err(PlanError::GgufMalformed { offset, reason, .. }) => {
-            assert!(offset > 0 && reason.contains("ends inside"), "{offset} {reason}")
+            assert!(
+                offset > 0 && reason.contains("ends inside"),
+                "{offset} {reason}"
+            )
         }
         other => panic!("{other:?}"),
     }
@@ -143,9 +178,19 @@ fn truncated_gguf_is_reported_as_malformed_with_an_offset() {
 #[test]
 fn served_smollm2_gguf_has_30_layers_3_kv_heads_head_dim_64() {
     let path = Path::new(SMOLLM2_GGUF);
-    assert!(path.is_file(), "{SMOLLM2_GGUF} missing: see DESIGN.md \"The served model\" to fetch it");
+    assert!(
+        path.is_file(),
+        "{SMOLLM2_GGUF} missing: see DESIGN.md \"The served model\" to fetch it"
+    );
     let info = read_model(path).unwrap();
-    assert_eq!(info.shape, ModelShape { num_layers: 30, num_kv_heads: 3, head_dim: 64 });
+    assert_eq!(
+        info.shape,
+        ModelShape {
+            num_layers: 30,
+            num_kv_heads: 3,
+            head_dim: 64
+        }
+    );
     let params = info.param_count.unwrap();
     // 134.5M parameters (embeddings tied): 30 × 3.54M per layer + 28.3M embedding + norms.
     assert!((134_000_000..135_000_000).contains(&params), "{params}");
@@ -175,11 +220,26 @@ fn hf_directory_reads_config_and_counts_safetensors_params() {
         r#"{"b": {"dtype": "BF16", "shape": [576], "data_offsets": [0, 1]}}"#,
     );
     let info = read_model(&dir.0).unwrap();
-    assert_eq!(info.shape, ModelShape { num_layers: 30, num_kv_heads: 3, head_dim: 64 });
+    assert_eq!(
+        info.shape,
+        ModelShape {
+            num_layers: 30,
+            num_kv_heads: 3,
+            head_dim: 64
+        }
+    );
     assert_eq!(info.param_count, Some(576 * 49152 + 576));
-    assert_eq!(info.format, ModelFormat::HuggingFace { safetensors_files: 2 });
+    assert_eq!(
+        info.format,
+        ModelFormat::HuggingFace {
+            safetensors_files: 2
+        }
+    );
     // The config.json path itself works too.
-    assert_eq!(read_model(&dir.0.join("config.json")).unwrap().shape, info.shape);
+    assert_eq!(
+        read_model(&dir.0.join("config.json")).unwrap().shape,
+        info.shape
+    );
 }
 
 #[test]
@@ -192,23 +252,51 @@ fn hf_text_config_and_explicit_head_dim_are_honoured_without_safetensors() {
     )
     .unwrap();
     let info = read_model(&dir.0).unwrap();
-    assert_eq!(info.shape, ModelShape { num_layers: 62, num_kv_heads: 16, head_dim: 128 });
+    assert_eq!(
+        info.shape,
+        ModelShape {
+            num_layers: 62,
+            num_kv_heads: 16,
+            head_dim: 128
+        }
+    );
     assert_eq!(info.param_count, None);
 }
 
 #[test]
 fn unreadable_or_unrecognised_model_paths_are_typed_errors() {
     let dir = Scratch::new("bad");
-    assert!(matches!(read_model(&dir.0.join("nope.gguf")), Err(PlanError::ModelRead { .. })));
-    assert!(matches!(read_model(&dir.0), Err(PlanError::UnknownModelFormat { .. })), "no config.json");
+    assert!(matches!(
+        read_model(&dir.0.join("nope.gguf")),
+        Err(PlanError::ModelRead { .. })
+    ));
+    assert!(
+        matches!(
+            read_model(&dir.0),
+            Err(PlanError::UnknownModelFormat { .. })
+        ),
+        "no config.json"
+    );
     std::fs::write(dir.0.join("weights.bin"), b"not a model").unwrap();
-    assert!(matches!(read_model(&dir.0.join("weights.bin")), Err(PlanError::UnknownModelFormat { .. })));
+    assert!(matches!(
+        read_model(&dir.0.join("weights.bin")),
+        Err(PlanError::UnknownModelFormat { .. })
+    ));
     std::fs::write(dir.0.join("config.json"), b"{not json").unwrap();
-    assert!(matches!(read_model(&dir.0), Err(PlanError::JsonMalformed { .. })));
-    std::fs::write(dir.0.join("config.json"), br#"{"num_hidden_layers": 0, "num_attention_heads": 4, "hidden_size": 64}"#)
-        .unwrap();
     assert!(matches!(
         read_model(&dir.0),
-        Err(PlanError::InvalidValue { field: "model layer count", .. })
+        Err(PlanError::JsonMalformed { .. })
+    ));
+    std::fs::write(
+        dir.0.join("config.json"),
+        br#"{"num_hidden_layers": 0, "num_attention_heads": 4, "hidden_size": 64}"#,
+    )
+    .unwrap();
+    assert!(matches!(
+        read_model(&dir.0),
+        Err(PlanError::InvalidValue {
+            field: "model layer count",
+            ..
+        })
     ));
 }

@@ -69,7 +69,10 @@ pub fn json(resolved: &Resolved, plan: &Plan) -> String {
             WeightSource::Params { count, .. } => Some(count),
             WeightSource::Gb(_) => resolved.model.as_ref().and_then(|m| m.param_count),
         },
-        model: resolved.model.as_ref().map(|m| m.path.display().to_string()),
+        model: resolved
+            .model
+            .as_ref()
+            .map(|m| m.path.display().to_string()),
         layers: i.shape.num_layers,
         kv_heads: i.shape.num_kv_heads,
         head_dim: i.shape.head_dim,
@@ -91,11 +94,11 @@ pub fn table(resolved: &Resolved, plan: &Plan) -> String {
     let seq = i.seq_len_tokens;
     let mut out = String::new();
     let source = match &resolved.model {
-        Some(m) => format!("{} ({})", m.path.display(), model_kind(&m.format)),
+        Some(m) => format!("{}: {}", m.path.display(), model_kind(&m.format)),
         None => "flags".to_string(),
     };
     out.push_str(&format!(
-        "tandem plan: {} layers × {} KV heads × head dim {}, KV {} (from {source})\n",
+        "tandem plan: {} layers × {} KV heads × head dim {}, KV {}; from {source}\n",
         i.shape.num_layers,
         i.shape.num_kv_heads,
         i.shape.head_dim,
@@ -110,34 +113,86 @@ pub fn table(resolved: &Resolved, plan: &Plan) -> String {
 
     let weights_label = match resolved.weights {
         WeightSource::Gb(gb) => format!("weights (total, --weights-gb {gb})"),
-        WeightSource::Params { count, dtype, from_model } => format!(
+        WeightSource::Params {
+            count,
+            dtype,
+            from_model,
+        } => format!(
             "weights (total, {count} params{} × {})",
             if from_model { " from model" } else { "" },
             dtype.describe()
         ),
     };
     let bytes_rows = [
-        ("KV per token (whole model)".to_string(), plan.kv_bytes_per_token),
-        ("KV per token per GPU".to_string(), c.kv_bytes_per_token_per_gpu),
-        (format!("KV per request per GPU ({seq} tokens)"), c.kv_bytes_per_request_per_gpu),
-        (format!("KV at batch {} × {seq} tokens (whole model)", i.batch), plan.kv_bytes_at_batch),
-        (format!("KV at batch {} per GPU", i.batch), c.kv_bytes_at_batch_per_gpu),
+        (
+            "KV per token (whole model)".to_string(),
+            plan.kv_bytes_per_token,
+        ),
+        (
+            "KV per token per GPU".to_string(),
+            c.kv_bytes_per_token_per_gpu,
+        ),
+        (
+            format!("KV per request per GPU ({seq} tokens)"),
+            c.kv_bytes_per_request_per_gpu,
+        ),
+        (
+            format!("KV at batch {} × {seq} tokens (whole model)", i.batch),
+            plan.kv_bytes_at_batch,
+        ),
+        (
+            format!("KV at batch {} per GPU", i.batch),
+            c.kv_bytes_at_batch_per_gpu,
+        ),
         (weights_label, i.weight_bytes),
-        (format!("weights per GPU (ceil(weights / {}))", i.tp), plan.weight_bytes_per_gpu),
+        (
+            format!("weights per GPU (ceil(weights / {}))", i.tp),
+            plan.weight_bytes_per_gpu,
+        ),
         ("reserve per GPU".to_string(), i.reserve_bytes),
-        ("KV budget per GPU (GPU − weights − reserve)".to_string(), plan.kv_budget_bytes),
+        (
+            "KV budget per GPU (GPU − weights − reserve)".to_string(),
+            plan.kv_budget_bytes,
+        ),
     ];
     let count_rows = [
-        (format!("max batch at {seq} tokens"), plan.max_batch_at_seq_len()),
-        ("max concurrent requests per unit".to_string(), c.max_concurrent_requests),
-        (format!("batches in flight (batch {})", i.batch), c.batches_in_flight),
+        (
+            format!("max batch at {seq} tokens"),
+            plan.max_batch_at_seq_len(),
+        ),
+        (
+            "max concurrent requests per unit".to_string(),
+            c.max_concurrent_requests,
+        ),
+        (
+            format!("batches in flight (batch {})", i.batch),
+            c.batches_in_flight,
+        ),
     ];
-    let label_w = bytes_rows.iter().chain(&count_rows).map(|(l, _)| l.chars().count()).max().unwrap_or(0);
-    let num_w = bytes_rows.iter().chain(&count_rows).map(|(_, v)| v.to_string().len()).max().unwrap_or(0);
+    let label_w = bytes_rows
+        .iter()
+        .chain(&count_rows)
+        .map(|(l, _)| l.chars().count())
+        .max()
+        .unwrap_or(0);
+    let num_w = bytes_rows
+        .iter()
+        .chain(&count_rows)
+        .map(|(_, v)| v.to_string().len())
+        .max()
+        .unwrap_or(0);
     let pad = |l: &str| format!("{l}{}", " ".repeat(label_w - l.chars().count()));
-    out.push_str(&format!("{}  {:>num_w$}  human\n", pad("quantity"), "bytes"));
+    out.push_str(&format!(
+        "{}  {:>num_w$}  human\n",
+        pad("quantity"),
+        "bytes"
+    ));
     for (label, bytes) in &bytes_rows {
-        out.push_str(&format!("{}  {bytes:>num_w$}  {}\n", pad(label), human_bytes(*bytes)));
+        out.push_str(&format!(
+            "{}  {bytes:>num_w$}  {}\n",
+            pad(label),
+            human_bytes(*bytes)
+        ));
     }
     out.push_str(&format!("\n{}  {:>num_w$}\n", pad("quantity"), "count"));
     for (label, count) in &count_rows {
@@ -183,7 +238,11 @@ pub fn mode_line(plan: &Plan) -> String {
              --kv-per-gpu full charges every GPU all {kv} heads ({}/token): {alt}.",
             c.kv_heads_per_gpu,
             human_bytes(c.kv_bytes_per_token_per_gpu),
-            if i.tp as usize > kv { format!(", replicated since TP {} > {kv} heads", i.tp) } else { String::new() },
+            if i.tp as usize > kv {
+                format!(", replicated since TP {} > {kv} heads", i.tp)
+            } else {
+                String::new()
+            },
             human_bytes(a.kv_bytes_per_token_per_gpu),
         ),
         KvPerGpu::Full => format!(
@@ -224,7 +283,7 @@ pub fn notes(plan: &Plan) -> Vec<String> {
         );
     }
     let kv = i.shape.num_kv_heads;
-    if c.mode == KvPerGpu::Split && (i.tp as usize) < kv && kv % i.tp as usize != 0 {
+    if c.mode == KvPerGpu::Split && (i.tp as usize) < kv && !kv.is_multiple_of(i.tp as usize) {
         notes.push(format!(
             "{kv} KV heads do not divide evenly over TP {}: the fullest GPU holds {} and bounds the unit",
             i.tp, c.kv_heads_per_gpu

@@ -69,7 +69,11 @@ pub fn to_bytes(
         Rounding::Up => exact.ceil(),
     };
     if rounded >= MAX_BYTES_F64 {
-        return Err(invalid(field, amount, "is too large (at or above 2^63 bytes)"));
+        return Err(invalid(
+            field,
+            amount,
+            "is too large (at or above 2^63 bytes)",
+        ));
     }
     Ok(rounded as u64)
 }
@@ -116,14 +120,23 @@ pub fn parse_param_count(field: &'static str, text: &str) -> Result<u64, PlanErr
     })?;
     let count = non_negative(field, value)? * scale;
     if count >= MAX_BYTES_F64 {
-        return Err(PlanError::InvalidValue { field, value: text.into(), reason: "is too large" });
+        return Err(PlanError::InvalidValue {
+            field,
+            value: text.into(),
+            reason: "is too large",
+        });
     }
     Ok(count.round() as u64)
 }
 
 /// `bytes` with the largest binary unit that keeps the number at least 1 (`320.00 KiB`).
 pub fn human_bytes(bytes: u64) -> String {
-    let units = [(TIB_BYTES, "TiB"), (GIB_BYTES, "GiB"), (MIB_BYTES, "MiB"), (KIB_BYTES, "KiB")];
+    let units = [
+        (TIB_BYTES, "TiB"),
+        (GIB_BYTES, "GiB"),
+        (MIB_BYTES, "MiB"),
+        (KIB_BYTES, "KiB"),
+    ];
     for (size, name) in units {
         if bytes >= size {
             return format!("{:.2} {name}", bytes as f64 / size as f64);
@@ -133,7 +146,11 @@ pub fn human_bytes(bytes: u64) -> String {
 }
 
 fn invalid(field: &'static str, value: f64, reason: &'static str) -> PlanError {
-    PlanError::InvalidValue { field, value: value.to_string(), reason }
+    PlanError::InvalidValue {
+        field,
+        value: value.to_string(),
+        reason,
+    }
 }
 
 #[cfg(test)]
@@ -142,8 +159,14 @@ mod tests {
 
     #[test]
     fn gb_means_two_to_the_thirty_bytes() {
-        assert_eq!(to_bytes("--gpu-mem-gb", 80.0, GIB_BYTES, Rounding::Down).unwrap(), 80 << 30);
-        assert_eq!(to_bytes("--weights-gb", 0.5, GIB_BYTES, Rounding::Up).unwrap(), 1 << 29);
+        assert_eq!(
+            to_bytes("--gpu-mem-gb", 80.0, GIB_BYTES, Rounding::Down).unwrap(),
+            80 << 30
+        );
+        assert_eq!(
+            to_bytes("--weights-gb", 0.5, GIB_BYTES, Rounding::Up).unwrap(),
+            1 << 29
+        );
     }
 
     #[test]
@@ -162,7 +185,11 @@ mod tests {
             (1e12, "is too large (at or above 2^63 bytes)"),
         ] {
             match to_bytes("--reserve-gb", v, GIB_BYTES, Rounding::Up) {
-                Err(PlanError::InvalidValue { field: "--reserve-gb", reason: r, .. }) => {
+                Err(PlanError::InvalidValue {
+                    field: "--reserve-gb",
+                    reason: r,
+                    ..
+                }) => {
                     assert_eq!(r, reason, "value {v}")
                 }
                 other => panic!("value {v}: {other:?}"),
@@ -197,7 +224,11 @@ mod tests {
         assert_eq!(at_least_one("--tp", 4).unwrap(), 4);
         assert!(matches!(
             at_least_one("--tp", 0),
-            Err(PlanError::InvalidValue { field: "--tp", reason: "must be at least 1", .. })
+            Err(PlanError::InvalidValue {
+                field: "--tp",
+                reason: "must be at least 1",
+                ..
+            })
         ));
     }
 }
