@@ -99,22 +99,54 @@ pub struct PlanArgs {
     #[arg(long, env = "TANDEM_PLAN_MODEL", value_name = "PATH")]
     pub model: Option<PathBuf>,
     /// Transformer layers (without --model)
-    #[arg(long, env = "TANDEM_PLAN_LAYERS", conflicts_with = "model", required_unless_present = "model", value_parser = parse_count)]
+    #[arg(
+        long,
+        env = "TANDEM_PLAN_LAYERS",
+        conflicts_with = "model",
+        required_unless_present = "model",
+        allow_negative_numbers = true,
+        value_parser = parse_count,
+    )]
     pub layers: Option<u64>,
     /// KV heads per layer, after GQA (without --model)
-    #[arg(long, env = "TANDEM_PLAN_KV_HEADS", conflicts_with = "model", required_unless_present = "model", value_parser = parse_count)]
+    #[arg(
+        long,
+        env = "TANDEM_PLAN_KV_HEADS",
+        conflicts_with = "model",
+        required_unless_present = "model",
+        allow_negative_numbers = true,
+        value_parser = parse_count,
+    )]
     pub kv_heads: Option<u64>,
     /// Elements per attention head (without --model)
-    #[arg(long, env = "TANDEM_PLAN_HEAD_DIM", conflicts_with = "model", required_unless_present = "model", value_parser = parse_count)]
+    #[arg(
+        long,
+        env = "TANDEM_PLAN_HEAD_DIM",
+        conflicts_with = "model",
+        required_unless_present = "model",
+        allow_negative_numbers = true,
+        value_parser = parse_count,
+    )]
     pub head_dim: Option<u64>,
     /// KV cache element type (int8 adds one f32 scale per block, layer, K/V and head)
     #[arg(long, env = "TANDEM_PLAN_DTYPE", value_enum, default_value = "bf16")]
     pub dtype: PlanKvDtype,
     /// Tokens per KV block (changes the figures only for int8, whose scales are per block)
-    #[arg(long, env = "TANDEM_PLAN_BLOCK_SIZE", default_value = "16", value_parser = parse_count)]
+    #[arg(
+        long,
+        env = "TANDEM_PLAN_BLOCK_SIZE",
+        default_value = "16",
+        allow_negative_numbers = true,
+        value_parser = parse_count,
+    )]
     pub block_size: u64,
     /// Parameter count (70B, 134.5M, 7e10): weights = params × --weight-dtype bytes
-    #[arg(long, env = "TANDEM_PLAN_PARAMS", conflicts_with = "weights_gb", value_parser = parse_params)]
+    #[arg(
+        long,
+        env = "TANDEM_PLAN_PARAMS",
+        conflicts_with = "weights_gb",
+        value_parser = parse_params,
+    )]
     pub params: Option<u64>,
     /// Bytes per parameter for --params or a --model's counted parameters
     #[arg(
@@ -126,25 +158,63 @@ pub struct PlanArgs {
     )]
     pub weight_dtype: WeightDtype,
     /// Total weights in GB (2^30 bytes), all GPUs together
-    #[arg(long, env = "TANDEM_PLAN_WEIGHTS_GB", allow_negative_numbers = true, value_parser = parse_non_negative)]
+    #[arg(
+        long,
+        env = "TANDEM_PLAN_WEIGHTS_GB",
+        allow_negative_numbers = true,
+        value_parser = parse_non_negative,
+    )]
     pub weights_gb: Option<f64>,
     /// Memory of one GPU in GB (2^30 bytes)
-    #[arg(long, env = "TANDEM_PLAN_GPU_MEM_GB", allow_negative_numbers = true, value_parser = parse_non_negative)]
+    #[arg(
+        long,
+        env = "TANDEM_PLAN_GPU_MEM_GB",
+        allow_negative_numbers = true,
+        value_parser = parse_non_negative,
+    )]
     pub gpu_mem_gb: f64,
     /// Tensor-parallel degree: GPUs per serving unit
-    #[arg(long, env = "TANDEM_PLAN_TP", default_value = "1", allow_negative_numbers = true, value_parser = parse_count)]
+    #[arg(
+        long,
+        env = "TANDEM_PLAN_TP",
+        default_value = "1",
+        allow_negative_numbers = true,
+        value_parser = parse_count,
+    )]
     pub tp: u64,
     /// Memory reserved per GPU for activations and runtime, in GB (2^30 bytes) [default: 0]
-    #[arg(long, env = "TANDEM_PLAN_RESERVE_GB", conflicts_with = "reserve_frac", allow_negative_numbers = true, value_parser = parse_non_negative)]
+    #[arg(
+        long,
+        env = "TANDEM_PLAN_RESERVE_GB",
+        conflicts_with = "reserve_frac",
+        allow_negative_numbers = true,
+        value_parser = parse_non_negative,
+    )]
     pub reserve_gb: Option<f64>,
     /// Memory reserved per GPU as a fraction of --gpu-mem-gb, in [0, 1)
-    #[arg(long, env = "TANDEM_PLAN_RESERVE_FRAC", allow_negative_numbers = true, value_parser = parse_non_negative)]
+    #[arg(
+        long,
+        env = "TANDEM_PLAN_RESERVE_FRAC",
+        allow_negative_numbers = true,
+        value_parser = parse_non_negative,
+    )]
     pub reserve_frac: Option<f64>,
     /// Tokens per request (prompt + output) to plan for
-    #[arg(long, env = "TANDEM_PLAN_SEQ_LEN", allow_negative_numbers = true, value_parser = parse_count)]
+    #[arg(
+        long,
+        env = "TANDEM_PLAN_SEQ_LEN",
+        allow_negative_numbers = true,
+        value_parser = parse_count,
+    )]
     pub seq_len: u64,
     /// Requests per batch (for KV at batch and batches in flight)
-    #[arg(long, env = "TANDEM_PLAN_BATCH", default_value = "1", allow_negative_numbers = true, value_parser = parse_count)]
+    #[arg(
+        long,
+        env = "TANDEM_PLAN_BATCH",
+        default_value = "1",
+        allow_negative_numbers = true,
+        value_parser = parse_count,
+    )]
     pub batch: u64,
     /// How KV heads are charged per GPU under TP: split across GPUs, or all on every GPU (the seed)
     #[arg(
