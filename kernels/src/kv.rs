@@ -1,0 +1,222 @@
+//! Views of a paged KV pool and the cache write.
+//!
+//! Byte layout (defined by `tandem-kv-layout`): layer-major slabs, one per (layer, block):
+//! `[K: kv_heads × block_size × head_dim][V: same][Int8 only: kv_heads K scales, kv_heads V
+//! scales, f32]`, elements little-endian. A head's tokens are contiguous, so a (layer, block,
+//! head, K|V) tile is a dense `block_size × head_dim` matrix.
+//!
+//! Writes convert f32 to the layout dtype: f16/bf16 round to nearest even; Int8 is symmetric
+//! with one scale per (layer, block, K|V, head), `scale = max|x| / 127`, `q = round(x / scale)`
+//! (half away from zero), clamped to ±127. When a token needs a larger scale than its block
+//! has, the block's stored values are requantized to the new scale first
+//! (`q' = round(q * old / new)`). Writing offset 0 starts the block afresh (scale reset), so a
+//! recycled block never inherits a previous owner's scale.
+//!
+//! Cost: `write_kv` is one pass over the new values (plus `block_size × head_dim` per
+//! requantization, which only happens while a block's scale is still growing).
+
+use crate::KernelError;
+use crate::error::check_len;
+use half::{bf16, f16};
+use tandem_kv_layout::{KvDtype, KvLayout};
+
+/// Read-only view of a whole KV pool (all layers); `bytes.len() == layout.pool_bytes(num_blocks)`.
+#[derive(Clone, Copy, Debug)]
+pub struct KvCacheRef<'a> {
+    /// The pool's layout.
+    pub layout: &'a KvLayout,
+    /// Blocks in the pool.
+    pub num_blocks: usize,
+    /// The pool's bytes.
+    pub bytes: &'a [u8],
+}
+
+/// Mutable view of a whole KV pool (all layers).
+#[derive(Debug)]
+pub struct KvCacheMut<'a> {
+    /// The pool's layout.
+    pub layout: &'a KvLayout,
+    /// Blocks in the pool.
+    pub num_blocks: usize,
+    /// The pool's bytes.
+    pub bytes: &'a mut [u8],
+}
+
+impl KvCacheMut<'_> {
+    /// A read-only view of the same pool.
+    pub fn as_ref(&self) -> KvCacheRef<'_> {
+        KvCacheRef { layout: self.layout, num_blocks: self.num_blocks, bytes: self.bytes }
+    }
+}
+
+/// Which half of a slab.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvPart {
+    /// Keys.
+    K,
+    /// Values.
+    V,
+}
+
+impl KvPart {
+    const fn index(self) -> usize {
+        match self {
+            KvPart::K => 0,
+            KvPart::V => 1,
+        }
+    }
+}
+
+/// Byte offset of the `(layer, block, head, part)` tile.
+pub(crate) fn tile_offset(l: &KvLayout, num_blocks: usize, layer: usize, block: usize, head: usize, part: KvPart) -> usize {
+    l.slab_offset(num_blocks, layer, block)
+        + part.index() * l.kv_part_bytes()
+        + head * l.head_tile_elems() * l.dtype.elem_bytes()
+}
+
+/// Byte offset of the Int8 scale of `(layer, block, head, part)`.
+pub(crate) fn scale_offset(l: &KvLayout, num_blocks: usize, layer: usize, block: usize, head: usize, part: KvPart) -> usize {
+    l.slab_offset(num_blocks, layer, block) + 2 * l.kv_part_bytes() + (part.index() * l.num_kv_heads + head) * 4
+}
+
+pub(crate) fn read_f32(b: &[u8], at: usize) -> f32 {
+    f32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+fn write_f32(b: &mut [u8], at: usize, v: f32) {
+    b[at..at + 4].copy_from_slice(&v.to_le_bytes());
+}
+
+/// Checks the pool size and layer index shared by every KV entry point.
+pub(crate) fn check_pool(
+    op: &'static str,
+    layout: &KvLayout,
+    num_blocks: usize,
+    bytes_len: usize,
+    layer: usize,
+) -> Result<(), KernelError> {
+    check_len(op, "pool bytes (layout.pool_bytes(num_blocks))", layout.pool_bytes(num_blocks), bytes_len)?;
+    if layer >= layout.num_layers {
+        return Err(KernelError::LayerOutOfRange { op, layer, num_layers: layout.num_layers });
+    }
+    Ok(())
+}
+
+/// Writes K and V of `T = slots.len()` new tokens into `layer`: `k`, `v` are
+/// `[T × kv_heads × head_dim]` f32; `slots[t] = block_id * block_size + offset_in_block`.
+/// Tokens are written in order (module docs give the dtype conversions and Int8 scaling).
+pub fn write_kv(
+    cache: &mut KvCacheMut<'_>,
+    layer: usize,
+    k: &[f32],
+    v: &[f32],
+    slots: &[usize],
+) -> Result<(), KernelError> {
+    const OP: &str = "write_kv";
+    let l = *cache.layout;
+    check_pool(OP, &l, cache.num_blocks, cache.bytes.len(), layer)?;
+    let row = l.num_kv_heads * l.head_dim;
+    check_len(OP, "k (T * kv_heads * head_dim)", slots.len() * row, k.len())?;
+    check_len(OP, "v (T * kv_heads * head_dim)", slots.len() * row, v.len())?;
+    let num_slots = cache.num_blocks * l.block_size_tokens;
+    if let Some((token, &slot)) = slots.iter().enumerate().find(|&(_, &s)| s >= num_slots) {
+        return Err(KernelError::SlotOutOfRange { op: OP, token, slot, num_slots });
+    }
+    let (hd, bs) = (l.head_dim, l.block_size_tokens);
+    for (t, &slot) in slots.iter().enumerate() {
+        let (block, off) = (slot / bs, slot % bs);
+        for (part, src) in [(KvPart::K, k), (KvPart::V, v)] {
+            for h in 0..l.num_kv_heads {
+                let x = &src[t * row + h * hd..t * row + (h + 1) * hd];
+                let tile = tile_offset(&l, cache.num_blocks, layer, block, h, part);
+                let dst_at = tile + off * hd * l.dtype.elem_bytes();
+                let bytes = &mut *cache.bytes;
+                match l.dtype {
+                    KvDtype::F32 => {
+                        for (d, &xv) in x.iter().enumerate() {
+                            write_f32(bytes, dst_at + 4 * d, xv);
+                        }
+                    }
+                    KvDtype::F16 => {
+                        for (d, &xv) in x.iter().enumerate() {
+                            let b = f16::from_f32(xv).to_bits().to_le_bytes();
+                            bytes[dst_at + 2 * d..dst_at + 2 * d + 2].copy_from_slice(&b);
+                        }
+                    }
+                    KvDtype::Bf16 => {
+                        for (d, &xv) in x.iter().enumerate() {
+                            let b = bf16::from_f32(xv).to_bits().to_le_bytes();
+                            bytes[dst_at + 2 * d..dst_at + 2 * d + 2].copy_from_slice(&b);
+                        }
+                    }
+                    KvDtype::Int8 => {
+                        let s_at = scale_offset(&l, cache.num_blocks, layer, block, h, part);
+                        let old = if off == 0 { 0.0 } else { read_f32(bytes, s_at) };
+                        let need = x.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0;
+                        let scale = if need > old {
+                            if old > 0.0 {
+                                requantize(&mut bytes[tile..tile + bs * hd], old, need);
+                            }
+                            need
+                        } else {
+                            old
+                        };
+                        write_f32(bytes, s_at, scale);
+                        for (d, &xv) in x.iter().enumerate() {
+                            bytes[dst_at + d] = quantize(xv, scale) as u8;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `round(x / scale)` clamped to ±127; 0 when the scale is 0.
+fn quantize(x: f32, scale: f32) -> i8 {
+    if scale > 0.0 { (x / scale).round().clamp(-127.0, 127.0) as i8 } else { 0 }
+}
+
+/// Rescales stored Int8 values from scale `old` to the larger scale `new`.
+fn requantize(tile: &mut [u8], old: f32, new: f32) {
+    for b in tile {
+        *b = quantize((*b as i8) as f32 * old, new) as u8;
+    }
+}
+
+/// Reads token `offset` of block `block`, head `head`, K or V, of `layer` back as f32 into
+/// `out` (len head_dim). Int8 values come back as `q * scale`. Panics on out-of-range indices
+/// or a pool of the wrong size (tests, debugging and transfer checks only).
+pub fn read_kv(
+    cache: &KvCacheRef<'_>,
+    layer: usize,
+    block: usize,
+    offset: usize,
+    head: usize,
+    which: KvPart,
+    out: &mut [f32],
+) {
+    let l = cache.layout;
+    if let Err(e) = check_pool("read_kv", l, cache.num_blocks, cache.bytes.len(), layer) {
+        panic!("{e}");
+    }
+    assert!(block < cache.num_blocks, "read_kv: block {block} >= {}", cache.num_blocks);
+    assert!(offset < l.block_size_tokens, "read_kv: offset {offset} >= {}", l.block_size_tokens);
+    assert!(head < l.num_kv_heads, "read_kv: head {head} >= {}", l.num_kv_heads);
+    crate::error::assert_len("read_kv", "out (head_dim)", l.head_dim, out.len());
+    let at = tile_offset(l, cache.num_blocks, layer, block, head, which) + offset * l.head_dim * l.dtype.elem_bytes();
+    let b = cache.bytes;
+    let scale = match l.dtype {
+        KvDtype::Int8 => read_f32(b, scale_offset(l, cache.num_blocks, layer, block, head, which)),
+        _ => 1.0,
+    };
+    for (d, o) in out.iter_mut().enumerate() {
+        *o = match l.dtype {
+            KvDtype::F32 => read_f32(b, at + 4 * d),
+            KvDtype::F16 => f16::from_bits(u16::from_le_bytes([b[at + 2 * d], b[at + 2 * d + 1]])).to_f32(),
+            KvDtype::Bf16 => bf16::from_bits(u16::from_le_bytes([b[at + 2 * d], b[at + 2 * d + 1]])).to_f32(),
+            KvDtype::Int8 => (b[at + d] as i8) as f32 * scale,
+        };
+    }
+}

@@ -1,0 +1,198 @@
+//! AVX-512 `linear` micro-kernels over panel-packed weights.
+//!
+//! A tile is `MR` input rows × `NV` 16-wide vectors of output features (`NV / 2` panels).
+//! Per `k`: `NV` weight-vector loads (widened from f16/bf16 exactly), `MR` broadcasts of
+//! `x[i][k]`, `MR * NV` FMAs into register accumulators. Each accumulator lane is one output's
+//! chain `fma(x[i][k], w[j][k], acc)` over `k` ascending: the canonical order, for every tile
+//! shape, so `m` and the tile choice never change a result.
+//!
+//! Shapes: `MR <= 2` → 8 vectors (4 panels), `MR <= 4` → 4 vectors, up to `MR = 12` → 2
+//! vectors (24 accumulators of 32 registers). For `m >= CONVERT_MIN_M`, f16/bf16 panels are
+//! first widened into a thread-local f32 buffer, so the convert cost is paid once per panel
+//! rather than once per row block.
+
+use crate::weight::{AlignedBytes, PANEL_ROWS, Weight, WeightDtype};
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+
+pub(crate) const DT_F32: u8 = 0;
+pub(crate) const DT_F16: u8 = 1;
+pub(crate) const DT_BF16: u8 = 2;
+
+/// Panels handled per pass over the rows (their f32 form must sit in L2 with the x stream).
+const GROUP_PANELS: usize = 4;
+/// Largest row block.
+const MR_MAX: usize = 12;
+/// Batch size from which f16/bf16 panels are widened once up front.
+const CONVERT_MIN_M: usize = 8;
+
+pub(crate) const fn dt_of(d: WeightDtype) -> u8 {
+    match d {
+        WeightDtype::F32 => DT_F32,
+        WeightDtype::F16 => DT_F16,
+        WeightDtype::Bf16 => DT_BF16,
+    }
+}
+
+/// 16 elements of dtype `DT` starting at element `elem` of `p`, widened to f32 (exact).
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(crate) unsafe fn load16<const DT: u8>(p: *const u8, elem: usize) -> __m512 {
+    unsafe {
+        match DT {
+            DT_F32 => _mm512_loadu_ps(p.cast::<f32>().add(elem)),
+            DT_F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.cast::<u16>().add(elem).cast())),
+            _ => {
+                let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast::<u16>().add(elem).cast()));
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(h))
+            }
+        }
+    }
+}
+
+/// One register tile; see the module docs. `pw` points at the first of `NV / 2` panels,
+/// `pstride` bytes apart; `j0` is the first output feature of that panel.
+#[target_feature(enable = "avx512f")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile<const DT: u8, const MR: usize, const NV: usize>(
+    x: *const f32,
+    cols: usize,
+    pw: *const u8,
+    pstride: usize,
+    out: *mut f32,
+    rows: usize,
+    j0: usize,
+) {
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); NV]; MR];
+        for k in 0..cols {
+            let mut w = [_mm512_setzero_ps(); NV];
+            for (v, wv) in w.iter_mut().enumerate() {
+                *wv = load16::<DT>(pw.add((v / 2) * pstride), k * PANEL_ROWS + (v % 2) * 16);
+            }
+            for (i, ai) in acc.iter_mut().enumerate() {
+                let xb = _mm512_set1_ps(*x.add(i * cols + k));
+                for v in 0..NV {
+                    ai[v] = _mm512_fmadd_ps(xb, w[v], ai[v]);
+                }
+            }
+        }
+        for (i, ai) in acc.iter().enumerate() {
+            for (v, a) in ai.iter().enumerate() {
+                let j = j0 + v * 16;
+                if j >= rows {
+                    continue;
+                }
+                let dst = out.add(i * rows + j);
+                let n = rows - j;
+                if n >= 16 {
+                    _mm512_storeu_ps(dst, *a);
+                } else {
+                    _mm512_mask_storeu_ps(dst, ((1u32 << n) - 1) as u16, *a);
+                }
+            }
+        }
+    }
+}
+
+macro_rules! dispatch_tile {
+    ($dt:expr, $mr:expr, $nv:expr, $args:expr; $($m:literal => [$($n:literal),*]),* $(,)?) => {{
+        let (x, cols, pw, pstride, out, rows, j0) = $args;
+        match ($mr, $nv) {
+            $($(
+                ($m, $n) => match $dt {
+                    DT_F32 => tile::<DT_F32, $m, $n>(x, cols, pw, pstride, out, rows, j0),
+                    DT_F16 => tile::<DT_F16, $m, $n>(x, cols, pw, pstride, out, rows, j0),
+                    _ => tile::<DT_BF16, $m, $n>(x, cols, pw, pstride, out, rows, j0),
+                },
+            )*)*
+            _ => unreachable!("no tile for mr={} nv={}", $mr, $nv),
+        }
+    }};
+}
+
+/// Vectors per tile for a row block of `mr` rows, given `left` panels remaining.
+fn nv_for(mr: usize, left: usize) -> usize {
+    let max_panels = if mr <= 2 { 4 } else if mr <= 4 { 2 } else { 1 };
+    let p = max_panels.min(left);
+    2 * if p >= 4 { 4 } else if p >= 2 { 2 } else { 1 }
+}
+
+thread_local! {
+    static WIDE: RefCell<AlignedBytes> = RefCell::new(AlignedBytes::zeroed(0));
+}
+
+/// Widens `n` packed panels starting at `src` into f32 panels at `dst` (same layout).
+#[target_feature(enable = "avx512f")]
+unsafe fn widen<const DT: u8>(src: *const u8, elems: usize, dst: *mut f32) {
+    unsafe {
+        for e in (0..elems).step_by(16) {
+            _mm512_storeu_ps(dst.add(e), load16::<DT>(src, e));
+        }
+    }
+}
+
+/// `out[i * rows + j]` for all rows `i < m` and the features of panels `p0..p1`.
+///
+/// # Safety
+/// The CPU supports AVX-512F; `x` holds `m * cols` floats; `out` is valid for writes of
+/// `m * rows` floats and no other thread writes the features of panels `p0..p1`.
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn linear_panels(x: &[f32], m: usize, w: &Weight, out: *mut f32, p0: usize, p1: usize) {
+    let (cols, rows) = (w.cols(), w.rows());
+    let pbytes = w.panel_bytes();
+    let packed = w.packed().as_ptr();
+    let convert = w.dtype() != WeightDtype::F32 && m >= CONVERT_MIN_M;
+    WIDE.with(|wide| {
+        let mut wide = wide.borrow_mut();
+        if convert && wide.as_bytes().len() < GROUP_PANELS * cols * PANEL_ROWS * 4 {
+            *wide = AlignedBytes::zeroed(GROUP_PANELS * cols * PANEL_ROWS * 4);
+        }
+        let mut g0 = p0;
+        while g0 < p1 {
+            let g = GROUP_PANELS.min(p1 - g0);
+            let (base, stride, dt) = if convert {
+                let dst = wide.as_bytes_mut().as_mut_ptr().cast::<f32>();
+                let src = unsafe { packed.add(g0 * pbytes) };
+                let elems = g * cols * PANEL_ROWS;
+                unsafe {
+                    if w.dtype() == WeightDtype::F16 {
+                        widen::<DT_F16>(src, elems, dst)
+                    } else {
+                        widen::<DT_BF16>(src, elems, dst)
+                    }
+                }
+                (dst.cast_const().cast::<u8>(), cols * PANEL_ROWS * 4, DT_F32)
+            } else {
+                (unsafe { packed.add(g0 * pbytes) }, pbytes, dt_of(w.dtype()))
+            };
+            let mut i = 0;
+            while i < m {
+                let mr = MR_MAX.min(m - i);
+                let mut p = 0;
+                while p < g {
+                    let nv = nv_for(mr, g - p);
+                    let args = (
+                        unsafe { x.as_ptr().add(i * cols) },
+                        cols,
+                        unsafe { base.add(p * stride) },
+                        stride,
+                        unsafe { out.add(i * rows) },
+                        rows,
+                        (g0 + p) * PANEL_ROWS,
+                    );
+                    unsafe {
+                        dispatch_tile!(dt, mr, nv, args;
+                            1 => [2, 4, 8], 2 => [2, 4, 8], 3 => [2, 4], 4 => [2, 4],
+                            5 => [2], 6 => [2], 7 => [2], 8 => [2], 9 => [2], 10 => [2],
+                            11 => [2], 12 => [2]);
+                    }
+                    p += nv / 2;
+                }
+                i += mr;
+            }
+            g0 += g;
+        }
+    });
+}
