@@ -1,0 +1,169 @@
+//! Loading a [`Tokenizer`] from GGUF metadata (`tokenizer.ggml.*`), as llama.cpp writes it.
+//!
+//! Keys read: `model` (must be `gpt2`, i.e. byte-level BPE), `pre` (pre-tokenizer name),
+//! `tokens` (vocabulary strings in byte-level form), `token_type` (3 = control and 4 =
+//! user-defined tokens are matched literally in text), `merges` (`"left right"` in rank order),
+//! `eos_token_id`, `bos_token_id` and `tokenizer.chat_template`. `add_bos_token` and
+//! `add_space_prefix` are not read: `encode` never adds a BOS, and llama.cpp applies the space
+//! prefix only to SentencePiece vocabularies. Cost: one pass over the ~49k tokens and merges.
+
+use candle_core::quantized::gguf_file::{Content, Value};
+
+use super::added::AddedToken;
+use super::error::{BadMergeReason, TokenizerError};
+use super::pretokenize::PreTokenizer;
+use super::{Tokenizer, TokenizerSpec, parse_merge};
+
+const KEY_MODEL: &str = "tokenizer.ggml.model";
+const KEY_PRE: &str = "tokenizer.ggml.pre";
+const KEY_TOKENS: &str = "tokenizer.ggml.tokens";
+const KEY_TOKEN_TYPE: &str = "tokenizer.ggml.token_type";
+const KEY_MERGES: &str = "tokenizer.ggml.merges";
+const KEY_EOS: &str = "tokenizer.ggml.eos_token_id";
+const KEY_BOS: &str = "tokenizer.ggml.bos_token_id";
+const KEY_CHAT_TEMPLATE: &str = "tokenizer.chat_template";
+
+/// llama.cpp's `LLAMA_TOKEN_TYPE_CONTROL`.
+const TOKEN_TYPE_CONTROL: i64 = 3;
+/// llama.cpp's `LLAMA_TOKEN_TYPE_USER_DEFINED`.
+const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+
+fn get<'a>(content: &'a Content, key: &'static str) -> Result<&'a Value, TokenizerError> {
+    content
+        .metadata
+        .get(key)
+        .ok_or(TokenizerError::MissingMetadata { key })
+}
+
+fn string<'a>(value: &'a Value, key: &'static str) -> Result<&'a str, TokenizerError> {
+    match value {
+        Value::String(s) => Ok(s),
+        _ => Err(TokenizerError::BadMetadata {
+            key,
+            expected: "a string",
+        }),
+    }
+}
+
+fn integer(value: &Value, key: &'static str) -> Result<i64, TokenizerError> {
+    let bad = || TokenizerError::BadMetadata {
+        key,
+        expected: "an integer",
+    };
+    Ok(match *value {
+        Value::U8(v) => v.into(),
+        Value::I8(v) => v.into(),
+        Value::U16(v) => v.into(),
+        Value::I16(v) => v.into(),
+        Value::U32(v) => v.into(),
+        Value::I32(v) => v.into(),
+        Value::U64(v) => i64::try_from(v).map_err(|_| bad())?,
+        Value::I64(v) => v,
+        _ => return Err(bad()),
+    })
+}
+
+fn token_id(value: &Value, key: &'static str) -> Result<u32, TokenizerError> {
+    u32::try_from(integer(value, key)?).map_err(|_| TokenizerError::BadMetadata {
+        key,
+        expected: "a token id",
+    })
+}
+
+fn array<'a>(content: &'a Content, key: &'static str) -> Result<&'a [Value], TokenizerError> {
+    match get(content, key)? {
+        Value::Array(items) => Ok(items),
+        _ => Err(TokenizerError::BadMetadata {
+            key,
+            expected: "an array",
+        }),
+    }
+}
+
+/// The pre-tokenizer llama.cpp uses for a `tokenizer.ggml.pre` name (absent: GPT-2's), and
+/// whether that vocabulary ignores merges for whole-token pieces.
+fn pre_tokenizer(name: Option<&str>) -> Result<(PreTokenizer, bool), TokenizerError> {
+    match name {
+        Some("smollm" | "starcoder") => Ok((PreTokenizer::smollm(), false)),
+        None | Some("gpt-2" | "gpt2") => Ok((PreTokenizer::gpt2(), false)),
+        Some("llama-bpe" | "llama3") => Ok((PreTokenizer::llama3(), true)),
+        Some(other) => Err(TokenizerError::UnknownPreTokenizer(other.to_owned())),
+    }
+}
+
+impl Tokenizer {
+    /// Load the tokenizer embedded in a GGUF file's metadata.
+    ///
+    /// # Errors
+    /// A missing or malformed `tokenizer.ggml.*` key, a model other than `gpt2`, an unknown
+    /// pre-tokenizer name, a merge naming unknown tokens, or a missing byte token.
+    pub fn from_gguf(content: &Content) -> Result<Tokenizer, TokenizerError> {
+        let model = string(get(content, KEY_MODEL)?, KEY_MODEL)?;
+        if model != "gpt2" {
+            return Err(TokenizerError::UnknownModel(model.to_owned()));
+        }
+        let pre_name = match content.metadata.get(KEY_PRE) {
+            Some(v) => Some(string(v, KEY_PRE)?),
+            None => None,
+        };
+        let (pre, ignore_merges) = pre_tokenizer(pre_name)?;
+        let tokens = array(content, KEY_TOKENS)?
+            .iter()
+            .map(|v| string(v, KEY_TOKENS).map(|s| Some(s.to_owned())))
+            .collect::<Result<Vec<_>, _>>()?;
+        let types = match content.metadata.get(KEY_TOKEN_TYPE) {
+            Some(_) => array(content, KEY_TOKEN_TYPE)?,
+            None => &[],
+        };
+        if !types.is_empty() && types.len() != tokens.len() {
+            return Err(TokenizerError::BadMetadata {
+                key: KEY_TOKEN_TYPE,
+                expected: "one entry per token",
+            });
+        }
+        let mut added = Vec::new();
+        for (id, ty) in types.iter().enumerate() {
+            let ty = integer(ty, KEY_TOKEN_TYPE)?;
+            if ty == TOKEN_TYPE_CONTROL || ty == TOKEN_TYPE_USER_DEFINED {
+                let content = tokens[id].clone().unwrap_or_default();
+                added.push(AddedToken {
+                    content,
+                    id: id as u32,
+                    lstrip: false,
+                    rstrip: false,
+                });
+            }
+        }
+        let merges = array(content, KEY_MERGES)?
+            .iter()
+            .enumerate()
+            .map(|(index, v)| {
+                let rule = string(v, KEY_MERGES)?;
+                parse_merge(rule).ok_or_else(|| TokenizerError::BadMerge {
+                    index,
+                    merge: rule.to_owned(),
+                    reason: BadMergeReason::NotAPair,
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let eos = token_id(get(content, KEY_EOS)?, KEY_EOS)?;
+        let bos = match content.metadata.get(KEY_BOS) {
+            Some(v) => Some(token_id(v, KEY_BOS)?),
+            None => None,
+        };
+        let chat_template = match content.metadata.get(KEY_CHAT_TEMPLATE) {
+            Some(v) => Some(string(v, KEY_CHAT_TEMPLATE)?),
+            None => None,
+        };
+        Tokenizer::from_spec(TokenizerSpec {
+            tokens,
+            added,
+            merges,
+            pre,
+            ignore_merges,
+            eos,
+            bos,
+            chat_template,
+        })
+    }
+}
