@@ -167,3 +167,97 @@ impl Tokenizer {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use candle_core::quantized::gguf_file::VersionedMagic;
+
+    use super::super::byte_level::byte_to_char;
+    use super::*;
+
+    /// GGUF metadata for a 256-byte vocabulary plus `<|im_end|>` (control) and one merge.
+    fn metadata() -> HashMap<String, Value> {
+        let mut tokens: Vec<Value> = (0..=255u8)
+            .map(|b| Value::String(byte_to_char(b).to_string()))
+            .collect();
+        tokens.push(Value::String("<|im_end|>".into()));
+        tokens.push(Value::String("hi".into()));
+        let mut types = vec![Value::I32(1); 258];
+        types[256] = Value::I32(3);
+        HashMap::from([
+            (KEY_MODEL.to_owned(), Value::String("gpt2".into())),
+            (KEY_PRE.to_owned(), Value::String("smollm".into())),
+            (KEY_TOKENS.to_owned(), Value::Array(tokens)),
+            (KEY_TOKEN_TYPE.to_owned(), Value::Array(types)),
+            (
+                KEY_MERGES.to_owned(),
+                Value::Array(vec![Value::String("h i".into())]),
+            ),
+            (KEY_EOS.to_owned(), Value::U32(256)),
+        ])
+    }
+
+    fn load(metadata: HashMap<String, Value>) -> Result<Tokenizer, TokenizerError> {
+        let content = Content {
+            magic: VersionedMagic::GgufV3,
+            metadata,
+            tensor_infos: HashMap::new(),
+            tensor_data_offset: 0,
+        };
+        Tokenizer::from_gguf(&content)
+    }
+
+    #[test]
+    fn minimal_gguf_vocabulary_loads() {
+        let t = load(metadata()).unwrap();
+        assert_eq!(t.encode("hi<|im_end|>"), [257, 256]);
+        assert_eq!(t.eos_token_id(), 256);
+        assert_eq!(t.bos_token_id(), None);
+    }
+
+    #[test]
+    fn non_bpe_model_is_rejected() {
+        let mut md = metadata();
+        md.insert(KEY_MODEL.into(), Value::String("llama".into()));
+        assert!(matches!(load(md), Err(TokenizerError::UnknownModel(m)) if m == "llama"));
+    }
+
+    #[test]
+    fn unknown_pre_tokenizer_is_rejected() {
+        let mut md = metadata();
+        md.insert(KEY_PRE.into(), Value::String("qwen2".into()));
+        assert!(matches!(load(md), Err(TokenizerError::UnknownPreTokenizer(p)) if p == "qwen2"));
+    }
+
+    #[test]
+    fn missing_and_mistyped_keys_are_named() {
+        let mut md = metadata();
+        md.remove(KEY_TOKENS);
+        assert!(matches!(
+            load(md),
+            Err(TokenizerError::MissingMetadata { key: KEY_TOKENS })
+        ));
+        let mut md = metadata();
+        md.insert(KEY_EOS.into(), Value::String("2".into()));
+        assert!(matches!(
+            load(md),
+            Err(TokenizerError::BadMetadata { key: KEY_EOS, .. })
+        ));
+        let mut md = metadata();
+        md.insert(
+            KEY_MERGES.into(),
+            Value::Array(vec![Value::String("hi".into())]),
+        );
+        let err = load(md);
+        assert!(matches!(
+            err,
+            Err(TokenizerError::BadMerge {
+                index: 0,
+                reason: BadMergeReason::NotAPair,
+                ..
+            })
+        ));
+    }
+}

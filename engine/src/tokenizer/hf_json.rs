@@ -292,3 +292,127 @@ impl Tokenizer {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::super::byte_level::byte_to_char;
+    use super::*;
+
+    /// A GPT-2-style tokenizer.json: 256 byte tokens, "Ġt" and "Ġth" merges (old and new merge
+    /// syntax), one added token; `pre_tokenizer` and `normalizer` as given.
+    fn tokenizer_json(pre_tokenizer: Value, normalizer: Value) -> Value {
+        let mut vocab: serde_json::Map<String, Value> = (0..=255u8)
+            .map(|b| (byte_to_char(b).to_string(), json!(b)))
+            .collect();
+        vocab.insert("Ġt".into(), json!(256));
+        vocab.insert("Ġth".into(), json!(257));
+        json!({
+            "added_tokens": [{"id": 300, "content": "<|eot|>", "lstrip": false, "rstrip": false,
+                              "single_word": false, "normalized": false, "special": true}],
+            "normalizer": normalizer,
+            "pre_tokenizer": pre_tokenizer,
+            "model": {"type": "BPE", "vocab": vocab, "merges": ["Ġ t", ["Ġt", "h"]],
+                      "ignore_merges": false, "byte_fallback": false},
+        })
+    }
+
+    /// Write `files` into a fresh temp dir and load its tokenizer.json.
+    fn load(name: &str, files: &[(&str, &Value)]) -> Result<Tokenizer, TokenizerError> {
+        let dir =
+            std::env::temp_dir().join(format!("tandem-hf-json-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for (file, value) in files {
+            std::fs::write(dir.join(file), value.to_string()).unwrap();
+        }
+        let result = Tokenizer::from_hf_json(&dir.join("tokenizer.json"));
+        std::fs::remove_dir_all(&dir).unwrap();
+        result
+    }
+
+    fn byte_level() -> Value {
+        json!({"type": "ByteLevel", "add_prefix_space": false, "use_regex": true})
+    }
+
+    #[test]
+    fn gpt2_style_json_loads_with_config_tokens_and_template() {
+        let config = json!({"eos_token": {"content": "<|eot|>"}, "bos_token": "!",
+                            "chat_template": "{{ '<|im_start|>' + m }}"});
+        let json = tokenizer_json(byte_level(), Value::Null);
+        let t = load(
+            "config",
+            &[
+                ("tokenizer.json", &json),
+                ("tokenizer_config.json", &config),
+            ],
+        )
+        .unwrap();
+        assert_eq!(t.vocab_size(), 301);
+        assert_eq!(t.eos_token_id(), 300);
+        assert_eq!(t.bos_token_id(), Some(33), "`!` is byte 0x21");
+        assert_eq!(t.encode("a the<|eot|>"), [97, 257, 101, 300]);
+        assert_eq!(t.token_bytes(299), None, "ids 258..300 are holes");
+        assert!(t.apply_chat_template(&[], true).is_ok());
+    }
+
+    #[test]
+    fn eos_falls_back_to_a_known_end_token_without_config() {
+        let mut json = tokenizer_json(byte_level(), Value::Null);
+        json["added_tokens"][0]["content"] = json!("<|endoftext|>");
+        let t = load("fallback", &[("tokenizer.json", &json)]).unwrap();
+        assert_eq!(t.eos_token_id(), 300);
+        assert_eq!(t.bos_token_id(), None);
+    }
+
+    #[test]
+    fn sequence_with_digits_and_split_is_understood() {
+        let pre = json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Digits", "individual_digits": true},
+            {"type": "Split", "pattern": {"String": "-"}, "behavior": "Isolated", "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "use_regex": false}]});
+        let mut json = tokenizer_json(pre, Value::Null);
+        json["added_tokens"][0]["content"] = json!("<|im_end|>");
+        let t = load("sequence", &[("tokenizer.json", &json)]).unwrap();
+        // Without the ByteLevel regex " th" is not split from "a", but digits and "-" are.
+        assert_eq!(t.encode("a th12-"), [97, 257, 49, 50, 45]);
+    }
+
+    #[test]
+    fn unsupported_settings_are_rejected_not_approximated() {
+        let nfc = json!({"type": "NFC"});
+        let err = load(
+            "nfc",
+            &[("tokenizer.json", &tokenizer_json(byte_level(), nfc))],
+        );
+        assert!(matches!(
+            err,
+            Err(TokenizerError::UnsupportedConfig {
+                field: "normalizer",
+                ..
+            })
+        ));
+
+        let metaspace = json!({"type": "Metaspace", "replacement": "▁"});
+        let err = load(
+            "metaspace",
+            &[("tokenizer.json", &tokenizer_json(metaspace, Value::Null))],
+        );
+        assert!(matches!(err, Err(TokenizerError::UnsupportedConfig { .. })));
+
+        let mut wordpiece = tokenizer_json(byte_level(), Value::Null);
+        wordpiece["model"]["type"] = json!("WordPiece");
+        let err = load("wordpiece", &[("tokenizer.json", &wordpiece)]);
+        assert!(matches!(err, Err(TokenizerError::UnknownModel(m)) if m == "WordPiece"));
+    }
+
+    #[test]
+    fn missing_file_is_an_io_error_naming_the_path() {
+        let path = Path::new("/nonexistent/tokenizer.json");
+        let err = Tokenizer::from_hf_json(path).unwrap_err();
+        assert!(
+            matches!(&err, TokenizerError::Io { path: p, .. } if p == path),
+            "{err}"
+        );
+    }
+}
