@@ -1,1 +1,3 @@
 //! tandem inference engine (being built).
+
+pub mod tokenizer;
