@@ -1,3 +1,59 @@
-//! Moves paged KV blocks between tandem nodes (UCX, TCP, in-process)
+//! Moves paged KV blocks between tandem nodes: UCX (the real data path), TCP (hosts without UCX)
+//! and in-process (tests), behind one small trait, failing closed.
 //!
-//! Not built yet: see README.md in this folder for what this crate will own.
+//! A prefill node pushes the (layer, block) slabs of a request's blocks into blocks a decode
+//! node reserved, layer by layer as prefill finishes them; the decode node learns when every
+//! layer of every block has arrived *and verified*. The engine owns what a block id means; this
+//! crate only moves the bytes of the ids it is handed, in the layout of `tandem-kv-layout`.
+//!
+//! # Module map
+//! - [`transport`]: the [`KvTransport`] seam, [`PushRequest`], [`OutboundTransfer`], [`PoolRegistration`].
+//! - [`inbound`]: the receiver's [`InboundRegistry`] of reservations and its fail-closed checks.
+//! - [`pool`]: [`KvPool`] memory, block runs, slab checksums (xxh3).
+//! - [`wire`]: rkyv descriptors and framing (checked access on everything received).
+//! - [`tcp`]: [`TcpKvTransport`] (tokio) and the stream protocol UCX reuses for control.
+//! - `ucx` (feature `ucx`, default): [`UcxKvTransport`] over our `tandem-ucx-sys` bindings.
+//! - [`inproc`]: [`InProcKvTransport`].
+//! - [`fault`]: fault injection (feature `fault-injection`, never on by default).
+//! - [`metrics`]: atomic counters, a latency histogram and leak gauges.
+//! - [`bench`]: `tandem bench-transfer`; [`peer`]: the two-process peer protocol.
+//!
+//! # Fail-closed guarantees
+//! - A layout-fingerprint mismatch is refused at connection setup and again per transfer, before
+//!   any byte is written.
+//! - A write for an unknown, expired or reused (stale-epoch) reservation is refused before any
+//!   byte is written.
+//! - A block is ready only when every layer's xxh3 matched the sender's; one bad slab fails the
+//!   reservation.
+//! - Every failure is a typed [`TransferError`] with [`TransferError::retry_safe`].
+
+//BENCH pub mod bench;
+pub mod config;
+pub mod error;
+pub mod fault;
+pub mod inbound;
+pub mod inproc;
+pub mod metrics;
+pub mod pattern;
+//PEER pub mod peer;
+pub mod pool;
+pub mod tcp;
+pub mod transport;
+#[cfg(feature = "ucx")]
+pub mod ucx;
+pub mod wire;
+
+pub use config::TransferConfig;
+pub use error::{FailureKind, Phase, Side, TransferError};
+#[cfg(feature = "fault-injection")]
+pub use fault::Fault;
+pub use inbound::{InboundRegistry, InboundReport, InboundTransfer, Reservation};
+pub use inproc::{InProcKvTransport, InProcNetwork};
+pub use metrics::{Live, MetricsSnapshot, TransferMetrics};
+pub use pool::{BlockId, KvPool};
+pub use tcp::TcpKvTransport;
+pub use transport::{
+    KvTransport, OutboundTransfer, PoolRegistration, PushRequest, TransferCapabilities, TransferReport,
+};
+#[cfg(feature = "ucx")]
+pub use ucx::{UcxConfig, UcxDataMode, UcxKvTransport};

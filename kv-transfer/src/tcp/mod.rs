@@ -1,0 +1,129 @@
+//! TCP transport (tokio), and the stream protocol the UCX transport reuses for its control path.
+//!
+//! ```text
+//!  sender process                                         receiver process
+//!  push() ─▶ transfer task ──cmds──▶ writer task ══TCP══▶ connection task ─▶ InboundRegistry
+//!               ▲  (checksums,          (writev: frame +    (frames; inline payload read
+//!               │   chunk plan)          slab slices)        straight into dst slabs; verify)
+//!               └──events── reader task ◀═════════════════ writer task (BeginReply/Done/Abort)
+//! ```
+//!
+//! One connection per (peer, layout) is opened on first use and shared by every push to that
+//! peer; transfers interleave on it at chunk granularity. With UCX, the same connection carries
+//! only control frames and block bytes go over UCX (one-sided puts, or tagged sends over tcp).
+//!
+//! # Costs (TCP data path)
+//! Sender: one xxh3 pass over each source slab, then `writev` of the frame and the slab ranges
+//! straight from the pool (the kernel's copy is the only one; no per-block allocation).
+//! Receiver: `read` straight into the destination slabs, then one xxh3 pass per slab.
+
+mod client;
+mod server;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::TransferConfig;
+use crate::error::TransferError;
+use crate::inbound::InboundRegistry;
+use crate::metrics::TransferMetrics;
+use crate::pool::KvPool;
+use crate::transport::{KvTransport, OutboundTransfer, PoolRegistration, PushRequest, TransferCapabilities};
+
+pub(crate) use client::ClientConn;
+
+/// State shared by a network transport's senders and servers.
+pub(crate) struct NetShared {
+    pub config: TransferConfig,
+    pub metrics: Arc<TransferMetrics>,
+    pub conns: tokio::sync::Mutex<HashMap<(String, u64), Arc<ClientConn>>>,
+    #[cfg(feature = "ucx")]
+    pub ucx: Option<crate::ucx::UcxNet>,
+}
+
+impl NetShared {
+    pub fn new(config: TransferConfig) -> Result<Self, TransferError> {
+        config.validate()?;
+        Ok(Self {
+            config,
+            metrics: TransferMetrics::new(),
+            conns: tokio::sync::Mutex::new(HashMap::new()),
+            #[cfg(feature = "ucx")]
+            ucx: None,
+        })
+    }
+
+    /// Starts a push on a network transport.
+    pub fn push(
+        self: &Arc<Self>,
+        src: &PoolRegistration,
+        req: PushRequest,
+        cancel: CancellationToken,
+    ) -> Result<OutboundTransfer, TransferError> {
+        crate::pool::check_block_lists(&req.src_blocks, src.pool().num_blocks(), &req.dst_blocks, u32::MAX as usize)?;
+        let layers = src.pool().layout().num_layers as u32;
+        let (handle, driver) = crate::transport::push_pair(req, layers, &cancel, &self.metrics);
+        tokio::spawn(client::run_push(Arc::clone(self), src.clone(), driver));
+        Ok(handle)
+    }
+
+    /// Serves a bound listener until `shutdown`.
+    pub async fn serve(
+        self: &Arc<Self>,
+        listener: TcpListener,
+        registry: InboundRegistry,
+        shutdown: CancellationToken,
+    ) -> Result<(), TransferError> {
+        server::serve(Arc::clone(self), listener, registry, shutdown).await
+    }
+}
+
+/// Moves KV blocks over plain TCP (tokio). See the module docs.
+pub struct TcpKvTransport {
+    shared: Arc<NetShared>,
+}
+
+impl TcpKvTransport {
+    /// A TCP transport with `config` (validated here).
+    pub fn new(config: TransferConfig) -> Result<Self, TransferError> {
+        Ok(Self { shared: Arc::new(NetShared::new(config)?) })
+    }
+
+    /// This transport's counters.
+    pub fn metrics(&self) -> &Arc<TransferMetrics> {
+        &self.shared.metrics
+    }
+
+    /// Receives pushes into `registry`'s reservations on `listener` until `shutdown` fires.
+    /// Bind the listener first (port 0 in tests) and pass it in.
+    pub async fn serve(
+        &self,
+        listener: TcpListener,
+        registry: InboundRegistry,
+        shutdown: CancellationToken,
+    ) -> Result<(), TransferError> {
+        self.shared.serve(listener, registry, shutdown).await
+    }
+}
+
+impl KvTransport for TcpKvTransport {
+    fn capabilities(&self) -> TransferCapabilities {
+        TransferCapabilities { name: "tcp", one_sided_writes: false, cross_process: true, layer_streaming: true }
+    }
+
+    fn register(&self, pool: Arc<KvPool>) -> Result<PoolRegistration, TransferError> {
+        Ok(PoolRegistration::plain(pool, &self.shared.metrics, "tcp"))
+    }
+
+    fn push(
+        &self,
+        src: &PoolRegistration,
+        req: PushRequest,
+        cancel: CancellationToken,
+    ) -> Result<OutboundTransfer, TransferError> {
+        self.shared.push(src, req, cancel)
+    }
+}

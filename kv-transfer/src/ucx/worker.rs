@@ -1,0 +1,403 @@
+//! The UCX progress thread: one per transport, owning the context, the worker and every UCX
+//! object, driven by commands over a bounded channel.
+//!
+//! ```text
+//!  tokio tasks ──Cmd (bounded sync channel) + ucp_worker_signal──▶ progress thread
+//!       ▲                                                          │ ucp_*_nbx, ucp_worker_progress
+//!       └──────────── oneshot replies (batch done / failed) ◀──────┘ request polling
+//! ```
+//!
+//! UCX's worker is not thread-safe in the mode we create it (`UCS_THREAD_MODE_SINGLE`), so no
+//! other thread ever calls into it except `ucp_worker_signal` (thread-safe by contract). The loop
+//! spins on `ucp_worker_progress` while there is work and for a short grace period after, then
+//! arms the worker and sleeps in `ucp_worker_wait` until UCX or a command wakes it.
+//!
+//! A batch (the puts of one chunk plus a flush, the tagged sends of one chunk, the receives of
+//! one chunk) replies once, after every request in it has completed: an error in one request
+//! still waits for the others, so "replied" always means "UCX no longer touches these buffers".
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, sync_channel};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+
+use super::ucp::{Context, Endpoint, MemHandle, Request, Started, Status, WakeHandle, Worker};
+use super::{PutOp, TagOp};
+use crate::error::{Phase, TransferError};
+use crate::metrics::LiveGuard;
+use crate::pool::KvPool;
+
+/// Idle progress rounds before the thread arms the worker and sleeps.
+const SPIN_ROUNDS: u32 = 2000;
+
+/// Something kept alive until a batch completes (the memory its requests point into).
+pub(crate) type Keep = Box<dyn Any + Send>;
+
+type Reply<T> = oneshot::Sender<Result<T, TransferError>>;
+
+pub(crate) enum Cmd {
+    Map { pool: Arc<KvPool>, reply: std::sync::mpsc::Sender<Result<(u64, Vec<u8>), TransferError>> },
+    Unmap { mem: u64, guard: Option<LiveGuard> },
+    Connect { address: Vec<u8>, rkey: Vec<u8>, reply: Reply<(u64, String)> },
+    Close { ep: u64 },
+    Put { ep: u64, ops: Vec<PutOp>, keep: Keep, reply: Reply<()> },
+    TagSend { ep: u64, ops: Vec<TagOp>, keep: Keep, reply: Reply<()> },
+    TagRecv { ops: Vec<TagOp>, keep: Keep, reply: Reply<()> },
+    CancelRecvs { tag: u64, mask: u64 },
+    Shutdown,
+}
+
+struct RtInner {
+    tx: SyncSender<Cmd>,
+    wake: Arc<WakeHandle>,
+    worker_address: Vec<u8>,
+    thread: std::sync::Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Drop for RtInner {
+    fn drop(&mut self) {
+        let _ = self.tx.send(Cmd::Shutdown);
+        self.wake.signal();
+        if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Handle to a progress thread. Cheap to clone; the thread stops when the last clone drops.
+#[derive(Clone)]
+pub(crate) struct UcxRuntime {
+    inner: Arc<RtInner>,
+}
+
+impl UcxRuntime {
+    /// Starts the thread, creating the context (with `tls` overriding `UCX_TLS`) and worker on it.
+    pub fn start(tls: Option<String>) -> Result<Self, TransferError> {
+        let (tx, rx) = sync_channel::<Cmd>(256);
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("tandem-ucx-progress".into())
+            .spawn(move || {
+                let setup = (|| {
+                    let ctx = Context::new(tls.as_deref())?;
+                    let worker = Worker::new(&ctx)?;
+                    let address = worker.address()?;
+                    Ok::<_, TransferError>((ctx, worker, address))
+                })();
+                match setup {
+                    Ok((ctx, worker, address)) => {
+                        let _ = ready_tx.send(Ok((worker.wake_handle(), address)));
+                        Progress::new(ctx, worker).run(rx);
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                    }
+                }
+            })
+            .map_err(|source| TransferError::Io { op: "spawn UCX progress thread", source })?;
+        let (wake, worker_address) = ready_rx.recv().map_err(|_| TransferError::Shutdown)??;
+        Ok(Self {
+            inner: Arc::new(RtInner { tx, wake, worker_address, thread: std::sync::Mutex::new(Some(thread)) }),
+        })
+    }
+
+    /// This worker's address.
+    pub fn worker_address(&self) -> &[u8] {
+        &self.inner.worker_address
+    }
+
+    /// Sends a command and wakes the thread.
+    pub fn send(&self, cmd: Cmd) -> Result<(), TransferError> {
+        self.inner.tx.send(cmd).map_err(|_| TransferError::Shutdown)?;
+        self.inner.wake.signal();
+        Ok(())
+    }
+
+    /// Sends a command carrying a oneshot reply and returns the receiver (already failed if the
+    /// thread is gone).
+    pub fn request<T>(&self, make: impl FnOnce(Reply<T>) -> Cmd) -> oneshot::Receiver<Result<T, TransferError>> {
+        let (tx, rx) = oneshot::channel();
+        if let Err(e) = self.send(make(tx)) {
+            let (tx, rx) = oneshot::channel();
+            let _ = tx.send(Err(e));
+            return rx;
+        }
+        rx
+    }
+}
+
+struct Pending {
+    req: Request,
+    tag: u64,
+}
+
+enum Next {
+    /// Reply when the requests complete.
+    Reply,
+    /// Then flush this endpoint, then reply.
+    Flush(u64),
+}
+
+struct Batch {
+    pending: Vec<Pending>,
+    next: Next,
+    error: Option<TransferError>,
+    _keep: Keep,
+    reply: Option<Reply<()>>,
+}
+
+struct Progress {
+    mems: HashMap<u64, (MemHandle, Arc<KvPool>)>,
+    eps: HashMap<u64, Endpoint>,
+    next_id: u64,
+    batches: Vec<Batch>,
+    closing: Vec<Request>,
+    worker: Rc<Worker>,
+    ctx: Rc<Context>,
+}
+
+fn request_error(s: Status, op: &'static str) -> TransferError {
+    if s.is_peer_failure() {
+        TransferError::PeerGone { peer: "ucx".into(), phase: Phase::Data, reason: std::io::ErrorKind::ConnectionReset }
+    } else {
+        s.error(op)
+    }
+}
+
+impl Progress {
+    fn new(ctx: Rc<Context>, worker: Rc<Worker>) -> Self {
+        Self { mems: HashMap::new(), eps: HashMap::new(), next_id: 1, batches: Vec::new(), closing: Vec::new(), worker, ctx }
+    }
+
+    fn run(mut self, rx: Receiver<Cmd>) {
+        let mut idle = 0u32;
+        'outer: loop {
+            loop {
+                match rx.try_recv() {
+                    Ok(Cmd::Shutdown) | Err(TryRecvError::Disconnected) => break 'outer,
+                    Ok(cmd) => {
+                        self.handle(cmd);
+                        idle = 0;
+                    }
+                    Err(TryRecvError::Empty) => break,
+                }
+            }
+            let progressed = self.worker.progress();
+            self.poll();
+            if progressed {
+                idle = 0;
+                continue;
+            }
+            idle += 1;
+            if idle < SPIN_ROUNDS {
+                continue;
+            }
+            match self.worker.arm() {
+                Ok(true) => match rx.try_recv() {
+                    Ok(Cmd::Shutdown) | Err(TryRecvError::Disconnected) => break 'outer,
+                    Ok(cmd) => self.handle(cmd),
+                    Err(TryRecvError::Empty) => {
+                        if let Err(e) = self.worker.wait() {
+                            tracing::warn!(error = %e, "ucp_worker_wait failed; polling");
+                            std::thread::sleep(Duration::from_micros(100));
+                        }
+                    }
+                },
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "ucp_worker_arm failed; polling");
+                    std::thread::sleep(Duration::from_micros(100));
+                }
+            }
+            idle = 0;
+        }
+        self.shutdown();
+    }
+
+    fn handle(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Map { pool, reply } => {
+                let r = (|| {
+                    // SAFETY: the pool's Arc is stored next to the handle and dropped after it.
+                    let memh = unsafe { MemHandle::map(&self.ctx, pool.as_ptr(), pool.len_bytes()) }?;
+                    let rkey = memh.pack_rkey()?;
+                    let id = self.id();
+                    self.mems.insert(id, (memh, pool));
+                    Ok((id, rkey))
+                })();
+                let _ = reply.send(r);
+            }
+            Cmd::Unmap { mem, guard } => {
+                self.mems.remove(&mem);
+                drop(guard);
+            }
+            Cmd::Connect { address, rkey, reply } => {
+                let r = (|| {
+                    let mut ep = Endpoint::connect(&self.worker, &address)?;
+                    ep.unpack_rkey(&rkey)?;
+                    let info = ep.info();
+                    let id = self.id();
+                    self.eps.insert(id, ep);
+                    Ok((id, info))
+                })();
+                let _ = reply.send(r);
+            }
+            Cmd::Close { ep } => {
+                if let Some(ep) = self.eps.remove(&ep) {
+                    match ep.close(false) {
+                        Ok(Started::Pending(r)) => self.closing.push(r),
+                        Ok(Started::Done) => {}
+                        Err(e) => tracing::debug!(error = %e, "endpoint close"),
+                    }
+                }
+            }
+            Cmd::Put { ep, ops, keep, reply } => {
+                let mut b = Batch { pending: Vec::new(), next: Next::Flush(ep), error: None, _keep: keep, reply: Some(reply) };
+                match self.eps.get(&ep) {
+                    None => b.error = Some(closed_ep()),
+                    Some(e) => {
+                        for op in &ops {
+                            // SAFETY: `keep` holds the source memory until this batch replies;
+                            // `remote` was bounds-checked against the peer pool by the caller.
+                            let r = unsafe { e.put(op.local as *const u8, op.len, op.remote) };
+                            if !b.absorb(r, 0) {
+                                break;
+                            }
+                        }
+                    }
+                }
+                self.batches.push(b);
+            }
+            Cmd::TagSend { ep, ops, keep, reply } => {
+                let mut b = Batch { pending: Vec::new(), next: Next::Reply, error: None, _keep: keep, reply: Some(reply) };
+                match self.eps.get(&ep) {
+                    None => b.error = Some(closed_ep()),
+                    Some(e) => {
+                        for op in &ops {
+                            // SAFETY: `keep` holds the memory until this batch replies.
+                            let r = unsafe { e.tag_send(op.addr as *const u8, op.len, op.tag) };
+                            if !b.absorb(r, op.tag) {
+                                break;
+                            }
+                        }
+                    }
+                }
+                self.batches.push(b);
+            }
+            Cmd::TagRecv { ops, keep, reply } => {
+                let mut b = Batch { pending: Vec::new(), next: Next::Reply, error: None, _keep: keep, reply: Some(reply) };
+                for op in &ops {
+                    // SAFETY: `keep` holds the memory until this batch replies; the caller owns
+                    // the destination range exclusively until then (a claimed reservation).
+                    let r = unsafe { self.worker.tag_recv(op.addr as *mut u8, op.len, op.tag) };
+                    if !b.absorb(r, op.tag) {
+                        break;
+                    }
+                }
+                self.batches.push(b);
+            }
+            Cmd::CancelRecvs { tag, mask } => {
+                for b in &self.batches {
+                    for p in b.pending.iter().filter(|p| p.tag != 0 && p.tag & mask == tag & mask) {
+                        self.worker.cancel(&p.req);
+                    }
+                }
+            }
+            Cmd::Shutdown => unreachable!("handled by the loop"),
+        }
+    }
+
+    fn id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    /// Polls every batch; replies to those whose requests all completed.
+    fn poll(&mut self) {
+        self.closing.retain(|r| r.status().is_none());
+        let mut i = 0;
+        while i < self.batches.len() {
+            let b = &mut self.batches[i];
+            b.pending.retain(|p| match p.req.status() {
+                None => true,
+                Some(Ok(())) => false,
+                Some(Err(s)) => {
+                    b.error.get_or_insert_with(|| request_error(s, "ucx request"));
+                    false
+                }
+            });
+            if !b.pending.is_empty() {
+                i += 1;
+                continue;
+            }
+            if let (Next::Flush(ep), None) = (&b.next, &b.error) {
+                let ep = *ep;
+                b.next = Next::Reply;
+                match self.eps.get(&ep).map(|e| e.flush()) {
+                    Some(r) => {
+                        let b = &mut self.batches[i];
+                        if b.absorb(r, 0) && !b.pending.is_empty() {
+                            i += 1;
+                            continue;
+                        }
+                    }
+                    None => self.batches[i].error = Some(closed_ep()),
+                }
+            }
+            let mut b = self.batches.swap_remove(i);
+            if let Some(reply) = b.reply.take() {
+                let _ = reply.send(b.error.take().map_or(Ok(()), Err));
+            }
+        }
+    }
+
+    fn shutdown(mut self) {
+        for b in &self.batches {
+            for p in &b.pending {
+                self.worker.cancel(&p.req);
+            }
+        }
+        let eps: Vec<u64> = self.eps.keys().copied().collect();
+        for ep in eps {
+            self.handle(Cmd::Close { ep });
+        }
+        let until = Instant::now() + Duration::from_secs(2);
+        while (!self.batches.is_empty() || !self.closing.is_empty()) && Instant::now() < until {
+            self.worker.progress();
+            self.poll();
+        }
+        if !self.batches.is_empty() {
+            tracing::error!(batches = self.batches.len(), "UCX requests still pending at shutdown; leaking them");
+            for b in &mut self.batches {
+                std::mem::forget(std::mem::take(&mut b.pending));
+            }
+        }
+        self.mems.clear();
+    }
+}
+
+impl Batch {
+    /// Takes an `*_nbx` outcome into the batch; false stops issuing more (an error happened).
+    fn absorb(&mut self, r: Result<Started, TransferError>, tag: u64) -> bool {
+        match r {
+            Ok(Started::Done) => true,
+            Ok(Started::Pending(req)) => {
+                self.pending.push(Pending { req, tag });
+                true
+            }
+            Err(e) => {
+                self.error.get_or_insert(e);
+                false
+            }
+        }
+    }
+}
+
+fn closed_ep() -> TransferError {
+    TransferError::PeerGone { peer: "ucx".into(), phase: Phase::Data, reason: std::io::ErrorKind::NotConnected }
+}

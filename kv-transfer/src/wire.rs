@@ -1,0 +1,561 @@
+//! Wire descriptors (rkyv, zero-copy) and their framing on a byte stream.
+//!
+//! Every control message is one [`Msg`], archived with rkyv and sent as a frame:
+//!
+//! ```text
+//! [body_len: u32 LE][rkyv body: body_len bytes]            control frame
+//! [body_len][Chunk body][payload: chunk.payload_bytes]     chunk with inline data (TCP)
+//! ```
+//!
+//! Anything received is read through the *checked* `rkyv::access` before a single field is
+//! used (a frame over [`MAX_FRAME_BYTES`] is refused unread); only bytes this process wrote
+//! itself would ever be accessed unchecked, and none are. Encoding reuses one aligned buffer per
+//! connection, so the hot path (one `Chunk` per layer range) allocates nothing per block.
+//!
+//! # Conversation (sender = client, receiver = server)
+//! ```text
+//! Hello{layout, fingerprint, wants_ucx}  ->  HelloReply::Accepted{conn_id, ucx keys} | Refused
+//! Begin{reservation, epoch, blocks, ...} ->  BeginReply{refusal: None | Some(error)}
+//! Chunk{layers, checksums} [+ payload]   ->  (nothing per chunk)
+//!                                        <-  Done{block_checksums} | Abort{error}
+//! Abort{error}  (sender gives up)        ->  (receiver releases the reservation)
+//!                                        <-  Abort{error} (receiver gives up)
+//! AbortAck                               ->  (sender confirms it writes no more)
+//! ```
+
+use rkyv::rancor;
+use rkyv::util::AlignedVec;
+use rkyv::{Archive, Deserialize, Serialize};
+use tandem_kv_layout::KvLayout;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::error::{Phase, Side, TransferError};
+
+/// Protocol version carried in [`Hello`]; a peer with another version is refused.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Largest control frame accepted (checksums of 64 Ki slabs fit with room to spare).
+pub const MAX_FRAME_BYTES: usize = 4 << 20;
+
+/// A layout as it crosses the wire (fixed-width integers, dtype by name).
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct WireLayout {
+    /// `KvLayout::num_layers`.
+    pub num_layers: u32,
+    /// `KvLayout::num_kv_heads`.
+    pub num_kv_heads: u32,
+    /// `KvLayout::head_dim`.
+    pub head_dim: u32,
+    /// `KvLayout::block_size_tokens`.
+    pub block_size_tokens: u32,
+    /// `KvDtype::as_str()`.
+    pub dtype: String,
+    /// `KvLayout::model_fingerprint`.
+    pub model_fingerprint: u64,
+}
+
+impl From<&KvLayout> for WireLayout {
+    fn from(l: &KvLayout) -> Self {
+        Self {
+            num_layers: l.num_layers as u32,
+            num_kv_heads: l.num_kv_heads as u32,
+            head_dim: l.head_dim as u32,
+            block_size_tokens: l.block_size_tokens as u32,
+            dtype: l.dtype.as_str().to_string(),
+            model_fingerprint: l.model_fingerprint,
+        }
+    }
+}
+
+impl WireLayout {
+    /// Back to a [`KvLayout`], if the fields make one.
+    pub fn to_layout(&self) -> Option<KvLayout> {
+        KvLayout::new(
+            self.num_layers as usize,
+            self.num_kv_heads as usize,
+            self.head_dim as usize,
+            self.block_size_tokens as usize,
+            self.dtype.parse().ok()?,
+            self.model_fingerprint,
+        )
+        .ok()
+    }
+}
+
+/// First frame of a connection, from the sender.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct Hello {
+    /// Must equal [`PROTOCOL_VERSION`].
+    pub protocol_version: u32,
+    /// The sender's pool layout.
+    pub layout: WireLayout,
+    /// `KvLayout::fingerprint()` of that layout.
+    pub layout_fingerprint: u64,
+    /// The sender wants block bytes to go over UCX rather than this stream.
+    pub wants_ucx: bool,
+}
+
+/// What the receiver hands a UCX sender at connection setup.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct UcxRemote {
+    /// The receiver's UCP worker address (`ucp_worker_get_address`).
+    pub worker_address: Vec<u8>,
+    /// The receiver pool's packed remote key (`ucp_rkey_pack`).
+    pub rkey: Vec<u8>,
+    /// Base virtual address of the receiver's pool.
+    pub base_addr: u64,
+    /// Bytes of the receiver's pool.
+    pub len_bytes: u64,
+}
+
+/// The receiver's answer to [`Hello`].
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub enum HelloReply {
+    /// The layouts match; transfers may begin.
+    Accepted {
+        /// Receiver-chosen id of this connection (part of UCX tags).
+        conn_id: u32,
+        /// Blocks in the receiver's pool.
+        pool_blocks: u32,
+        /// UCX keys, when the sender asked for UCX.
+        ucx: Option<UcxRemote>,
+    },
+    /// Refused; the connection closes after this frame.
+    Refused(WireError),
+}
+
+/// How a transfer's block bytes travel.
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DataMode {
+    /// In this stream, right after each `Chunk` frame.
+    Inline,
+    /// One-sided UCX puts into the receiver's pool, flushed before the `Chunk` frame.
+    Rma,
+    /// UCX tagged sends the receiver posts receives for on seeing the `Chunk` frame.
+    Tag,
+}
+
+/// Asks the receiver to accept a transfer into one of its reservations.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct Begin {
+    /// Sender-chosen id, unique on this connection.
+    pub transfer_id: u64,
+    /// The request these blocks belong to (for logs and traces).
+    pub request_id: u128,
+    /// The receiver's reservation.
+    pub reservation_id: u64,
+    /// The reservation's epoch as the sender was told it.
+    pub epoch: u64,
+    /// Fingerprint of the sender's layout.
+    pub layout_fingerprint: u64,
+    /// Source block ids (sender's pool).
+    pub src_blocks: Vec<u32>,
+    /// Destination block ids (receiver's pool), paired with `src_blocks` by position.
+    pub dst_blocks: Vec<u32>,
+    /// First layer the transfer covers.
+    pub layer_start: u32,
+    /// One past the last layer the transfer covers.
+    pub layer_end: u32,
+    /// How the bytes travel.
+    pub mode: DataMode,
+}
+
+/// A run of layers of every block of the transfer; per-slab checksums, layer-major.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct Chunk {
+    /// The transfer.
+    pub transfer_id: u64,
+    /// 0, 1, 2, ... per transfer (UCX tags use it).
+    pub seq: u32,
+    /// First layer in this chunk.
+    pub layer_start: u32,
+    /// One past the last layer in this chunk.
+    pub layer_end: u32,
+    /// Bytes of block data this chunk carries (`layers × blocks × slab_bytes`).
+    pub payload_bytes: u64,
+    /// xxh3 of each slab, index `(layer - layer_start) * blocks + block_index`.
+    pub checksums: Vec<u64>,
+}
+
+/// Why one side ended a transfer (or refused it), as sent to the other.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub enum WireError {
+    /// Layouts differ (`local` is the refusing side's fingerprint).
+    LayoutMismatch {
+        /// Fingerprint of the refusing side.
+        local: u64,
+        /// Fingerprint the refusing side received.
+        remote: u64,
+    },
+    /// No such reservation.
+    UnknownReservation {
+        /// The reservation id.
+        reservation_id: u64,
+    },
+    /// Reservation reused with another epoch.
+    StaleEpoch {
+        /// The reservation id.
+        reservation_id: u64,
+        /// The receiver's epoch.
+        current: u64,
+        /// The descriptor's epoch.
+        requested: u64,
+    },
+    /// Reservation expired.
+    ReservationExpired {
+        /// The reservation id.
+        reservation_id: u64,
+    },
+    /// Reservation already claimed.
+    ReservationBusy {
+        /// The reservation id.
+        reservation_id: u64,
+    },
+    /// A slab did not verify.
+    ChecksumMismatch {
+        /// Layer.
+        layer: u32,
+        /// Destination block id.
+        block: u32,
+        /// Sender's checksum.
+        expected: u64,
+        /// Checksum of what landed.
+        actual: u64,
+    },
+    /// The side sending this cancelled.
+    Cancelled,
+    /// The side sending this ran out of time.
+    DeadlineExceeded {
+        /// The deadline it had, milliseconds.
+        deadline_ms: u64,
+    },
+    /// The request was malformed.
+    InvalidRequest {
+        /// Field name.
+        field: String,
+        /// Why.
+        reason: String,
+    },
+    /// Something else failed on the side sending this (its label and message).
+    Failed {
+        /// `FailureKind::as_str()` of the sender's error.
+        kind: String,
+        /// The sender's error message.
+        detail: String,
+    },
+}
+
+impl WireError {
+    /// The wire form of a local error.
+    pub fn from_error(e: &TransferError) -> Self {
+        match e {
+            TransferError::LayoutMismatch { local, remote } => {
+                WireError::LayoutMismatch { local: *local, remote: *remote }
+            }
+            TransferError::UnknownReservation { reservation_id } => {
+                WireError::UnknownReservation { reservation_id: *reservation_id }
+            }
+            TransferError::StaleEpoch { reservation_id, current, requested } => WireError::StaleEpoch {
+                reservation_id: *reservation_id,
+                current: *current,
+                requested: *requested,
+            },
+            TransferError::ReservationExpired { reservation_id } => {
+                WireError::ReservationExpired { reservation_id: *reservation_id }
+            }
+            TransferError::ReservationBusy { reservation_id } => {
+                WireError::ReservationBusy { reservation_id: *reservation_id }
+            }
+            TransferError::ChecksumMismatch { layer, block, expected, actual } => WireError::ChecksumMismatch {
+                layer: *layer,
+                block: *block,
+                expected: *expected,
+                actual: *actual,
+            },
+            TransferError::Cancelled { .. } => WireError::Cancelled,
+            TransferError::DeadlineExceeded { deadline, .. } => {
+                WireError::DeadlineExceeded { deadline_ms: deadline.as_millis() as u64 }
+            }
+            TransferError::InvalidRequest { field, reason } => {
+                WireError::InvalidRequest { field: field.to_string(), reason: reason.clone() }
+            }
+            other => WireError::Failed { kind: other.kind().as_str().to_string(), detail: other.to_string() },
+        }
+    }
+
+    /// The local error for a `WireError` the peer sent (seen from this side).
+    pub fn into_error(self, peer: &str, phase: Phase) -> TransferError {
+        match self {
+            // The peer's "local" is our "remote".
+            WireError::LayoutMismatch { local, remote } => TransferError::LayoutMismatch { local: remote, remote: local },
+            WireError::UnknownReservation { reservation_id } => TransferError::UnknownReservation { reservation_id },
+            WireError::StaleEpoch { reservation_id, current, requested } => {
+                TransferError::StaleEpoch { reservation_id, current, requested }
+            }
+            WireError::ReservationExpired { reservation_id } => TransferError::ReservationExpired { reservation_id },
+            WireError::ReservationBusy { reservation_id } => TransferError::ReservationBusy { reservation_id },
+            WireError::ChecksumMismatch { layer, block, expected, actual } => {
+                TransferError::ChecksumMismatch { layer, block, expected, actual }
+            }
+            WireError::Cancelled => TransferError::Cancelled { by: Side::Peer },
+            WireError::DeadlineExceeded { deadline_ms } => {
+                TransferError::DeadlineExceeded { phase, deadline: std::time::Duration::from_millis(deadline_ms) }
+            }
+            WireError::InvalidRequest { field, reason } => {
+                TransferError::invalid("peer_refused", format!("{field}: {reason}"))
+            }
+            WireError::Failed { kind, detail } if kind == crate::error::FailureKind::Protocol.as_str() => {
+                TransferError::protocol("peer_refused", detail)
+            }
+            // The peer failed on its own side and has stopped touching the transfer.
+            WireError::Failed { kind, detail } => {
+                tracing::debug!(peer, kind, detail, "peer aborted the transfer after a local failure");
+                TransferError::PeerGone { peer: peer.to_string(), phase, reason: std::io::ErrorKind::Other }
+            }
+        }
+    }
+}
+
+/// The receiver's answer to [`Begin`].
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct BeginReply {
+    /// The transfer.
+    pub transfer_id: u64,
+    /// `None`: accepted; `Some`: refused, send nothing for this transfer.
+    pub refusal: Option<WireError>,
+}
+
+/// Every layer of every block arrived and verified.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct Done {
+    /// The transfer.
+    pub transfer_id: u64,
+    /// Per-block checksum over layers (see `pool::block_checksum`), in `dst_blocks` order.
+    pub block_checksums: Vec<u64>,
+}
+
+/// One side ends a transfer.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct Abort {
+    /// The transfer.
+    pub transfer_id: u64,
+    /// Why.
+    pub error: WireError,
+}
+
+/// Every control message.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub enum Msg {
+    /// See [`Hello`].
+    Hello(Hello),
+    /// See [`HelloReply`].
+    HelloReply(HelloReply),
+    /// See [`Begin`].
+    Begin(Begin),
+    /// See [`BeginReply`].
+    BeginReply(BeginReply),
+    /// See [`Chunk`].
+    Chunk(Chunk),
+    /// See [`Done`].
+    Done(Done),
+    /// See [`Abort`].
+    Abort(Abort),
+    /// The sender saw the receiver's `Abort` and will write nothing more for this transfer.
+    AbortAck {
+        /// The transfer.
+        transfer_id: u64,
+    },
+}
+
+/// Encodes `msg` as a frame (length prefix + rkyv body) into `buf`, replacing its contents.
+pub fn encode_frame(msg: &Msg, buf: &mut AlignedVec) -> Result<(), TransferError> {
+    let mut out = std::mem::take(buf);
+    out.clear();
+    out.extend_from_slice(&[0u8; 16]); // length prefix, padded to keep the body 16-aligned
+    let mut out = rkyv::api::high::to_bytes_in::<_, rancor::Error>(msg, out)
+        .map_err(|e| TransferError::protocol("encode", e.to_string()))?;
+    let body = out.len() - 16;
+    if body > MAX_FRAME_BYTES {
+        return Err(TransferError::protocol("frame_too_large", format!("{body} bytes")));
+    }
+    out.as_mut_slice()[12..16].copy_from_slice(&(body as u32).to_le_bytes());
+    *buf = out;
+    Ok(())
+}
+
+/// The bytes of an encoded frame to put on the wire (skips the alignment padding).
+pub fn frame_bytes(buf: &AlignedVec) -> &[u8] {
+    &buf.as_slice()[12..]
+}
+
+/// Writes one control frame.
+pub async fn write_frame<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    msg: &Msg,
+    buf: &mut AlignedVec,
+) -> Result<(), std::io::Error> {
+    encode_frame(msg, buf).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))?;
+    w.write_all(frame_bytes(buf)).await
+}
+
+/// Reads frames from a stream into one reused, aligned buffer.
+///
+/// Cancel-safe: [`FrameReader::next`] keeps its progress in `self` and awaits only single
+/// `read` calls, so it can sit in a `select!` beside other work. It never reads past the end of
+/// the current frame, so a chunk's inline payload is still in the stream for
+/// [`FrameReader::stream`] to read straight into the destination blocks.
+pub struct FrameReader<R> {
+    inner: R,
+    buf: AlignedVec,
+    header: [u8; 4],
+    header_filled: usize,
+    body_len: Option<usize>,
+    body_filled: usize,
+}
+
+/// Why reading a frame failed.
+#[derive(Debug)]
+pub enum ReadError {
+    /// The stream failed or ended.
+    Io(std::io::Error),
+    /// The bytes are not a valid frame.
+    Invalid(TransferError),
+}
+
+impl<R: AsyncRead + Unpin> FrameReader<R> {
+    /// Wraps a stream.
+    pub fn new(inner: R) -> Self {
+        Self { inner, buf: AlignedVec::new(), header: [0; 4], header_filled: 0, body_len: None, body_filled: 0 }
+    }
+
+    /// Reads the next frame and checks it; the result borrows the reader's buffer.
+    pub async fn next(&mut self) -> Result<&ArchivedMsg, ReadError> {
+        let eof = || ReadError::Io(std::io::ErrorKind::UnexpectedEof.into());
+        while self.header_filled < 4 {
+            let n = self.inner.read(&mut self.header[self.header_filled..]).await.map_err(ReadError::Io)?;
+            if n == 0 {
+                return Err(eof());
+            }
+            self.header_filled += n;
+        }
+        let len = match self.body_len {
+            Some(len) => len,
+            None => {
+                let len = u32::from_le_bytes(self.header) as usize;
+                if len > MAX_FRAME_BYTES {
+                    return Err(ReadError::Invalid(TransferError::protocol("frame_too_large", format!("{len} bytes"))));
+                }
+                self.buf.clear();
+                self.buf.resize(len, 0);
+                self.body_len = Some(len);
+                self.body_filled = 0;
+                len
+            }
+        };
+        while self.body_filled < len {
+            let n = self.inner.read(&mut self.buf.as_mut_slice()[self.body_filled..len]).await.map_err(ReadError::Io)?;
+            if n == 0 {
+                return Err(eof());
+            }
+            self.body_filled += n;
+        }
+        self.header_filled = 0;
+        self.body_len = None;
+        rkyv::access::<ArchivedMsg, rancor::Error>(self.buf.as_slice())
+            .map_err(|e| ReadError::Invalid(TransferError::protocol("invalid_frame", e.to_string())))
+    }
+
+    /// The underlying stream (for reading a chunk's inline payload right after its frame).
+    pub fn stream(&mut self) -> &mut R {
+        &mut self.inner
+    }
+}
+
+/// Deserialises an archived message into its owned form (for cold-path messages).
+pub fn to_owned<T, A>(archived: &A) -> Result<T, TransferError>
+where
+    A: rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<rancor::Error>>,
+{
+    rkyv::deserialize::<T, rancor::Error>(archived).map_err(|e| TransferError::protocol("decode", e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_kv_layout::KvDtype;
+
+    fn begin() -> Msg {
+        Msg::Begin(Begin {
+            transfer_id: 7,
+            request_id: u128::MAX - 3,
+            reservation_id: 11,
+            epoch: 2,
+            layout_fingerprint: 0xfeed,
+            src_blocks: vec![1, 2, 3],
+            dst_blocks: vec![9, 8, 7],
+            layer_start: 0,
+            layer_end: 30,
+            mode: DataMode::Rma,
+        })
+    }
+
+    #[tokio::test]
+    async fn frames_round_trip_through_a_stream_with_checked_access() {
+        let (mut a, b) = tokio::io::duplex(1 << 16);
+        let mut buf = AlignedVec::new();
+        let chunk = Msg::Chunk(Chunk {
+            transfer_id: 7,
+            seq: 1,
+            layer_start: 2,
+            layer_end: 4,
+            payload_bytes: 4096,
+            checksums: vec![1, 2, 3, 4],
+        });
+        write_frame(&mut a, &begin(), &mut buf).await.unwrap();
+        write_frame(&mut a, &chunk, &mut buf).await.unwrap();
+        let mut r = FrameReader::new(b);
+        let got: Msg = to_owned(r.next().await.unwrap()).unwrap();
+        assert_eq!(got, begin());
+        match r.next().await.unwrap() {
+            ArchivedMsg::Chunk(c) => {
+                assert_eq!(c.checksums.iter().map(|x| x.to_native()).collect::<Vec<_>>(), vec![1, 2, 3, 4]);
+                assert_eq!(c.payload_bytes.to_native(), 4096);
+            }
+            other => panic!("expected a chunk, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn garbage_and_oversized_frames_are_refused_by_checked_access() {
+        let (mut a, b) = tokio::io::duplex(1 << 16);
+        // A frame whose body is random bytes: checked access must refuse it.
+        let body: Vec<u8> = (0..64u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+        a.write_all(&(body.len() as u32).to_le_bytes()).await.unwrap();
+        a.write_all(&body).await.unwrap();
+        a.write_all(&((MAX_FRAME_BYTES + 1) as u32).to_le_bytes()).await.unwrap();
+        let mut r = FrameReader::new(b);
+        assert!(matches!(r.next().await, Err(ReadError::Invalid(TransferError::Protocol { .. }))));
+        assert!(matches!(
+            r.next().await,
+            Err(ReadError::Invalid(TransferError::Protocol { what: "frame_too_large", .. }))
+        ));
+    }
+
+    #[test]
+    fn wire_errors_keep_their_class_across_the_wire() {
+        let e = TransferError::StaleEpoch { reservation_id: 1, current: 3, requested: 2 };
+        let back = WireError::from_error(&e).into_error("peer", Phase::Begin);
+        assert!(matches!(back, TransferError::StaleEpoch { reservation_id: 1, current: 3, requested: 2 }));
+        let mism = WireError::from_error(&TransferError::LayoutMismatch { local: 1, remote: 2 });
+        assert!(matches!(mism.into_error("p", Phase::Connect), TransferError::LayoutMismatch { local: 2, remote: 1 }));
+        let cancelled = WireError::from_error(&TransferError::Cancelled { by: Side::Local });
+        assert!(matches!(cancelled.into_error("p", Phase::Data), TransferError::Cancelled { by: Side::Peer }));
+    }
+
+    #[test]
+    fn wire_layout_round_trips_to_the_same_fingerprint() {
+        let l = KvLayout::new(80, 8, 128, 16, KvDtype::Bf16, 42).unwrap();
+        let back = WireLayout::from(&l).to_layout().unwrap();
+        assert_eq!(back.fingerprint(), l.fingerprint());
+    }
+}
