@@ -237,8 +237,16 @@ impl InboundRegistry {
     }
 
     /// Checks a `Begin` and claims its reservation for one connection's transfer. Refusals are
-    /// typed; nothing has been written when this returns an error.
+    /// typed (and counted); nothing has been written when this returns an error.
     pub(crate) fn claim(&self, b: &Begin, hook: Arc<dyn AbortHook>) -> Result<InboundSession, TransferError> {
+        let r = self.try_claim(b, hook);
+        if let Err(e) = &r {
+            self.inner.metrics.failed(e);
+        }
+        r
+    }
+
+    fn try_claim(&self, b: &Begin, hook: Arc<dyn AbortHook>) -> Result<InboundSession, TransferError> {
         let pool = self.inner.registration.pool();
         let local = pool.layout().fingerprint();
         if b.layout_fingerprint != local {

@@ -295,7 +295,6 @@ impl ServerConn {
             }
             Err(e) => {
                 tracing::debug!(peer = self.peer, reservation = b.reservation_id, error = %e, "refused transfer");
-                self.net.metrics.failed(&e);
                 let refusal = Some(WireError::from_error(&e));
                 self.reply(Msg::BeginReply(BeginReply { transfer_id: id, refusal })).await
             }

@@ -1,0 +1,166 @@
+//! Shared test harness: a sender and a receiver joined by one transport.
+
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tandem_kv_layout::{KvDtype, KvLayout};
+use tandem_kv_transfer::pattern;
+use tandem_kv_transfer::{
+    InProcKvTransport, InProcNetwork, InboundRegistry, KvPool, KvTransport, PoolRegistration, TcpKvTransport,
+    TransferConfig, TransferMetrics,
+};
+use tokio_util::sync::CancellationToken;
+
+pub mod scenarios;
+
+pub const SEED: u64 = 0x7a11_d0e5;
+pub const BLOCKS: usize = 16;
+
+/// A small layout: 4 layers × 2 heads × 16 dims × 4 tokens, f16 (512-byte slabs).
+pub fn small_layout() -> KvLayout {
+    KvLayout::new(4, 2, 16, 4, KvDtype::F16, 0x5eed).unwrap()
+}
+
+pub fn source_pool(layout: KvLayout, blocks: usize) -> Arc<KvPool> {
+    let mut pool = KvPool::new(layout, blocks).unwrap();
+    let ids: Vec<u32> = (0..blocks as u32).collect();
+    pattern::fill_blocks(&mut pool, SEED, &ids).unwrap();
+    Arc::new(pool)
+}
+
+pub struct Pair {
+    pub sender: Arc<dyn KvTransport>,
+    pub sender_metrics: Arc<TransferMetrics>,
+    pub src: PoolRegistration,
+    pub registry: InboundRegistry,
+    pub receiver_metrics: Arc<TransferMetrics>,
+    pub peer: String,
+    pub shutdown: CancellationToken,
+    /// Keeps the receiving transport (and its UCX thread) alive.
+    pub _receiver: Option<Arc<dyn std::any::Any + Send + Sync>>,
+}
+
+impl Pair {
+    /// Bytes of every destination slab that are not zero (to prove nothing was written).
+    pub fn dst_nonzero_bytes(&self) -> usize {
+        let pool = self.registry.registration().pool();
+        let mut n = 0;
+        for layer in 0..pool.layout().num_layers {
+            for b in 0..pool.num_blocks() as u32 {
+                // SAFETY: tests call this only when no transfer is in flight.
+                n += unsafe { pool.slab(layer, b) }.unwrap().iter().filter(|&&x| x != 0).count();
+            }
+        }
+        n
+    }
+
+    /// Slabs of `dst` that do not hold `src`'s pattern.
+    pub fn mismatched(&self, src: &[u32], dst: &[u32]) -> usize {
+        // SAFETY: called after the reservation resolved.
+        unsafe { pattern::mismatched_slabs(self.registry.registration().pool(), SEED, src, dst) }.unwrap()
+    }
+
+    /// Waits until neither side holds anything (registrations aside), or panics.
+    pub async fn assert_released(&self) {
+        wait_for("sender and receiver to release transfers and reservations", || {
+            let s = self.sender_metrics.snapshot();
+            let r = self.receiver_metrics.snapshot();
+            s.live_transfers == 0 && r.live_reservations == 0 && self.registry.live_reservations() == 0
+        })
+        .await;
+    }
+}
+
+impl Drop for Pair {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+pub async fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !cond() {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+pub fn fence() -> Duration {
+    Duration::from_millis(500)
+}
+
+pub fn inproc_pair(src_layout: KvLayout, dst_layout: KvLayout) -> Pair {
+    let net = InProcNetwork::new();
+    let sender = InProcKvTransport::new(net.clone(), 1 << 20);
+    let receiver = InProcKvTransport::new(net.clone(), 1 << 20);
+    let src = sender.register(source_pool(src_layout, BLOCKS)).unwrap();
+    let dst = receiver.register(Arc::new(KvPool::new(dst_layout, BLOCKS).unwrap())).unwrap();
+    let registry = InboundRegistry::new(dst, fence());
+    net.attach("decode-0", registry.clone());
+    Pair {
+        sender_metrics: Arc::clone(sender.metrics()),
+        receiver_metrics: Arc::clone(receiver.metrics()),
+        sender: Arc::new(sender),
+        src,
+        registry,
+        peer: "decode-0".into(),
+        shutdown: CancellationToken::new(),
+        _receiver: None,
+    }
+}
+
+pub fn small_chunks() -> TransferConfig {
+    // One layer per chunk for the small layout (16 blocks × 512 B = 8 KiB per layer).
+    TransferConfig { max_chunk_bytes: 8 << 10, fence_timeout: fence(), ..Default::default() }
+}
+
+pub async fn tcp_pair(src_layout: KvLayout, dst_layout: KvLayout) -> Pair {
+    let sender = TcpKvTransport::new(small_chunks()).unwrap();
+    let receiver = Arc::new(TcpKvTransport::new(small_chunks()).unwrap());
+    let src = sender.register(source_pool(src_layout, BLOCKS)).unwrap();
+    let dst = receiver.register(Arc::new(KvPool::new(dst_layout, BLOCKS).unwrap())).unwrap();
+    let registry = InboundRegistry::new(dst, fence());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let peer = listener.local_addr().unwrap().to_string();
+    let shutdown = CancellationToken::new();
+    let (r, reg, sd) = (Arc::clone(&receiver), registry.clone(), shutdown.clone());
+    tokio::spawn(async move { r.serve(listener, reg, sd).await.unwrap() });
+    Pair {
+        sender_metrics: Arc::clone(sender.metrics()),
+        receiver_metrics: Arc::clone(receiver.metrics()),
+        sender: Arc::new(sender),
+        src,
+        registry,
+        peer,
+        shutdown,
+        _receiver: Some(receiver),
+    }
+}
+
+#[cfg(feature = "ucx")]
+pub async fn ucx_pair(src_layout: KvLayout, dst_layout: KvLayout, tls: &str) -> Pair {
+    use tandem_kv_transfer::{UcxConfig, UcxKvTransport};
+    let cfg = UcxConfig { tls: Some(tls.to_string()), ..Default::default() };
+    let sender = UcxKvTransport::new(small_chunks(), cfg.clone()).unwrap();
+    let receiver = Arc::new(UcxKvTransport::new(small_chunks(), cfg).unwrap());
+    let src = sender.register(source_pool(src_layout, BLOCKS)).unwrap();
+    let dst = receiver.register(Arc::new(KvPool::new(dst_layout, BLOCKS).unwrap())).unwrap();
+    let registry = InboundRegistry::new(dst, fence());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let peer = listener.local_addr().unwrap().to_string();
+    let shutdown = CancellationToken::new();
+    let (r, reg, sd) = (Arc::clone(&receiver), registry.clone(), shutdown.clone());
+    tokio::spawn(async move { r.serve(listener, reg, sd).await.unwrap() });
+    Pair {
+        sender_metrics: Arc::clone(sender.metrics()),
+        receiver_metrics: Arc::clone(receiver.metrics()),
+        sender: Arc::new(sender),
+        src,
+        registry,
+        peer,
+        shutdown,
+        _receiver: Some(receiver),
+    }
+}
