@@ -140,6 +140,10 @@ async fn connect(net: &Arc<NetShared>, peer: &str, src: &PoolRegistration) -> Re
             .await
             .map_err(|source| TransferError::Connect { peer: peer.to_string(), source })?;
         stream.set_nodelay(true).map_err(|e| peer_gone(peer, Phase::Connect, &e))?;
+        let same_host = match (stream.local_addr(), stream.peer_addr()) {
+            (Ok(l), Ok(p)) => p.ip().is_loopback() || l.ip() == p.ip(),
+            _ => false,
+        };
         let (rd, mut wr) = stream.into_split();
         let mut reader = FrameReader::new(rd);
         let hello = Msg::Hello(Hello {
@@ -156,10 +160,10 @@ async fn connect(net: &Arc<NetShared>, peer: &str, src: &PoolRegistration) -> Re
             Err(ReadError::Io(e)) => return Err(peer_gone(peer, Phase::Connect, &e)),
             Err(ReadError::Invalid(e)) => return Err(e),
         };
-        Ok((reader, wr, reply))
+        Ok((reader, wr, reply, same_host))
     };
     let timeout = net.config.connect_timeout;
-    let (reader, wr, reply) = tokio::time::timeout(timeout, handshake)
+    let (reader, wr, reply, same_host) = tokio::time::timeout(timeout, handshake)
         .await
         .map_err(|_| TransferError::DeadlineExceeded { phase: Phase::Connect, deadline: timeout })??;
     let (remote_blocks, ucx, conn_id) = match reply {
@@ -167,13 +171,13 @@ async fn connect(net: &Arc<NetShared>, peer: &str, src: &PoolRegistration) -> Re
         HelloReply::Refused(e) => return Err(e.into_error(peer, Phase::Connect)),
     };
     #[cfg(not(feature = "ucx"))]
-    let _ = conn_id;
+    let _ = (conn_id, same_host);
     let path = match (ucx, wants_ucx) {
         (None, false) => SendPath::Inline,
         #[cfg(feature = "ucx")]
         (Some(remote), true) => {
             let rt = net.ucx.as_ref().expect("wants_ucx implies a runtime");
-            SendPath::Ucx(rt.connect(peer, &remote, conn_id).await?)
+            SendPath::Ucx(rt.connect(peer, &remote, conn_id, same_host).await?)
         }
         _ => return Err(TransferError::protocol("ucx_offer", "receiver answered a different data path")),
     };

@@ -125,18 +125,40 @@ pub(crate) fn rma_is_native(ep_info: &str) -> bool {
     })
 }
 
+/// True unless the transport list (`UCX_TLS` syntax) rules out every shared-memory transport.
+pub(crate) fn shm_allowed(tls: Option<&str>) -> bool {
+    const SHM: [&str; 8] = ["shm", "sm", "posix", "sysv", "cma", "xpmem", "knem", "mm"];
+    match tls {
+        None => true,
+        Some(t) if t.starts_with('^') || t == "all" => true,
+        Some(t) => t.split(',').any(|tl| SHM.contains(&tl.trim())),
+    }
+}
+
 /// UCX state of a network transport.
 pub(crate) struct UcxNet {
     rt: UcxRuntime,
     data_mode: UcxDataMode,
+    shm_allowed: bool,
 }
 
 impl UcxNet {
-    /// Opens the UCX side of a connection to a receiver.
-    pub async fn connect(&self, peer: &str, remote: &UcxRemote, conn_id: u32) -> Result<UcxPeer, TransferError> {
+    /// Opens the UCX side of a connection to a receiver; `same_host` when the control
+    /// connection runs between two addresses of this host.
+    pub async fn connect(
+        &self,
+        peer: &str,
+        remote: &UcxRemote,
+        conn_id: u32,
+        same_host: bool,
+    ) -> Result<UcxPeer, TransferError> {
+        // Shared memory (what UCX picks on one host) cannot detect peer failure in UCX 1.13 and
+        // refuses endpoints that ask for it; elsewhere, ask for it.
+        let peer_failure = !(same_host && self.shm_allowed);
         let rx = self.rt.request(|reply| Cmd::Connect {
             address: remote.worker_address.clone(),
             rkey: remote.rkey.clone(),
+            peer_failure,
             reply,
         });
         let (ep, info) = rx.await.map_err(|_| TransferError::Shutdown)??;
@@ -320,7 +342,8 @@ impl UcxKvTransport {
     pub fn new(config: TransferConfig, ucx: UcxConfig) -> Result<Self, TransferError> {
         let mut shared = NetShared::new(config)?;
         let rt = UcxRuntime::start(ucx.tls.clone())?;
-        shared.ucx = Some(UcxNet { rt, data_mode: ucx.data_mode });
+        let tls = ucx.tls.clone().or_else(|| std::env::var("UCX_TLS").ok());
+        shared.ucx = Some(UcxNet { rt, data_mode: ucx.data_mode, shm_allowed: shm_allowed(tls.as_deref()) });
         Ok(Self { shared: Arc::new(shared) })
     }
 
@@ -399,6 +422,15 @@ mod tests {
         assert!(rma_is_native(SHM_INFO));
         assert!(!rma_is_native(TCP_INFO));
         assert!(!rma_is_native(""));
+    }
+
+    #[test]
+    fn shared_memory_is_ruled_out_only_by_an_explicit_list_without_it() {
+        assert!(shm_allowed(None));
+        assert!(shm_allowed(Some("shm,tcp")));
+        assert!(shm_allowed(Some("^ib")));
+        assert!(!shm_allowed(Some("tcp")));
+        assert!(!shm_allowed(Some("rc,ud")));
     }
 
     #[test]

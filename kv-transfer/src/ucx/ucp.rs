@@ -328,15 +328,16 @@ pub struct Endpoint {
 }
 
 impl Endpoint {
-    /// Connects to a worker address with peer-failure error handling.
-    pub fn connect(worker: &Rc<Worker>, address: &[u8]) -> Result<Self, TransferError> {
+    /// Connects to a worker address. With `peer_failure`, UCX reports a dead peer by failing
+    /// the endpoint's requests (UCX 1.13's shared-memory transports cannot, and refuse it).
+    pub fn connect(worker: &Rc<Worker>, address: &[u8], peer_failure: bool) -> Result<Self, TransferError> {
         let failed = Box::new(Cell::new(sys::UCS_OK));
         let params = sys::ucp_ep_params_t {
             field_mask: (sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
                 | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
                 | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER) as u64,
             address: address.as_ptr().cast(),
-            err_mode: sys::UCP_ERR_HANDLING_MODE_PEER,
+            err_mode: if peer_failure { sys::UCP_ERR_HANDLING_MODE_PEER } else { sys::UCP_ERR_HANDLING_MODE_NONE },
             err_handler: sys::ucp_err_handler { cb: Some(on_ep_error), arg: (&*failed as *const Cell<_>).cast_mut().cast() },
             ..Default::default()
         };

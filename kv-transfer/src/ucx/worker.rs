@@ -31,6 +31,7 @@ use super::{PutOp, TagOp};
 use crate::error::{Phase, TransferError};
 use crate::metrics::LiveGuard;
 use crate::pool::KvPool;
+use tandem_ucx_sys as sys;
 
 /// Idle progress rounds before the thread arms the worker and sleeps.
 const SPIN_ROUNDS: u32 = 2000;
@@ -43,7 +44,7 @@ type Reply<T> = oneshot::Sender<Result<T, TransferError>>;
 pub(crate) enum Cmd {
     Map { pool: Arc<KvPool>, reply: std::sync::mpsc::Sender<Result<(u64, Vec<u8>), TransferError>> },
     Unmap { mem: u64, guard: Option<LiveGuard> },
-    Connect { address: Vec<u8>, rkey: Vec<u8>, reply: Reply<(u64, String)> },
+    Connect { address: Vec<u8>, rkey: Vec<u8>, peer_failure: bool, reply: Reply<(u64, String)> },
     Close { ep: u64 },
     Put { ep: u64, ops: Vec<PutOp>, keep: Keep, reply: Reply<()> },
     TagSend { ep: u64, ops: Vec<TagOp>, keep: Keep, reply: Reply<()> },
@@ -236,9 +237,15 @@ impl Progress {
                 self.mems.remove(&mem);
                 drop(guard);
             }
-            Cmd::Connect { address, rkey, reply } => {
+            Cmd::Connect { address, rkey, peer_failure, reply } => {
                 let r = (|| {
-                    let mut ep = Endpoint::connect(&self.worker, &address)?;
+                    let mut ep = match Endpoint::connect(&self.worker, &address, peer_failure) {
+                        Err(TransferError::Ucx { status, .. }) if peer_failure && status == sys::UCS_ERR_UNREACHABLE as i32 => {
+                            tracing::info!("no UCX transport to this peer detects peer failure; the control connection will");
+                            Endpoint::connect(&self.worker, &address, false)?
+                        }
+                        r => r?,
+                    };
                     ep.unpack_rkey(&rkey)?;
                     let info = ep.info();
                     let id = self.id();
