@@ -269,15 +269,24 @@ fn decode_matches_hugging_face_tokenizers() {
     }
 }
 
+/// A temporary directory removed on drop (also when the test panics).
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 #[test]
 fn tokenizer_json_of_the_same_vocabulary_encodes_identically() {
-    let dir = std::env::temp_dir().join(format!("tandem-tokenizer-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("create temp dir");
-    let json = dir.join("tokenizer.json");
+    let dir =
+        TempDir(std::env::temp_dir().join(format!("tandem-tokenizer-test-{}", std::process::id())));
+    std::fs::create_dir_all(&dir.0).expect("create temp dir");
+    let json = dir.0.join("tokenizer.json");
     let json_arg = json.to_str().expect("temp path is UTF-8");
     let _: Vec<Vec<u32>> = run_reference(&["--save-json", json_arg], &serde_json::json!([]));
     let from_json = Tokenizer::from_hf_json(&json).expect("load the tokenizer.json HF wrote");
-    std::fs::remove_dir_all(&dir).expect("remove temp dir");
     let from_gguf = tokenizer();
     assert_eq!(from_json.vocab_size(), from_gguf.vocab_size());
     assert_eq!(from_json.eos_token_id(), from_gguf.eos_token_id());
