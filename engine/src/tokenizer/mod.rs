@@ -14,14 +14,15 @@
 //!
 //! Invariants: `encode` never fails; a byte the vocabulary has no token for is dropped, as
 //! `tokenizers` (BPE without `unk_token`) and llama.cpp both do (SmolLM2 lacks 21 bytes: six
-//! ASCII controls and bytes that never occur in UTF-8, plus 0xF1/0xF2, the lead bytes of
-//! rare planes), so `decode(encode(s)) == s` for every string `s` whose bytes all have tokens
-//! and that contains no added-token text; no BOS is ever inserted by `encode`. A [`Tokenizer`] is immutable after loading, `Send + Sync`, and
-//! `encode` allocates only its output and per-call scratch buffers.
+//! ASCII controls, bytes that never occur in UTF-8, and 0xF1/0xF2, the lead bytes of the
+//! unassigned planes 4-11), so `decode(encode(s)) == s` for every string `s` whose bytes all have tokens and
+//! that contains no added-token text. No BOS is ever inserted by `encode`. A [`Tokenizer`] is
+//! immutable after loading and `Send + Sync`; `encode` allocates only its output and per-call
+//! scratch buffers.
 //!
-//! Cost: loading builds a ~49k-entry string map and a merge map (tens of milliseconds);
-//! encoding is linear in the text apart from the O(n log n) merge within each piece
-//! (pieces are words, so in practice a few microseconds per word).
+//! Cost: loading builds a ~49k-entry string map and a merge map (~0.15 s for SmolLM2,
+//! including reading the GGUF metadata). Encoding is linear in the text apart from the
+//! O(n log n) merge within each piece; an 8,259-token prompt encodes in ~2 ms.
 
 mod added;
 mod bpe;
