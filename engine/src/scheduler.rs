@@ -1,0 +1,595 @@
+//! Continuous batching: which tokens of which sequences run in the next step.
+//!
+//! Each step has a token budget. Running sequences go first (highest priority, oldest first):
+//! a decoding sequence takes one token, a sequence still prefilling takes the next chunk of its
+//! prompt (chunked prefill). If a running sequence needs a block and none is free, the
+//! lowest-priority, most recently admitted running sequence is **preempted by recompute**: its
+//! blocks are released and it returns to the front of its waiting queue with its generated tokens
+//! appended to its prompt, to be re-prefilled later (the kernels are batch-invariant, so the
+//! recomputed KV, and hence the output, is bitwise what it would have been).
+//! Then, if nothing was preempted, waiting sequences are admitted: interactive before batch,
+//! first-come first-served within a class, preferring sequences in the same length bucket as the
+//! first one admitted this step, reusing cached prefix blocks where the prefix cache has them.
+//!
+//! # Invariants
+//! - No deadlock: a request is admitted only if prompt + max new tokens fit the whole pool, and
+//!   the highest-priority oldest sequence is never preempted by another, so it always completes.
+//! - Every block a sequence holds is released exactly once: on finish, abort or preemption.
+//! - `free + held == total` after any sequence of calls (asserted by the seeded tests).
+//!
+//! The scheduler is synchronous and deterministic: time is passed in (`now`), never read.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::EngineError;
+use crate::kv::{BlockId, BlockManager, hash_block};
+
+/// Priority class of a request: interactive traffic is always scheduled before batch traffic.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Priority {
+    /// Latency-sensitive requests (chat, completions): the default.
+    #[default]
+    Interactive,
+    /// Throughput requests (offline jobs); preempted first.
+    Batch,
+}
+
+impl Priority {
+    /// Stable label for logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Priority::Interactive => "interactive",
+            Priority::Batch => "batch",
+        }
+    }
+}
+
+/// Scheduling knobs.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SchedulerConfig {
+    /// Sequences running at once.
+    pub max_num_seqs: usize,
+    /// Tokens computed per step (prefill chunks + decode tokens).
+    pub max_tokens_per_step: usize,
+    /// Requests waiting to be admitted; more are refused with `QueueFull`.
+    pub max_waiting: usize,
+    /// When idle, wait up to this long after the first arrival before starting a step, to batch
+    /// requests that arrive together (0 = start at once).
+    pub max_wait: Duration,
+    /// Upper bounds (tokens) of the prompt-length buckets used to group admissions.
+    pub length_buckets: Vec<usize>,
+    /// Reuse KV of full blocks whose chained hash matches an earlier request's.
+    pub enable_prefix_caching: bool,
+    /// Longest sequence (prompt + output) accepted.
+    pub max_model_len: usize,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            max_num_seqs: 64,
+            max_tokens_per_step: 512,
+            max_waiting: 1024,
+            max_wait: Duration::ZERO,
+            length_buckets: vec![128, 512, 2048],
+            enable_prefix_caching: true,
+            max_model_len: 8192,
+        }
+    }
+}
+
+impl SchedulerConfig {
+    /// Rejects values that would stall the scheduler.
+    pub fn validate(&self) -> Result<(), EngineError> {
+        for (field, v) in [
+            ("max_num_seqs", self.max_num_seqs),
+            ("max_tokens_per_step", self.max_tokens_per_step),
+            ("max_waiting", self.max_waiting),
+            ("max_model_len", self.max_model_len),
+        ] {
+            if v == 0 {
+                return Err(EngineError::InvalidConfig { field, value: "0".into(), reason: "must be > 0".into() });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A piece of work for the next forward pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScheduledChunk {
+    /// The sequence.
+    pub seq_id: u64,
+    /// Position of the chunk's first token.
+    pub first_pos: usize,
+    /// Tokens in the chunk.
+    pub len: usize,
+    /// True when the chunk ends at the sequence's last token, so its logits give the next token.
+    pub want_logits: bool,
+}
+
+/// What one call to [`Scheduler::schedule`] decided.
+#[derive(Debug, Default)]
+pub struct SchedulerOutput {
+    /// Work for this step, running sequences first.
+    pub chunks: Vec<ScheduledChunk>,
+    /// Sequences preempted (moved back to waiting) by this step.
+    pub preempted: Vec<u64>,
+}
+
+#[derive(Debug)]
+struct Sequence {
+    priority: Priority,
+    arrival: u64,
+    arrived_at: Instant,
+    tokens: Vec<u32>,
+    /// Tokens whose KV is in the cache.
+    num_computed: usize,
+    blocks: Vec<BlockId>,
+    /// Chained hashes of the leading full blocks (prefix caching).
+    block_hashes: Vec<u64>,
+    /// Prompt tokens served from the prefix cache at (first) admission.
+    cached_tokens: usize,
+    preemptions: u32,
+    running: bool,
+}
+
+impl Sequence {
+    /// Extends the chained block hashes to cover the first `full` blocks.
+    fn extend_hashes(&mut self, full: usize, bs: usize) {
+        while self.block_hashes.len() < full {
+            let j = self.block_hashes.len();
+            let prev = j.checked_sub(1).map_or(0, |p| self.block_hashes[p]);
+            self.block_hashes.push(hash_block(prev, &self.tokens[j * bs..(j + 1) * bs]));
+        }
+    }
+}
+
+/// The continuous-batching scheduler and the block manager it drives.
+#[derive(Debug)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    blocks: BlockManager,
+    block_size: usize,
+    seqs: HashMap<u64, Sequence>,
+    waiting: [VecDeque<u64>; 2],
+    running: Vec<u64>,
+    next_arrival: u64,
+}
+
+fn class(p: Priority) -> usize {
+    match p {
+        Priority::Interactive => 0,
+        Priority::Batch => 1,
+    }
+}
+
+impl Scheduler {
+    /// A scheduler over `num_blocks` KV blocks of `block_size` tokens.
+    pub fn new(cfg: SchedulerConfig, num_blocks: usize, block_size: usize) -> Result<Self, EngineError> {
+        cfg.validate()?;
+        Ok(Scheduler {
+            cfg,
+            blocks: BlockManager::new(num_blocks),
+            block_size,
+            seqs: HashMap::new(),
+            waiting: [VecDeque::new(), VecDeque::new()],
+            running: Vec::new(),
+            next_arrival: 0,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    /// The block manager (read-only: free/used counts, prefix-cache stats).
+    pub fn blocks(&self) -> &BlockManager {
+        &self.blocks
+    }
+
+    /// Sequences admitted and running.
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Sequences waiting for admission (new or preempted).
+    pub fn num_waiting(&self) -> usize {
+        self.waiting[0].len() + self.waiting[1].len()
+    }
+
+    /// True when no sequence is waiting or running.
+    pub fn is_idle(&self) -> bool {
+        self.seqs.is_empty()
+    }
+
+    fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_size)
+    }
+
+    /// Queues a new sequence, or refuses it with a typed error if it could never run.
+    pub fn add(
+        &mut self,
+        seq_id: u64,
+        prompt: Vec<u32>,
+        max_new_tokens: usize,
+        priority: Priority,
+        now: Instant,
+    ) -> Result<(), EngineError> {
+        if self.seqs.contains_key(&seq_id) {
+            return Err(EngineError::DuplicateRequest(seq_id));
+        }
+        if prompt.is_empty() {
+            return Err(EngineError::InvalidRequest {
+                field: "prompt",
+                value: "\"\"".into(),
+                reason: "the prompt must contain at least one token".into(),
+            });
+        }
+        let total = prompt.len() + max_new_tokens;
+        if total > self.cfg.max_model_len {
+            return Err(EngineError::ContextOverflow {
+                prompt_tokens: prompt.len(),
+                max_new_tokens,
+                max_context_tokens: self.cfg.max_model_len,
+            });
+        }
+        let required_blocks = self.blocks_for(total);
+        if required_blocks > self.blocks.num_blocks() {
+            return Err(EngineError::NeverFits { required_blocks, total_blocks: self.blocks.num_blocks() });
+        }
+        if self.num_waiting() >= self.cfg.max_waiting {
+            return Err(EngineError::QueueFull { capacity: self.cfg.max_waiting });
+        }
+        let arrival = self.next_arrival;
+        self.next_arrival += 1;
+        self.seqs.insert(
+            seq_id,
+            Sequence {
+                priority,
+                arrival,
+                arrived_at: now,
+                tokens: prompt,
+                num_computed: 0,
+                blocks: Vec::new(),
+                block_hashes: Vec::new(),
+                cached_tokens: 0,
+                preemptions: 0,
+                running: false,
+            },
+        );
+        self.waiting[class(priority)].push_back(seq_id);
+        Ok(())
+    }
+
+    /// How long the caller should wait before the next step to gather a batch (the wait window),
+    /// or `None` to step now (or nothing to do).
+    pub fn wait_hint(&self, now: Instant) -> Option<Duration> {
+        if !self.running.is_empty() || self.cfg.max_wait.is_zero() {
+            return None;
+        }
+        let waiting = self.waiting.iter().flatten().map(|id| &self.seqs[id]);
+        let (mut oldest, mut tokens, mut n) = (None::<Instant>, 0usize, 0usize);
+        for s in waiting {
+            oldest = Some(oldest.map_or(s.arrived_at, |o: Instant| o.min(s.arrived_at)));
+            tokens += s.tokens.len();
+            n += 1;
+        }
+        let oldest = oldest?;
+        if tokens >= self.cfg.max_tokens_per_step || n >= self.cfg.max_num_seqs {
+            return None;
+        }
+        let deadline = oldest + self.cfg.max_wait;
+        (deadline > now).then(|| deadline - now)
+    }
+
+    fn bucket(&self, tokens: usize) -> usize {
+        self.cfg.length_buckets.iter().position(|&b| tokens <= b).unwrap_or(self.cfg.length_buckets.len())
+    }
+
+    fn sort_running(&mut self) {
+        let seqs = &self.seqs;
+        self.running.sort_by_key(|id| (seqs[id].priority, seqs[id].arrival));
+    }
+
+    /// Decides the next step's work.
+    pub fn schedule(&mut self) -> SchedulerOutput {
+        let mut out = SchedulerOutput::default();
+        let mut budget = self.cfg.max_tokens_per_step;
+
+        // 1. Running sequences, in priority/arrival order.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let (computed, len, held) = {
+                let s = &self.seqs[&id];
+                (s.num_computed, s.tokens.len(), s.blocks.len())
+            };
+            let n = (len - computed).min(budget);
+            let need = self.blocks_for(computed + n).saturating_sub(held);
+            let mut self_preempted = false;
+            while self.blocks.num_free() < need {
+                let victim_idx = self.running.len() - 1;
+                let victim = self.running[victim_idx];
+                self.preempt(victim_idx);
+                out.preempted.push(victim);
+                if victim == id {
+                    self_preempted = true;
+                    break;
+                }
+            }
+            if self_preempted {
+                continue;
+            }
+            let new_blocks = self.blocks.allocate_n(need).expect("freed enough blocks above");
+            let s = self.seqs.get_mut(&id).expect("running id is known");
+            s.blocks.extend(new_blocks);
+            out.chunks.push(ScheduledChunk { seq_id: id, first_pos: computed, len: n, want_logits: computed + n == len });
+            budget -= n;
+            i += 1;
+        }
+
+        // 2. Admit waiting sequences, unless this step had to preempt (no room).
+        if out.preempted.is_empty() {
+            let mut head_bucket = None;
+            'classes: for c in 0..2 {
+                while self.running.len() < self.cfg.max_num_seqs && budget > 0 && !self.waiting[c].is_empty() {
+                    let pick = self.pick_waiting(c, head_bucket);
+                    let id = self.waiting[c][pick];
+                    match self.try_admit(id, budget) {
+                        Some(chunk) => {
+                            self.waiting[c].remove(pick);
+                            head_bucket.get_or_insert(self.bucket(chunk.len));
+                            budget -= chunk.len;
+                            out.chunks.push(chunk);
+                        }
+                        None => break 'classes, // no room: keep order, stop admitting
+                    }
+                }
+            }
+            self.sort_running();
+        }
+        out
+    }
+
+    /// Index in waiting queue `c` of the next sequence to admit: the first one in `bucket` among
+    /// the first 16, else the head.
+    fn pick_waiting(&self, c: usize, bucket: Option<usize>) -> usize {
+        let Some(b) = bucket else { return 0 };
+        self.waiting[c]
+            .iter()
+            .take(16)
+            .position(|id| {
+                let s = &self.seqs[id];
+                self.bucket(s.tokens.len() - s.num_computed) == b
+            })
+            .unwrap_or(0)
+    }
+
+    /// Allocates a first chunk for waiting sequence `id` (after prefix-cache reuse), or `None`
+    /// (changing nothing) when the blocks are not there.
+    fn try_admit(&mut self, id: u64, budget: usize) -> Option<ScheduledChunk> {
+        let bs = self.block_size;
+        let caching = self.cfg.enable_prefix_caching;
+        let s = self.seqs.get_mut(&id).expect("waiting id is known");
+        debug_assert!(s.blocks.is_empty() && s.num_computed == 0);
+        // Hashes of the full blocks, never covering the last token (it must run to give logits).
+        let full = (s.tokens.len() - 1) / bs;
+        if caching {
+            s.extend_hashes(full, bs);
+        }
+        let hits = if caching { self.blocks.match_prefix(&s.block_hashes[..full.min(s.block_hashes.len())]) } else { vec![] };
+        for &b in &hits {
+            self.blocks.retain(b);
+        }
+        let computed = hits.len() * bs;
+        let len = s.tokens.len();
+        let n = (len - computed).min(budget);
+        let need = (computed + n).div_ceil(bs) - hits.len();
+        let Some(fresh) = self.blocks.allocate_n(need) else {
+            self.blocks.release_all(&hits);
+            return None;
+        };
+        let s = self.seqs.get_mut(&id).expect("waiting id is known");
+        if s.preemptions == 0 {
+            s.cached_tokens = computed;
+        }
+        s.blocks = hits;
+        s.blocks.extend(fresh);
+        s.num_computed = computed;
+        s.running = true;
+        self.running.push(id);
+        Some(ScheduledChunk { seq_id: id, first_pos: computed, len: n, want_logits: computed + n == len })
+    }
+
+    /// Moves running sequence at `idx` back to the front of its waiting queue, releasing its blocks.
+    fn preempt(&mut self, idx: usize) {
+        let id = self.running.remove(idx);
+        let s = self.seqs.get_mut(&id).expect("running id is known");
+        self.blocks.release_all(&s.blocks);
+        s.blocks.clear();
+        s.num_computed = 0;
+        s.running = false;
+        s.preemptions += 1;
+        self.waiting[class(s.priority)].push_front(id);
+    }
+
+    /// Records that `chunk` ran: its KV is cached and, if it produced a token, `sampled` joins
+    /// the sequence. Full blocks become findable by the prefix cache.
+    pub fn on_chunk_done(&mut self, chunk: &ScheduledChunk, sampled: Option<u32>) {
+        let bs = self.block_size;
+        let caching = self.cfg.enable_prefix_caching;
+        let Some(s) = self.seqs.get_mut(&chunk.seq_id) else { return };
+        if !s.running || s.num_computed != chunk.first_pos {
+            return; // preempted or aborted in the meantime
+        }
+        s.num_computed += chunk.len;
+        if caching {
+            let full = s.num_computed / bs;
+            s.extend_hashes(full, bs);
+            // Blocks completed before this chunk were registered when they completed.
+            for j in chunk.first_pos / bs..full {
+                self.blocks.cache_full_block(s.blocks[j], s.block_hashes[j]);
+            }
+        }
+        if let Some(t) = sampled {
+            s.tokens.push(t);
+        }
+    }
+
+    /// Ends a sequence (finished or aborted), releasing every block it holds. Returns false if
+    /// the id is unknown.
+    pub fn remove(&mut self, seq_id: u64) -> bool {
+        let Some(s) = self.seqs.remove(&seq_id) else { return false };
+        self.blocks.release_all(&s.blocks);
+        if s.running {
+            self.running.retain(|&r| r != seq_id);
+        } else {
+            self.waiting[class(s.priority)].retain(|&w| w != seq_id);
+        }
+        true
+    }
+
+    /// All tokens of a sequence (prompt, then generated).
+    pub fn tokens(&self, seq_id: u64) -> Option<&[u32]> {
+        self.seqs.get(&seq_id).map(|s| s.tokens.as_slice())
+    }
+
+    /// Physical blocks of a sequence, in position order.
+    pub fn block_table(&self, seq_id: u64) -> Option<&[BlockId]> {
+        self.seqs.get(&seq_id).map(|s| s.blocks.as_slice())
+    }
+
+    /// Prompt tokens that were served from the prefix cache at admission.
+    pub fn cached_tokens(&self, seq_id: u64) -> usize {
+        self.seqs.get(&seq_id).map_or(0, |s| s.cached_tokens)
+    }
+
+    /// Times a sequence has been preempted.
+    pub fn preemptions(&self, seq_id: u64) -> u32 {
+        self.seqs.get(&seq_id).map_or(0, |s| s.preemptions)
+    }
+
+    /// Panics if block accounting is inconsistent (tests).
+    pub fn check_invariants(&self) {
+        self.blocks.check_invariants();
+        let held: usize = self.seqs.values().map(|s| s.blocks.len()).sum();
+        let mut per_block = vec![0u32; self.blocks.num_blocks()];
+        for s in self.seqs.values() {
+            for &b in &s.blocks {
+                per_block[b as usize] += 1;
+            }
+            assert!(s.blocks.len() * self.block_size >= s.num_computed, "computed tokens without blocks");
+        }
+        for (b, &n) in per_block.iter().enumerate() {
+            assert_eq!(n, self.blocks.ref_count(b as u32), "block {b}: holders vs ref count");
+        }
+        assert!(held >= self.blocks.num_used());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sched(blocks: usize, budget: usize) -> Scheduler {
+        let cfg = SchedulerConfig { max_tokens_per_step: budget, ..Default::default() };
+        Scheduler::new(cfg, blocks, 4).unwrap()
+    }
+
+    fn run_step(s: &mut Scheduler) -> SchedulerOutput {
+        let out = s.schedule();
+        for c in &out.chunks {
+            s.on_chunk_done(c, c.want_logits.then_some(7));
+        }
+        s.check_invariants();
+        out
+    }
+
+    #[test]
+    fn long_prompts_are_chunked_to_the_token_budget() {
+        let mut s = sched(64, 8);
+        s.add(1, (0..20).collect(), 4, Priority::Interactive, Instant::now()).unwrap();
+        let lens: Vec<_> = (0..3).map(|_| run_step(&mut s).chunks[0].len).collect();
+        assert_eq!(lens, vec![8, 8, 4]);
+        let out = run_step(&mut s);
+        assert_eq!(out.chunks[0], ScheduledChunk { seq_id: 1, first_pos: 20, len: 1, want_logits: true });
+    }
+
+    #[test]
+    fn interactive_is_admitted_before_batch() {
+        let mut s = sched(64, 4);
+        let now = Instant::now();
+        s.add(1, vec![1; 4], 4, Priority::Batch, now).unwrap();
+        s.add(2, vec![2; 4], 4, Priority::Interactive, now).unwrap();
+        assert_eq!(run_step(&mut s).chunks[0].seq_id, 2);
+    }
+
+    #[test]
+    fn requests_that_can_never_fit_are_refused_up_front() {
+        let mut s = sched(4, 64);
+        let err = s.add(1, vec![1; 10], 10, Priority::Interactive, Instant::now()).unwrap_err();
+        assert!(matches!(err, EngineError::NeverFits { required_blocks: 5, total_blocks: 4 }));
+        assert!(s.is_idle());
+        let err = s.add(2, vec![], 1, Priority::Interactive, Instant::now()).unwrap_err();
+        assert!(matches!(err, EngineError::InvalidRequest { field: "prompt", .. }));
+    }
+
+    #[test]
+    fn out_of_blocks_preempts_the_newest_and_everything_finishes() {
+        let mut s = sched(6, 64);
+        let now = Instant::now();
+        for id in 0..3 {
+            s.add(id, vec![id as u32; 6], 10, Priority::Interactive, now).unwrap();
+        }
+        let mut generated = HashMap::<u64, usize>::new();
+        let mut preempted = 0;
+        for _ in 0..500 {
+            if s.is_idle() {
+                break;
+            }
+            let out = run_step(&mut s);
+            preempted += out.preempted.len();
+            for c in out.chunks.iter().filter(|c| c.want_logits) {
+                let n = generated.entry(c.seq_id).or_default();
+                *n += 1;
+                if *n == 10 {
+                    assert!(s.remove(c.seq_id));
+                }
+            }
+        }
+        assert!(s.is_idle(), "all sequences finish (no deadlock)");
+        assert!(preempted > 0, "6 blocks cannot hold three 16-token sequences at once");
+        assert_eq!(s.blocks().num_free(), 6, "every block returned");
+    }
+
+    #[test]
+    fn a_shared_prefix_is_served_from_cached_blocks() {
+        let mut s = sched(64, 64);
+        let now = Instant::now();
+        let prompt: Vec<u32> = (0..13).collect();
+        s.add(1, prompt.clone(), 2, Priority::Interactive, now).unwrap();
+        run_step(&mut s);
+        s.add(2, prompt.clone(), 2, Priority::Interactive, now).unwrap();
+        let out = run_step(&mut s);
+        let c2 = out.chunks.iter().find(|c| c.seq_id == 2).unwrap();
+        assert_eq!(c2.first_pos, 12, "three full blocks reused");
+        assert_eq!(s.cached_tokens(2), 12);
+        assert_eq!(s.block_table(1).unwrap()[..3], s.block_table(2).unwrap()[..3]);
+    }
+
+    #[test]
+    fn wait_window_holds_a_small_first_batch_until_it_expires() {
+        let cfg = SchedulerConfig { max_wait: Duration::from_millis(5), ..Default::default() };
+        let mut s = Scheduler::new(cfg, 64, 4).unwrap();
+        let t0 = Instant::now();
+        s.add(1, vec![1; 4], 4, Priority::Interactive, t0).unwrap();
+        assert_eq!(s.wait_hint(t0), Some(Duration::from_millis(5)));
+        assert_eq!(s.wait_hint(t0 + Duration::from_millis(5)), None);
+    }
+}
