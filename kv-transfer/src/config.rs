@@ -1,4 +1,4 @@
-//! Knobs shared by the network transports (TCP and UCX), validated once at construction.
+//! Knobs of the network transports (TCP and UCX), validated once at construction.
 
 use std::time::Duration;
 
@@ -54,6 +54,40 @@ impl TransferConfig {
         }
         Ok(())
     }
+}
+
+/// How block bytes travel over UCX.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum UcxDataMode {
+    /// RMA where UCX's `rma_bw` lanes are native, tagged sends otherwise (see the `ucx` module).
+    #[default]
+    Auto,
+    /// Always one-sided puts.
+    Rma,
+    /// Always tagged sends.
+    Tag,
+}
+
+impl std::str::FromStr for UcxDataMode {
+    type Err = TransferError;
+    fn from_str(s: &str) -> Result<Self, TransferError> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "rma" => Ok(Self::Rma),
+            "tag" => Ok(Self::Tag),
+            _ => Err(TransferError::invalid("ucx_data_mode", format!("`{s}` is not auto, rma or tag"))),
+        }
+    }
+}
+
+/// UCX settings tandem passes through.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UcxConfig {
+    /// UCX transports (`UCX_TLS` syntax, e.g. `shm,cma` or `tcp`); `None` keeps UCX's choice
+    /// (and the `UCX_TLS` environment).
+    pub tls: Option<String>,
+    /// RMA or tagged sends.
+    pub data_mode: UcxDataMode,
 }
 
 #[cfg(test)]

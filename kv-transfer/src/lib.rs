@@ -27,15 +27,16 @@
 //!   reservation.
 //! - Every failure is a typed [`TransferError`] with [`TransferError::retry_safe`].
 
-//BENCH pub mod bench;
+pub mod bench;
 pub mod config;
 pub mod error;
 pub mod fault;
 pub mod inbound;
 pub mod inproc;
+pub mod kind;
 pub mod metrics;
 pub mod pattern;
-//PEER pub mod peer;
+pub mod peer;
 pub mod pool;
 pub mod tcp;
 pub mod transport;
@@ -43,12 +44,13 @@ pub mod transport;
 pub mod ucx;
 pub mod wire;
 
-pub use config::TransferConfig;
+pub use config::{TransferConfig, UcxConfig, UcxDataMode};
 pub use error::{FailureKind, Phase, Side, TransferError};
 #[cfg(feature = "fault-injection")]
 pub use fault::Fault;
 pub use inbound::{InboundRegistry, InboundReport, InboundTransfer, Reservation};
 pub use inproc::{InProcKvTransport, InProcNetwork};
+pub use kind::{LayoutName, NetTransport, TransportKind};
 pub use metrics::{Live, MetricsSnapshot, TransferMetrics};
 pub use pool::{BlockId, KvPool};
 pub use tcp::TcpKvTransport;
@@ -56,4 +58,4 @@ pub use transport::{
     KvTransport, OutboundTransfer, PoolRegistration, PushRequest, TransferCapabilities, TransferReport,
 };
 #[cfg(feature = "ucx")]
-pub use ucx::{UcxConfig, UcxDataMode, UcxKvTransport};
+pub use ucx::UcxKvTransport;

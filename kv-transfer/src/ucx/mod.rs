@@ -38,7 +38,7 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::TransferConfig;
+use crate::config::{TransferConfig, UcxConfig, UcxDataMode};
 use crate::error::TransferError;
 use crate::fault::ChunkFaults;
 use crate::inbound::InboundRegistry;
@@ -79,40 +79,6 @@ pub(crate) struct TagOp {
     pub addr: usize,
     pub len: usize,
     pub tag: u64,
-}
-
-/// How block bytes travel over UCX.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum UcxDataMode {
-    /// RMA where UCX's `rma_bw` lanes are native, tagged sends otherwise (see module docs).
-    #[default]
-    Auto,
-    /// Always one-sided puts.
-    Rma,
-    /// Always tagged sends.
-    Tag,
-}
-
-impl std::str::FromStr for UcxDataMode {
-    type Err = TransferError;
-    fn from_str(s: &str) -> Result<Self, TransferError> {
-        match s {
-            "auto" => Ok(Self::Auto),
-            "rma" => Ok(Self::Rma),
-            "tag" => Ok(Self::Tag),
-            _ => Err(TransferError::invalid("ucx_data_mode", format!("`{s}` is not auto, rma or tag"))),
-        }
-    }
-}
-
-/// UCX settings tandem passes through.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct UcxConfig {
-    /// UCX transports (`UCX_TLS` syntax, e.g. `shm,cma` or `tcp`); `None` keeps UCX's choice
-    /// (and the `UCX_TLS` environment).
-    pub tls: Option<String>,
-    /// RMA or tagged sends.
-    pub data_mode: UcxDataMode,
 }
 
 /// Reads which transport serves each lane out of `ucp_ep_print_info`; true when some `rma_bw`

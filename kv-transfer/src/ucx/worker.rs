@@ -33,8 +33,12 @@ use crate::metrics::LiveGuard;
 use crate::pool::KvPool;
 use tandem_ucx_sys as sys;
 
-/// Idle progress rounds before the thread arms the worker and sleeps.
-const SPIN_ROUNDS: u32 = 2000;
+/// How long the thread keeps polling after the last sign of activity before it sleeps in
+/// `ucp_worker_wait`: short when nothing is outstanding (a new command wakes it anyway), longer
+/// while requests are in flight (their completion usually follows within microseconds, and a
+/// wake-up costs more than that).
+const IDLE_SPIN: Duration = Duration::from_micros(50);
+const BUSY_SPIN: Duration = Duration::from_millis(2);
 
 /// Something kept alive until a batch completes (the memory its requests point into).
 pub(crate) type Keep = Box<dyn Any + Send>;
@@ -176,26 +180,27 @@ impl Progress {
     }
 
     fn run(mut self, rx: Receiver<Cmd>) {
-        let mut idle = 0u32;
+        let mut last_activity = Instant::now();
         'outer: loop {
             loop {
                 match rx.try_recv() {
                     Ok(Cmd::Shutdown) | Err(TryRecvError::Disconnected) => break 'outer,
                     Ok(cmd) => {
                         self.handle(cmd);
-                        idle = 0;
+                        last_activity = Instant::now();
                     }
                     Err(TryRecvError::Empty) => break,
                 }
             }
+            let before = self.batches.len() + self.closing.len();
             let progressed = self.worker.progress();
             self.poll();
-            if progressed {
-                idle = 0;
+            if progressed || self.batches.len() + self.closing.len() != before {
+                last_activity = Instant::now();
                 continue;
             }
-            idle += 1;
-            if idle < SPIN_ROUNDS {
+            let spin = if self.batches.is_empty() && self.closing.is_empty() { IDLE_SPIN } else { BUSY_SPIN };
+            if last_activity.elapsed() < spin {
                 continue;
             }
             match self.worker.arm() {
@@ -215,7 +220,7 @@ impl Progress {
                     std::thread::sleep(Duration::from_micros(100));
                 }
             }
-            idle = 0;
+            last_activity = Instant::now();
         }
         self.shutdown();
     }

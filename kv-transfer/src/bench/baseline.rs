@@ -1,0 +1,125 @@
+//! The baselines a transfer is compared with, measured in the same run on the same machine:
+//! Debian's `ucx_perftest` (`ucp_put_bw`), a plain loopback socket copy, and `memcpy`.
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::process::Command;
+
+use super::{Stats, median};
+use crate::peer::PeerProcess;
+use crate::pool::KvPool;
+
+/// `ucx_perftest` `ucp_put_bw` at `message_bytes`, between two processes on this host.
+/// Returns GB/s (1e9 bytes/s) from its "Final" overall bandwidth (which it prints in MiB/s).
+pub async fn perftest_put_bw(message_bytes: usize, iterations: usize, tls: Option<&str>) -> anyhow::Result<f64> {
+    let port = {
+        // Ask the kernel for a free port; the tiny race with another process is acceptable here.
+        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+        l.local_addr()?.port()
+    };
+    let env: Vec<(&str, &str)> = tls.map(|t| vec![("UCX_TLS", t)]).unwrap_or_default();
+    let mut server = Command::new("ucx_perftest")
+        .args(["-p", &port.to_string()])
+        .envs(env.iter().copied())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .context("run ucx_perftest (Debian package ucx-utils)")?;
+    let mut last_err = None;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let out = Command::new("ucx_perftest")
+            .args(["127.0.0.1", "-p", &port.to_string(), "-t", "ucp_put_bw"])
+            .args(["-s", &message_bytes.to_string(), "-n", &iterations.to_string()])
+            .envs(env.iter().copied())
+            .output()
+            .await?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        match parse_final_mib_per_s(&text) {
+            Some(mib) => {
+                let _ = server.wait().await;
+                return Ok(mib * 1_048_576.0 / 1e9);
+            }
+            None => last_err = Some(format!("{}{}", text, String::from_utf8_lossy(&out.stderr))),
+        }
+    }
+    let _ = server.kill().await;
+    bail!("ucx_perftest gave no result: {}", last_err.unwrap_or_default())
+}
+
+/// The overall bandwidth (MiB/s, perftest's "MB/s") from perftest's `Final:` line.
+pub fn parse_final_mib_per_s(out: &str) -> Option<f64> {
+    let line = out.lines().find(|l| l.trim_start().starts_with("Final:"))?;
+    let nums: Vec<f64> = line.split_whitespace().filter_map(|w| w.parse().ok()).collect();
+    // iterations, lat 50%, lat avg, lat overall, bw avg, bw overall, msg/s avg, msg/s overall
+    (nums.len() >= 6).then(|| nums[5])
+}
+
+/// A plain loopback socket copy of `bytes` per iteration from `src` to the `sink` peer, written
+/// in `write_bytes` pieces: the TCP transport's baseline, measured the same way.
+pub async fn socket_copy(
+    peer_bin: &Path,
+    src: &KvPool,
+    bytes: usize,
+    write_bytes: usize,
+    iterations: usize,
+    warmup: usize,
+) -> anyhow::Result<Stats> {
+    let sink = PeerProcess::spawn(peer_bin, &["sink".to_string()]).await?;
+    let addr = sink.addr.clone().context("sink address")?;
+    let mut s = tokio::net::TcpStream::connect(&addr).await?;
+    s.set_nodelay(true)?;
+    // SAFETY: the bench owns `src` and nothing writes it while the baseline runs.
+    let data = unsafe { std::slice::from_raw_parts(src.as_ptr(), bytes.min(src.len_bytes())) };
+    let mut times = Vec::with_capacity(iterations);
+    for i in 0..warmup + iterations {
+        let t0 = Instant::now();
+        s.write_all(&(data.len() as u64).to_le_bytes()).await?;
+        for piece in data.chunks(write_bytes) {
+            s.write_all(piece).await?;
+        }
+        let mut ack = [0u8; 1];
+        s.read_exact(&mut ack).await?;
+        if i >= warmup {
+            times.push(t0.elapsed());
+        }
+    }
+    drop(s);
+    drop(sink);
+    Ok(Stats::from_times(data.len() as u64, &times))
+}
+
+/// `memcpy` of `bytes` from `src` into a fresh buffer, median of `iterations` (GB/s).
+pub fn memcpy_gb_per_s(src: &KvPool, bytes: usize, iterations: usize) -> f64 {
+    let bytes = bytes.min(src.len_bytes());
+    // SAFETY: the bench owns `src` and nothing writes it while the baseline runs.
+    let data = unsafe { std::slice::from_raw_parts(src.as_ptr(), bytes) };
+    let mut dst = vec![0u8; bytes];
+    dst.copy_from_slice(data); // fault the pages in first
+    let times: Vec<Duration> = (0..iterations.max(1))
+        .map(|_| {
+            let t0 = Instant::now();
+            dst.copy_from_slice(std::hint::black_box(data));
+            std::hint::black_box(&dst);
+            t0.elapsed()
+        })
+        .collect();
+    bytes as f64 / median(&times).as_secs_f64() / 1e9
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn perftest_final_line_yields_overall_bandwidth() {
+        let out = "+-----+\nFinal:                  1000   3125.692  3152.981  3154.249     5074.56    5072.52         317         317\n";
+        assert_eq!(parse_final_mib_per_s(out), Some(5072.52));
+        assert_eq!(parse_final_mib_per_s("no result"), None);
+    }
+}

@@ -1,0 +1,364 @@
+//! The two-process peer: a child process that receives (or pushes) blocks, driven by a line
+//! protocol, for the two-process tests and the benchmark.
+//!
+//! `tandem-kv-peer serve` binds `127.0.0.1:0`, prints `LISTEN <addr>`, then reads commands on
+//! stdin, one per line, and answers on stdout:
+//!
+//! ```text
+//! reserve <id> <epoch> <ttl_ms> <verify 0|1> <dst,blocks>  ->  RESERVED <id> | REFUSED <id> <kind>
+//!   ... when it resolves                                    ->  RESULT <id> ok <bytes> <mismatched slabs>
+//!                                                               RESULT <id> err <kind>
+//! metrics                                                   ->  METRICS <json>
+//! quit                                                      ->  (exits)
+//! ```
+//!
+//! `tandem-kv-peer push` pushes once and prints `RESULT ok <bytes>` or `RESULT err <kind>`, then
+//! `METRICS <json>`. `tandem-kv-peer sink` is the plain-socket baseline receiver: it reads
+//! length-prefixed messages into one buffer and acknowledges each with one byte.
+//! Both ends fill and check slabs with [`crate::pattern`], so "the destination bytes equal the
+//! source bytes" is checked byte for byte across processes.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::net::TcpListener;
+use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{TransferConfig, UcxConfig, UcxDataMode};
+use crate::inbound::{InboundRegistry, Reservation};
+use crate::kind::{LayoutName, NetTransport, TransportKind};
+use crate::pattern;
+use crate::pool::{BlockId, KvPool};
+use crate::transport::{KvTransport, PushRequest};
+
+/// Seed of the slab pattern both processes use unless told otherwise.
+pub const DEFAULT_SEED: u64 = 0x7a11_d0e5;
+
+/// Which transport, and its knobs.
+#[derive(clap::Args, Clone, Debug)]
+pub struct TransportArgs {
+    /// Network transport.
+    #[arg(long, value_enum, default_value = "tcp")]
+    pub transport: TransportKind,
+    /// UCX transports (`UCX_TLS` syntax); unset: UCX's own choice.
+    #[arg(long)]
+    pub ucx_tls: Option<String>,
+    /// UCX data path: RMA puts, tagged sends, or auto.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub ucx_data_mode: UcxDataMode,
+    /// Largest chunk sent as one unit.
+    #[arg(long, default_value_t = 16 << 20)]
+    pub max_chunk_bytes: usize,
+}
+
+impl TransportArgs {
+    /// Builds the transport these flags describe.
+    pub fn build(&self) -> anyhow::Result<NetTransport> {
+        let config = TransferConfig { max_chunk_bytes: self.max_chunk_bytes, ..Default::default() };
+        let ucx = UcxConfig { tls: self.ucx_tls.clone(), data_mode: self.ucx_data_mode };
+        Ok(NetTransport::new(self.transport, config, ucx)?)
+    }
+
+    /// The same flags, as arguments for a child process.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut a = vec![
+            "--transport".into(),
+            self.transport.as_str().into(),
+            "--ucx-data-mode".into(),
+            format!("{:?}", self.ucx_data_mode).to_lowercase(),
+            "--max-chunk-bytes".into(),
+            self.max_chunk_bytes.to_string(),
+        ];
+        if let Some(tls) = &self.ucx_tls {
+            a.extend(["--ucx-tls".into(), tls.clone()]);
+        }
+        a
+    }
+}
+
+/// The pool a peer allocates.
+#[derive(clap::Args, Clone, Debug)]
+pub struct PoolArgs {
+    /// KV layout.
+    #[arg(long, value_enum, default_value = "small")]
+    pub layout: LayoutName,
+    /// Tokens per block.
+    #[arg(long, default_value_t = 16)]
+    pub block_tokens: usize,
+    /// Blocks in the pool.
+    #[arg(long, default_value_t = 16)]
+    pub blocks: usize,
+    /// Seed of the slab pattern.
+    #[arg(long, default_value_t = DEFAULT_SEED)]
+    pub seed: u64,
+}
+
+impl PoolArgs {
+    /// The same flags, as arguments for a child process.
+    pub fn to_args(&self) -> Vec<String> {
+        vec![
+            "--layout".into(),
+            format!("{:?}", self.layout).to_lowercase(),
+            "--block-tokens".into(),
+            self.block_tokens.to_string(),
+            "--blocks".into(),
+            self.blocks.to_string(),
+            "--seed".into(),
+            self.seed.to_string(),
+        ]
+    }
+}
+
+/// `tandem-kv-peer serve`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub transport: TransportArgs,
+    #[command(flatten)]
+    pub pool: PoolArgs,
+}
+
+/// `tandem-kv-peer push`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct PushArgs {
+    #[command(flatten)]
+    pub transport: TransportArgs,
+    #[command(flatten)]
+    pub pool: PoolArgs,
+    /// The receiver's control address.
+    #[arg(long)]
+    pub connect: String,
+    /// Reservation id.
+    #[arg(long)]
+    pub reservation: u64,
+    /// Reservation epoch.
+    #[arg(long, default_value_t = 1)]
+    pub epoch: u64,
+    /// Source blocks, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub src: Vec<BlockId>,
+    /// Destination blocks, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub dst: Vec<BlockId>,
+    /// Mark one more layer ready every this many milliseconds (streamed push); 0: all at once.
+    #[arg(long, default_value_t = 0)]
+    pub layer_delay_ms: u64,
+    /// Push deadline, milliseconds.
+    #[arg(long, default_value_t = 30_000)]
+    pub deadline_ms: u64,
+    /// A fault to inject (`drop:N`, `delay-ms:N`, `corrupt:OFFSET`, `cut:BYTES`).
+    #[cfg(feature = "fault-injection")]
+    #[arg(long)]
+    pub fault: Option<crate::fault::Fault>,
+}
+
+/// Runs `serve` until stdin says `quit` or closes.
+pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let transport = args.transport.build()?;
+    let layout = args.pool.layout.layout(args.pool.block_tokens)?;
+    let pool = Arc::new(KvPool::new(layout, args.pool.blocks)?);
+    let registry = InboundRegistry::new(transport.register(pool)?, TransferConfig::default().fence_timeout);
+    let listener = TcpListener::bind("127.0.0.1:0").await.context("bind")?;
+    say(&format!("LISTEN {}", listener.local_addr()?));
+    let shutdown = CancellationToken::new();
+    let transport = Arc::new(transport);
+    let server = {
+        let (t, r, s) = (Arc::clone(&transport), registry.clone(), shutdown.clone());
+        tokio::spawn(async move { t.serve(listener, r, s).await })
+    };
+    let mut lines = BufReader::new(tokio::io::stdin()).lines();
+    while let Some(line) = lines.next_line().await? {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["reserve", id, epoch, ttl_ms, verify, blocks] => {
+                let r = Reservation {
+                    reservation_id: id.parse()?,
+                    epoch: epoch.parse()?,
+                    dst_blocks: parse_blocks(blocks)?,
+                    ttl: Duration::from_millis(ttl_ms.parse()?),
+                };
+                let (id, verify, seed) = (r.reservation_id, *verify == "1", args.pool.seed);
+                match registry.expect(r) {
+                    Ok(inbound) => {
+                        say(&format!("RESERVED {id}"));
+                        let pool = Arc::clone(registry.registration().pool());
+                        tokio::spawn(async move {
+                            let line = match inbound.await {
+                                Ok(rep) => {
+                                    // SAFETY: the reservation resolved, so nothing writes these blocks.
+                                    let bad = if verify {
+                                        unsafe { pattern::mismatched_slabs(&pool, seed, &rep.src_blocks, &rep.dst_blocks) }
+                                            .unwrap_or(usize::MAX)
+                                    } else {
+                                        0
+                                    };
+                                    format!("RESULT {id} ok {} {bad}", rep.bytes)
+                                }
+                                Err(e) => format!("RESULT {id} err {}", e.kind().as_str()),
+                            };
+                            say(&line);
+                        });
+                    }
+                    Err(e) => say(&format!("REFUSED {id} {}", e.kind().as_str())),
+                }
+            }
+            ["metrics"] => say(&format!("METRICS {}", serde_json::to_string(&transport.metrics().snapshot())?)),
+            ["quit"] => break,
+            _ => bail!("unknown command `{line}`"),
+        }
+    }
+    shutdown.cancel();
+    let _ = server.await;
+    Ok(())
+}
+
+/// Runs one `push` and prints its result and the sender's metrics.
+pub async fn push(args: PushArgs) -> anyhow::Result<()> {
+    let transport = args.transport.build()?;
+    let layout = args.pool.layout.layout(args.pool.block_tokens)?;
+    let mut pool = KvPool::new(layout, args.pool.blocks)?;
+    pattern::fill_blocks(&mut pool, args.pool.seed, &args.src)?;
+    let src = transport.register(Arc::new(pool))?;
+    let mut req = PushRequest::new(&args.connect, args.reservation, args.epoch, args.src.clone(), args.dst.clone())
+        .deadline(Duration::from_millis(args.deadline_ms));
+    if args.layer_delay_ms > 0 {
+        req = req.streamed();
+    }
+    #[cfg(feature = "fault-injection")]
+    if let Some(f) = args.fault {
+        req = req.fault(f);
+    }
+    let out = transport.push(&src, req, CancellationToken::new())?;
+    if args.layer_delay_ms > 0 {
+        for l in 1..=layout.num_layers as u32 {
+            tokio::time::sleep(Duration::from_millis(args.layer_delay_ms)).await;
+            out.layers_ready(l);
+            if l == 1 {
+                say("FIRST_LAYER_READY");
+            }
+        }
+    }
+    match out.await {
+        Ok(r) => say(&format!("RESULT ok {}", r.bytes)),
+        Err(e) => say(&format!("RESULT err {}", e.kind().as_str())),
+    }
+    drop(src);
+    say(&format!("METRICS {}", serde_json::to_string(&transport.metrics().snapshot())?));
+    Ok(())
+}
+
+/// The plain-socket baseline receiver: length-prefixed messages into one buffer, 1-byte acks.
+pub async fn sink() -> anyhow::Result<()> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    say(&format!("LISTEN {}", listener.local_addr()?));
+    let (mut s, _) = listener.accept().await?;
+    s.set_nodelay(true)?;
+    let mut buf: Vec<u8> = Vec::new();
+    loop {
+        let mut len = [0u8; 8];
+        if s.read_exact(&mut len).await.is_err() {
+            return Ok(());
+        }
+        let len = u64::from_le_bytes(len) as usize;
+        if buf.len() < len {
+            buf.resize(len, 0);
+        }
+        s.read_exact(&mut buf[..len]).await?;
+        s.write_all(&[1]).await?;
+    }
+}
+
+fn parse_blocks(s: &str) -> anyhow::Result<Vec<BlockId>> {
+    s.split(',').map(|b| b.parse::<BlockId>().map_err(Into::into)).collect()
+}
+
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+/// Where the peer binary is: `$TANDEM_KV_PEER_BIN`, else `tandem-kv-peer` next to this executable.
+pub fn default_peer_bin() -> Option<PathBuf> {
+    if let Ok(p) = std::env::var("TANDEM_KV_PEER_BIN") {
+        return Some(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe().ok()?;
+    let sibling = exe.with_file_name("tandem-kv-peer");
+    sibling.exists().then_some(sibling)
+}
+
+/// A running peer child, spoken to over its stdin/stdout. Killed when dropped.
+pub struct PeerProcess {
+    child: Child,
+    stdin: ChildStdin,
+    lines: Lines<BufReader<ChildStdout>>,
+    /// The address it printed with `LISTEN`, if any.
+    pub addr: Option<String>,
+}
+
+impl PeerProcess {
+    /// Starts `bin` with `args`; for `serve` and `sink`, waits for its `LISTEN` line.
+    pub async fn spawn(bin: &Path, args: &[String]) -> anyhow::Result<Self> {
+        let mut child = Command::new(bin)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("spawn {}", bin.display()))?;
+        let stdin = child.stdin.take().context("child stdin")?;
+        let lines = BufReader::new(child.stdout.take().context("child stdout")?).lines();
+        let mut p = Self { child, stdin, lines, addr: None };
+        if matches!(args.first().map(String::as_str), Some("serve" | "sink")) {
+            let line = p.line().await?;
+            p.addr = Some(line.strip_prefix("LISTEN ").context("expected LISTEN")?.to_string());
+        }
+        Ok(p)
+    }
+
+    /// The next line the child prints (errors if it exits first).
+    pub async fn line(&mut self) -> anyhow::Result<String> {
+        let line = tokio::time::timeout(Duration::from_secs(120), self.lines.next_line())
+            .await
+            .context("peer printed nothing for 120 s")??;
+        line.context("peer exited")
+    }
+
+    /// Sends one command line.
+    pub async fn send(&mut self, line: &str) -> anyhow::Result<()> {
+        self.stdin.write_all(format!("{line}\n").as_bytes()).await?;
+        self.stdin.flush().await?;
+        Ok(())
+    }
+
+    /// `reserve` and wait for `RESERVED`.
+    pub async fn reserve(&mut self, id: u64, epoch: u64, ttl: Duration, verify: bool, dst: &[BlockId]) -> anyhow::Result<()> {
+        let blocks: Vec<String> = dst.iter().map(|b| b.to_string()).collect();
+        let v = if verify { 1 } else { 0 };
+        self.send(&format!("reserve {id} {epoch} {} {v} {}", ttl.as_millis(), blocks.join(","))).await?;
+        let line = self.line().await?;
+        if line != format!("RESERVED {id}") {
+            bail!("peer answered `{line}` to reserve {id}");
+        }
+        Ok(())
+    }
+
+    /// Kills the child now and waits for it to exit.
+    pub async fn kill(&mut self) -> anyhow::Result<()> {
+        self.child.kill().await?;
+        Ok(())
+    }
+
+    /// Asks the child to quit and waits for its exit status.
+    pub async fn quit(mut self) -> anyhow::Result<std::process::ExitStatus> {
+        let _ = self.send("quit").await;
+        Ok(tokio::time::timeout(Duration::from_secs(30), self.child.wait()).await??)
+    }
+}
