@@ -22,7 +22,7 @@
 use crate::error::check_len;
 use crate::kv::{KvCacheRef, KvPart, check_pool, read_f32, scale_offset, tile_offset};
 use crate::linear::SyncPtr;
-use crate::simd::{Isa, portable};
+use crate::simd::{Isa, portable, prefetch};
 use crate::{Exec, KernelError};
 use std::cell::RefCell;
 use tandem_kv_layout::KvDtype;
@@ -44,6 +44,8 @@ pub struct AttnSeq<'a> {
 const SCRATCH_TARGET_FLOATS: usize = 1 << 16;
 /// Largest query tile.
 const MAX_QUERY_TILE: usize = 16;
+/// KV tiles prefetched ahead of the one being processed.
+const PREFETCH_BLOCKS: usize = 2;
 /// Rows sharing one V load.
 const V_GROUP: usize = 4;
 
@@ -184,8 +186,9 @@ fn validate_seqs(
 }
 
 thread_local! {
-    /// (scores, accumulators), reused across calls on the same thread.
-    static SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    /// (scores, accumulators, softmax sums), reused across calls on the same thread.
+    static SCRATCH: RefCell<(Vec<f32>, Vec<f32>, Vec<f32>)> =
+        const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
 }
 
 /// # Safety
@@ -218,13 +221,24 @@ unsafe fn run_task(
     let valid = |r: usize, b: usize| (pos(r) + 1).saturating_sub(b * bs).min(bs);
     SCRATCH.with(|sc| {
         let mut sc = sc.borrow_mut();
-        let (sbuf, abuf) = &mut *sc;
+        let (sbuf, abuf, sums) = &mut *sc;
         sbuf.clear();
         sbuf.resize(n_rows * ctx, 0.0);
         abuf.clear();
         abuf.resize(n_rows * hd_pad, 0.0);
         let n_blocks = ctx.div_ceil(bs);
+        let tile_bytes = bs * hd * esz;
+        let tile_of = |b: usize, part: KvPart| {
+            let at = tile_offset(l, nb, layer, s.block_table[b] as usize, t.kv_head, part);
+            &cache.bytes[at..at + tile_bytes]
+        };
+        for b in 0..n_blocks.min(PREFETCH_BLOCKS) {
+            prefetch(tile_of(b, KvPart::K));
+        }
         for b in 0..n_blocks {
+            if b + PREFETCH_BLOCKS < n_blocks {
+                prefetch(tile_of(b + PREFETCH_BLOCKS, KvPart::K));
+            }
             let block = s.block_table[b] as usize;
             let tile_at = tile_offset(l, nb, layer, block, t.kv_head, KvPart::K);
             let kscale = (l.dtype == KvDtype::Int8)
@@ -239,31 +253,51 @@ unsafe fn run_task(
                 }
             }
         }
-        let sums: Vec<f32> = (0..n_rows)
-            .map(|r| softmax_weights(isa, &mut sbuf[r * ctx..r * ctx + pos(r) + 1]))
-            .collect();
+        sums.clear();
+        sums.extend((0..n_rows).map(|r| softmax_weights(isa, &mut sbuf[r * ctx..r * ctx + pos(r) + 1])));
+        for b in 0..n_blocks.min(PREFETCH_BLOCKS) {
+            prefetch(tile_of(b, KvPart::V));
+        }
         for b in 0..n_blocks {
+            if b + PREFETCH_BLOCKS < n_blocks {
+                prefetch(tile_of(b + PREFETCH_BLOCKS, KvPart::V));
+            }
             let block = s.block_table[b] as usize;
             let tile_at = tile_offset(l, nb, layer, block, t.kv_head, KvPart::V);
             let vscale = (l.dtype == KvDtype::Int8)
                 .then(|| read_f32(cache.bytes, scale_offset(l, nb, layer, block, t.kv_head, KvPart::V)));
             for g0 in (0..n_rows).step_by(V_GROUP) {
                 let g1 = (g0 + V_GROUP).min(n_rows);
+                // Tokens all rows of the group attend to go through one call sharing V loads;
+                // a row that attends to more (prefill, diagonal block) finishes alone. The chain
+                // per row stays in token order: the second call continues where the first ended.
                 let n_min = (g0..g1).map(|r| valid(r, b)).min().unwrap_or(0);
-                let mut spans: Vec<(usize, usize, usize)> = Vec::with_capacity(V_GROUP + 1);
+                let mut spans = [(0usize, 0usize, 0usize, 0usize); V_GROUP + 1];
+                let mut n_spans = 0;
                 if n_min > 0 {
-                    spans.push((g0, g1, 0));
+                    spans[0] = (g0, g1, 0, n_min);
+                    n_spans = 1;
                 }
-                spans.extend((g0..g1).filter(|&r| valid(r, b) > n_min).map(|r| (r, r + 1, n_min)));
-                for (r0, r1, from) in spans {
-                    let n = valid(r0, b) - from;
-                    let n = if r1 - r0 > 1 { n_min } else { n };
-                    let tile = &cache.bytes[tile_at + from * hd * esz..tile_at + (from + n) * hd * esz];
-                    let e: Vec<&[f32]> =
-                        (r0..r1).map(|r| &sbuf[r * ctx + b * bs + from..r * ctx + b * bs + from + n]).collect();
-                    let acc: Vec<*mut f32> = (r0..r1).map(|r| abuf[r * hd_pad..].as_mut_ptr()).collect();
-                    // SAFETY: tile holds n tokens, each e row n weights, acc rows hd_pad floats.
-                    unsafe { accumulate_v(isa, l.dtype, &e, tile, n, hd, vscale, &acc) };
+                for r in g0..g1 {
+                    if valid(r, b) > n_min {
+                        spans[n_spans] = (r, r + 1, n_min, valid(r, b));
+                        n_spans += 1;
+                    }
+                }
+                for &(r0, r1, from, to) in &spans[..n_spans] {
+                    let tile = &cache.bytes[tile_at + from * hd * esz..tile_at + to * hd * esz];
+                    let e: [&[f32]; V_GROUP] = std::array::from_fn(|i| {
+                        let r = (r0 + i).min(r1 - 1);
+                        &sbuf[r * ctx + b * bs + from..r * ctx + b * bs + to]
+                    });
+                    let ap = abuf.as_mut_ptr();
+                    let acc: [*mut f32; V_GROUP] = std::array::from_fn(|i| {
+                        // SAFETY: row r < n_rows; abuf holds n_rows * hd_pad floats.
+                        unsafe { ap.add((r0 + i).min(r1 - 1) * hd_pad) }
+                    });
+                    // SAFETY: tile holds `to - from` tokens, each e row as many weights, acc rows
+                    // hd_pad floats; only the first r1 - r0 (distinct) rows are used.
+                    unsafe { accumulate_v(isa, l.dtype, &e[..r1 - r0], tile, to - from, hd, vscale, &acc[..r1 - r0]) };
                 }
             }
         }

@@ -7,7 +7,8 @@
 //!
 //! Writes convert f32 to the layout dtype: f16/bf16 round to nearest even; Int8 is symmetric
 //! with one scale per (layer, block, K|V, head), `scale = max|x| / 127`, `q = round(x / scale)`
-//! (half away from zero), clamped to ±127. When a token needs a larger scale than its block
+//! (to nearest even), clamped to ±127.
+//! Each further requantization can add up to half a step of the new scale to older tokens' error. When a token needs a larger scale than its block
 //! has, the block's stored values are requantized to the new scale first
 //! (`q' = round(q * old / new)`). Writing offset 0 starts the block afresh (scale reset), so a
 //! recycled block never inherits a previous owner's scale.
@@ -17,6 +18,7 @@
 
 use crate::KernelError;
 use crate::error::check_len;
+use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use half::{bf16, f16};
 use tandem_kv_layout::{KvDtype, KvLayout};
 
@@ -123,6 +125,7 @@ pub fn write_kv(
         return Err(KernelError::SlotOutOfRange { op: OP, token, slot, num_slots });
     }
     let (hd, bs) = (l.head_dim, l.block_size_tokens);
+    let mut tmp16: Vec<u16> = Vec::new();
     for (t, &slot) in slots.iter().enumerate() {
         let (block, off) = (slot / bs, slot % bs);
         for (part, src) in [(KvPart::K, k), (KvPart::V, v)] {
@@ -138,21 +141,20 @@ pub fn write_kv(
                         }
                     }
                     KvDtype::F16 => {
-                        for (d, &xv) in x.iter().enumerate() {
-                            let b = f16::from_f32(xv).to_bits().to_le_bytes();
-                            bytes[dst_at + 2 * d..dst_at + 2 * d + 2].copy_from_slice(&b);
-                        }
+                        tmp16.resize(hd, 0);
+                        // Vectorised (F16C when present), round to nearest even either way.
+                        tmp16.as_mut_slice().reinterpret_cast_mut::<f16>().convert_from_f32_slice(x);
+                        put_u16s(&mut bytes[dst_at..dst_at + 2 * hd], &tmp16);
                     }
                     KvDtype::Bf16 => {
-                        for (d, &xv) in x.iter().enumerate() {
-                            let b = bf16::from_f32(xv).to_bits().to_le_bytes();
-                            bytes[dst_at + 2 * d..dst_at + 2 * d + 2].copy_from_slice(&b);
-                        }
+                        tmp16.resize(hd, 0);
+                        tmp16.as_mut_slice().reinterpret_cast_mut::<bf16>().convert_from_f32_slice(x);
+                        put_u16s(&mut bytes[dst_at..dst_at + 2 * hd], &tmp16);
                     }
                     KvDtype::Int8 => {
                         let s_at = scale_offset(&l, cache.num_blocks, layer, block, h, part);
                         let old = if off == 0 { 0.0 } else { read_f32(bytes, s_at) };
-                        let need = x.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0;
+                        let need = abs_max(x) / 127.0;
                         let scale = if need > old {
                             if old > 0.0 {
                                 requantize(&mut bytes[tile..tile + bs * hd], old, need);
@@ -173,9 +175,40 @@ pub fn write_kv(
     Ok(())
 }
 
-/// `round(x / scale)` clamped to ±127; 0 when the scale is 0.
+/// `x / scale` clamped to ±127 and rounded to nearest even (by adding and subtracting
+/// 1.5 × 2^23, exact for |y| < 2^22, so the loops vectorise where `f32::round` is a libm call);
+/// 0 when the scale is 0 (and for NaN input: `max` drops it).
+#[inline]
 fn quantize(x: f32, scale: f32) -> i8 {
-    if scale > 0.0 { (x / scale).round().clamp(-127.0, 127.0) as i8 } else { 0 }
+    const MAGIC: f32 = 12_582_912.0; // 1.5 × 2^23
+    if scale > 0.0 {
+        let y = (x / scale).max(-127.0).min(127.0);
+        let r = (y + MAGIC) - MAGIC;
+        // SAFETY: `r` is an integer in [-127, 127] (clamped, and `max` maps NaN to -127).
+        unsafe { r.to_int_unchecked::<i32>() as i8 }
+    } else {
+        0
+    }
+}
+
+/// `max |x|` (NaN ignored), in 8 independent lanes so it vectorises.
+fn abs_max(x: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for (l, v) in lanes.iter_mut().zip(c) {
+            *l = l.max(v.abs());
+        }
+    }
+    let tail = chunks.remainder().iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    lanes.iter().fold(tail, |m, &v| m.max(v))
+}
+
+/// Writes `v` as little-endian u16s into `dst` (`2 * v.len()` bytes).
+fn put_u16s(dst: &mut [u8], v: &[u16]) {
+    for (d, &x) in dst.chunks_exact_mut(2).zip(v) {
+        d.copy_from_slice(&x.to_le_bytes());
+    }
 }
 
 /// Rescales stored Int8 values from scale `old` to the larger scale `new`.

@@ -32,6 +32,8 @@ use std::thread::JoinHandle;
 
 /// Spin iterations (each a `spin_loop` hint, ~10-40 ns) before an idle worker parks.
 const SPIN_ITERS: u32 = 20_000;
+/// Spin iterations a caller waits for workers before it starts yielding its core.
+const WAIT_SPINS_BEFORE_YIELD: u32 = 2_000;
 
 struct Job<'a> {
     f: &'a (dyn Fn(usize) + Sync),
@@ -150,13 +152,9 @@ impl WorkerPool {
         IN_JOB.with(|c| c.set(true));
         job.work();
         IN_JOB.with(|c| c.set(false));
-        while job.done.load(SeqCst) < n_tasks {
-            std::hint::spin_loop();
-        }
+        wait_until(|| job.done.load(SeqCst) >= n_tasks);
         sh.job.store(std::ptr::null_mut(), SeqCst);
-        while sh.active.load(SeqCst) != 0 {
-            std::hint::spin_loop();
-        }
+        wait_until(|| sh.active.load(SeqCst) == 0);
         if job.panicked.load(SeqCst) {
             panic!("a kernel task panicked on a worker thread");
         }
@@ -166,6 +164,20 @@ impl WorkerPool {
     pub fn run_ranges(&self, len: usize, n_tasks: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
         let n = n_tasks.clamp(1, len.max(1));
         self.run(n, &|t| f(split_range(len, n, t)));
+    }
+}
+
+/// Spins until `ready()`, yielding the CPU after a short while: on an oversubscribed machine
+/// the thread we wait for may need this core to finish its task.
+fn wait_until(ready: impl Fn() -> bool) {
+    let mut spins = 0u32;
+    while !ready() {
+        if spins < WAIT_SPINS_BEFORE_YIELD {
+            spins += 1;
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
     }
 }
 

@@ -155,7 +155,36 @@ pub(crate) fn add(a: &mut [f32], b: &[f32]) {
     }
 }
 
+/// Reduces 16 canonical accumulators (one per token) to one vector of their 16 sums, token
+/// `u` in lane `u`, performing for every token exactly the additions of [`tree16`]
+/// (`l[i] + l[i+8]`, `+ [i+4]`, `+ [i+2]`, `+ [i+1]`), just interleaved across tokens.
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(crate) fn tree16x16(a: &[__m512; 16]) -> __m512 {
+    // 16 -> 8: lanes 0-7 = token 2k's s8, lanes 8-15 = token 2k+1's s8.
+    let b: [__m512; 8] = std::array::from_fn(|k| {
+        let (x, y) = (a[2 * k], a[2 * k + 1]);
+        _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(x, y), _mm512_shuffle_f32x4::<0xEE>(x, y))
+    });
+    // 8 -> 4: 128-bit block j of c[m] = token 4m + j's s4.
+    let c: [__m512; 4] = std::array::from_fn(|m| {
+        let (x, y) = (b[2 * m], b[2 * m + 1]);
+        _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(x, y), _mm512_shuffle_f32x4::<0xDD>(x, y))
+    });
+    // 4 -> 2: block j of d[n] = [s2 of token 8n + j, s2 of token 8n + 4 + j].
+    let d: [__m512; 2] = std::array::from_fn(|n| {
+        let (x, y) = (c[2 * n], c[2 * n + 1]);
+        _mm512_add_ps(_mm512_shuffle_ps::<0x44>(x, y), _mm512_shuffle_ps::<0xEE>(x, y))
+    });
+    // 2 -> 1: lane 4j + q = sum of token j + 4q.
+    let e = _mm512_add_ps(_mm512_shuffle_ps::<0x88>(d[0], d[1]), _mm512_shuffle_ps::<0xDD>(d[0], d[1]));
+    // Token t sits in lane 4 * (t % 4) + t / 4.
+    let idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_permutexvar_ps(idx, e)
+}
+
 /// Scores of one query row against `n` tokens of a head tile (see `portable::scores`).
+/// Sixteen tokens at a time share the query loads and one interleaved reduction.
 ///
 /// # Safety
 /// `tile` holds at least `n * q.len()` elements of dtype `DT`; `s` has room for `n`.
@@ -170,7 +199,34 @@ pub(crate) unsafe fn scores<const DT: u8>(
 ) {
     let hd = q.len();
     let full = hd / 16 * 16;
-    for t in 0..n {
+    // SAFETY: masked to the `hd - full` elements that exist.
+    let qtail = unsafe { _mm512_maskz_loadu_ps(mask(hd - full), q.as_ptr().add(full)) };
+    let mut t = 0;
+    while t + 16 <= n {
+        let mut acc = [_mm512_setzero_ps(); 16];
+        unsafe {
+            for c in (0..full).step_by(16) {
+                let qv = _mm512_loadu_ps(q.as_ptr().add(c));
+                for (u, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(qv, kv16::<DT>(tile, (t + u) * hd + c), *a);
+                }
+            }
+            if full < hd {
+                for (u, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(qtail, kv16_tail::<DT>(tile, (t + u) * hd + full, hd - full), *a);
+                }
+            }
+        }
+        let mut d = tree16x16(&acc);
+        if let Some(ks) = kscale {
+            d = _mm512_mul_ps(d, _mm512_set1_ps(ks));
+        }
+        d = _mm512_mul_ps(d, _mm512_set1_ps(mul));
+        // SAFETY: `s` has room for `n >= t + 16`.
+        unsafe { _mm512_storeu_ps(s.as_mut_ptr().add(t), d) };
+        t += 16;
+    }
+    for t in t..n {
         let mut acc = _mm512_setzero_ps();
         let base = t * hd;
         unsafe {
@@ -178,8 +234,7 @@ pub(crate) unsafe fn scores<const DT: u8>(
                 acc = _mm512_fmadd_ps(_mm512_loadu_ps(q.as_ptr().add(c)), kv16::<DT>(tile, base + c), acc);
             }
             if full < hd {
-                let qv = _mm512_maskz_loadu_ps(mask(hd - full), q.as_ptr().add(full));
-                acc = _mm512_fmadd_ps(qv, kv16_tail::<DT>(tile, base + full, hd - full), acc);
+                acc = _mm512_fmadd_ps(qtail, kv16_tail::<DT>(tile, base + full, hd - full), acc);
             }
         }
         let d = tree16(acc);
@@ -222,6 +277,9 @@ pub(crate) fn softmax_weights(s: &mut [f32]) -> f32 {
 /// `acc[r][d] = fma(w_r(t), v_t[d], acc[r][d])` for `t < n` (see `portable::accumulate_v`),
 /// `G` rows at a time. `acc` rows have a stride of `hd` rounded up to 16.
 ///
+/// Up to 4 chunks of 16 dimensions are carried at once, so `G × 4` independent FMA chains
+/// hide the FMA latency even for one row, and each V load feeds all `G` rows.
+///
 /// # Safety
 /// `tile` holds `n * hd` elements of dtype `DT`; each `e[r]` has `n` weights; each `acc[r]`
 /// points at `hd.next_multiple_of(16)` floats.
@@ -234,22 +292,69 @@ pub(crate) unsafe fn accumulate_v<const DT: u8, const G: usize>(
     vscale: Option<f32>,
     acc: [*mut f32; G],
 ) {
+    for r in 0..G {
+        assert!(e[r].len() >= n, "accumulate_v: {} weights for {n} tokens", e[r].len());
+    }
+    let mut c0 = 0;
+    while c0 < hd {
+        // SAFETY: forwarded contract; the pass covers dims c0..c0 + 16 * NC (padded).
+        unsafe {
+            match (hd - c0).div_ceil(16) {
+                1 => v_pass::<DT, G, 1>(&e, tile, n, hd, c0, vscale, &acc),
+                2 => v_pass::<DT, G, 2>(&e, tile, n, hd, c0, vscale, &acc),
+                3 => v_pass::<DT, G, 3>(&e, tile, n, hd, c0, vscale, &acc),
+                _ => v_pass::<DT, G, 4>(&e, tile, n, hd, c0, vscale, &acc),
+            }
+        }
+        c0 += 64;
+    }
+}
+
+/// One pass of [`accumulate_v`] over dims `c0..c0 + 16 * NC`, accumulators in registers.
+#[target_feature(enable = "avx512f")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn v_pass<const DT: u8, const G: usize, const NC: usize>(
+    e: &[&[f32]; G],
+    tile: *const u8,
+    n: usize,
+    hd: usize,
+    c0: usize,
+    vscale: Option<f32>,
+    acc: &[*mut f32; G],
+) {
     let full = hd / 16 * 16;
+    let vs = vscale.unwrap_or(1.0);
     unsafe {
-        for c in (0..hd).step_by(16) {
-            let mut a: [__m512; G] = std::array::from_fn(|g| _mm512_loadu_ps(acc[g].add(c)));
-            for t in 0..n {
-                let v = if c < full { kv16::<DT>(tile, t * hd + c) } else { kv16_tail::<DT>(tile, t * hd + c, hd - c) };
-                for g in 0..G {
-                    let w = match vscale {
-                        Some(vs) => e[g][t] * vs,
-                        None => e[g][t],
-                    };
-                    a[g] = _mm512_fmadd_ps(_mm512_set1_ps(w), v, a[g]);
+        let mut a = [[_mm512_setzero_ps(); NC]; G];
+        for g in 0..G {
+            for (c, ac) in a[g].iter_mut().enumerate() {
+                *ac = _mm512_loadu_ps(acc[g].add(c0 + 16 * c));
+            }
+        }
+        for t in 0..n {
+            let mut v = [_mm512_setzero_ps(); NC];
+            if c0 + 16 * NC <= full {
+                for (c, vc) in v.iter_mut().enumerate() {
+                    *vc = kv16::<DT>(tile, t * hd + c0 + 16 * c);
+                }
+            } else {
+                for (c, vc) in v.iter_mut().enumerate() {
+                    let d = c0 + 16 * c;
+                    *vc = if d < full { kv16::<DT>(tile, t * hd + d) } else { kv16_tail::<DT>(tile, t * hd + d, hd - d) };
                 }
             }
             for g in 0..G {
-                _mm512_storeu_ps(acc[g].add(c), a[g]);
+                let et = *e[g].get_unchecked(t);
+                let w = _mm512_set1_ps(if vscale.is_some() { et * vs } else { et });
+                for c in 0..NC {
+                    a[g][c] = _mm512_fmadd_ps(w, v[c], a[g][c]);
+                }
+            }
+        }
+        for g in 0..G {
+            for (c, ac) in a[g].iter().enumerate() {
+                _mm512_storeu_ps(acc[g].add(c0 + 16 * c), *ac);
             }
         }
     }
