@@ -1,2 +1,16 @@
-//! Library half of the `tandem` command (being built).
+//! Library half of the `tandem` command: each subcommand's flags and implementation, so tests and
+//! other binaries can call them directly.
+//!
+//! | module | command |
+//! |---|---|
+//! | [`generate`] | `tandem generate` — one streamed completion on the local engine |
+//! | [`plan`] | `tandem plan` — capacity planning (KV bytes, batch and concurrency limits) |
+//! | [`bench_engine`] | `tandem bench-engine` — prefill/decode throughput vs the bandwidth bound |
+//! | [`fetch`] | `tandem model fetch` — download and verify the default model |
+//! | [`load`] | building an engine from flags |
+
+pub mod bench_engine;
+pub mod fetch;
+pub mod generate;
+pub mod load;
 pub mod plan;

@@ -1,1 +1,67 @@
-fn main() {}
+//! `tandem`: the command-line entry point. Results go to stdout; logs and progress to stderr
+//! (`RUST_LOG` or `--log` set the level).
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use tandem_cli::{bench_engine, fetch, generate, plan};
+
+/// tandem serves LLMs with prefill and decode disaggregated. This binary runs the engine
+/// locally, plans capacity and benchmarks.
+#[derive(Parser, Debug)]
+#[command(name = "tandem", version, about, long_about = None)]
+struct Cli {
+    /// Log filter for stderr (e.g. info, debug, tandem_engine=trace).
+    #[arg(long, global = true, env = "RUST_LOG", default_value = "warn")]
+    log: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Generate a completion with the local engine, streamed to stdout.
+    Generate(generate::GenerateArgs),
+    /// Capacity planning: KV bytes per token, KV budget, largest batch, concurrency.
+    /// "GB" in flags means 2^30 bytes, "KB" 2^10.
+    Plan(plan::PlanArgs),
+    /// Benchmark the engine: prefill and decode tokens/s beside the bandwidth bound.
+    BenchEngine(bench_engine::BenchEngineArgs),
+    /// Manage the model cache.
+    #[command(subcommand)]
+    Model(ModelCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum ModelCommand {
+    /// Download and verify the default model (SmolLM2-135M-Instruct) into the model cache
+    /// ($TANDEM_MODEL_DIR, default ~/.cache/tandem/models). Idempotent.
+    Fetch,
+    /// Print the path of the default model in the cache.
+    Path,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "warn".into()))
+        .init();
+    let result = match &cli.command {
+        Command::Generate(a) => generate::run(a),
+        Command::Plan(a) => plan::run(a).map(|s| println!("{s}")),
+        Command::BenchEngine(a) => bench_engine::run(a).map(|s| println!("{s}")),
+        Command::Model(ModelCommand::Fetch) => fetch::ensure_default_model().map(|p| println!("{}", p.display())),
+        Command::Model(ModelCommand::Path) => {
+            println!("{}", fetch::default_model_path().display());
+            Ok(())
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,236 @@
+//! `tandem bench-engine`: prefill and decode throughput of the local engine, beside the
+//! machine's single-sequence memory-bandwidth bound measured in the same run.
+//!
+//! - Prefill: one sequence of `--prompt-len` seeded random tokens computed in one step (like
+//!   llama.cpp's pp512), prefix caching off so every run recomputes.
+//! - Decode at batch B: B sequences with short distinct prompts are prefilled, then
+//!   `--decode-tokens` steps of B tokens each are timed (like tg128 / batched-bench).
+//! - Bound: weight bytes streamed per decoded token ÷ memory read bandwidth (measured here by
+//!   reading a 1 GiB buffer on every core), i.e. the best one sequence could do.
+//!
+//! Each figure is the median of `--runs` runs; min and max are printed beside it.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use serde::Serialize;
+use tandem_engine::rng::Rng;
+use tandem_engine::{Engine, EngineArgs, Priority, Request, SamplingParams};
+
+use crate::load::engine_from_args;
+
+/// Output format.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum Format {
+    /// Aligned text.
+    Table,
+    /// One JSON object.
+    Json,
+}
+
+/// Flags of `tandem bench-engine`.
+#[derive(Args, Debug, Clone)]
+pub struct BenchEngineArgs {
+    /// Prompt length of the prefill measurement.
+    #[arg(long, default_value_t = 512)]
+    pub prompt_len: usize,
+    /// Batch sizes of the decode measurements, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,32")]
+    pub batch: Vec<usize>,
+    /// Decode steps timed per batch size.
+    #[arg(long, default_value_t = 64)]
+    pub decode_tokens: usize,
+    /// Prompt length of each decoding sequence.
+    #[arg(long, default_value_t = 32)]
+    pub decode_prompt_len: usize,
+    /// Runs per figure (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+}
+
+/// A median with its spread.
+#[derive(Debug, Serialize, Clone, Copy)]
+pub struct Spread {
+    /// Median.
+    pub median: f64,
+    /// Smallest run.
+    pub min: f64,
+    /// Largest run.
+    pub max: f64,
+}
+
+impl Spread {
+    fn of(mut v: Vec<f64>) -> Spread {
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        let median = if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 };
+        Spread { median, min: v[0], max: v[n - 1] }
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    model: String,
+    dtype: &'static str,
+    kv_dtype: &'static str,
+    threads: usize,
+    prompt_len: usize,
+    prefill_tok_s: f64,
+    decode_tok_s: BTreeMap<String, f64>,
+    prefill_spread: Spread,
+    decode_spread: BTreeMap<String, Spread>,
+    weight_bytes_per_token: usize,
+    mem_read_gb_s: f64,
+    bandwidth_bound_tok_s: f64,
+    flops_per_token: u64,
+    runs: usize,
+}
+
+/// Measures read bandwidth of this machine (GB/s, 1e9) with one thread per core over 1 GiB.
+pub fn measure_read_bandwidth_gbs() -> f64 {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let words = (1usize << 30) / 8;
+    let buf: Vec<u64> = (0..words as u64).collect();
+    let chunk = words.div_ceil(threads);
+    let mut best = 0f64;
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        let total: u64 = std::thread::scope(|s| {
+            let hs: Vec<_> = buf
+                .chunks(chunk)
+                .map(|c| {
+                    s.spawn(move || {
+                        // Eight independent accumulators so the adds vectorise and pipeline.
+                        let mut acc = [0u64; 8];
+                        for w in c.chunks_exact(8) {
+                            for i in 0..8 {
+                                acc[i] = acc[i].wrapping_add(w[i]);
+                            }
+                        }
+                        acc.iter().fold(0u64, |a, b| a.wrapping_add(*b))
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("bandwidth thread")).fold(0u64, u64::wrapping_add)
+        });
+        std::hint::black_box(total);
+        best = best.max((words * 8) as f64 / t0.elapsed().as_secs_f64() / 1e9);
+    }
+    best
+}
+
+fn random_prompt(rng: &mut Rng, len: usize, vocab: usize) -> Vec<u32> {
+    // Skip the first 256 ids (byte tokens and specials in most BPE vocabularies).
+    (0..len).map(|_| 256 + rng.below((vocab - 256) as u64) as u32).collect()
+}
+
+fn bench_prefill(engine: &mut Engine, prompt_len: usize, seed: u64) -> anyhow::Result<f64> {
+    let vocab = engine.model().config().vocab_size;
+    let prompt = random_prompt(&mut Rng::new(seed), prompt_len, vocab);
+    let req = Request { id: 1_000_000 + seed, prompt, params: SamplingParams { ignore_eos: true, ..SamplingParams::greedy(1) }, priority: Priority::Interactive };
+    engine.add_request(req, Instant::now())?;
+    let t0 = Instant::now();
+    while !engine.is_idle() {
+        engine.step()?;
+    }
+    Ok(prompt_len as f64 / t0.elapsed().as_secs_f64())
+}
+
+fn bench_decode(engine: &mut Engine, batch: usize, args: &BenchEngineArgs, seed: u64) -> anyhow::Result<f64> {
+    let vocab = engine.model().config().vocab_size;
+    let mut rng = Rng::new(seed);
+    let now = Instant::now();
+    for i in 0..batch {
+        let prompt = random_prompt(&mut rng, args.decode_prompt_len, vocab);
+        let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(args.decode_tokens + 1) };
+        engine.add_request(Request { id: 2_000_000 + seed * 1000 + i as u64, prompt, params, priority: Priority::Interactive }, now)?;
+    }
+    // Prefill everyone (until each has its first token).
+    let mut started = 0;
+    while started < batch {
+        started += engine.step()?.len();
+    }
+    let t0 = Instant::now();
+    let mut tokens = 0usize;
+    while !engine.is_idle() {
+        tokens += engine.step()?.len();
+    }
+    Ok(tokens as f64 / t0.elapsed().as_secs_f64())
+}
+
+/// Runs the benchmark and returns what to print.
+pub fn run(args: &BenchEngineArgs) -> anyhow::Result<String> {
+    anyhow::ensure!(args.runs > 0, "--runs must be at least 1");
+    anyhow::ensure!(args.prompt_len > 0 && args.decode_prompt_len > 0, "prompt lengths must be > 0");
+    anyhow::ensure!(args.batch.iter().all(|&b| b > 0), "batch sizes must be > 0");
+    let mut eargs = args.engine.clone();
+    eargs.no_prefix_caching = true;
+    eargs.max_tokens_per_step = eargs.max_tokens_per_step.max(args.prompt_len);
+    let max_batch = args.batch.iter().copied().max().unwrap_or(1);
+    eargs.max_num_seqs = eargs.max_num_seqs.max(max_batch);
+    let mut engine = engine_from_args(&eargs).context("building the engine")?;
+    let mem_bw = measure_read_bandwidth_gbs();
+    let model = engine.model();
+    let bytes_per_token = model.weight_bytes_per_token();
+    let cfg = model.config().clone();
+    let flops_per_token = 2 * (cfg.param_count() - (cfg.vocab_size * cfg.hidden_size) as u64
+        + if cfg.tie_word_embeddings { (cfg.vocab_size * cfg.hidden_size) as u64 } else { 0 });
+
+    // Warm up once (page faults, pool threads), then measure.
+    bench_prefill(&mut engine, args.prompt_len.min(64), 0)?;
+    let prefill = Spread::of((0..args.runs).map(|r| bench_prefill(&mut engine, args.prompt_len, r as u64 + 1)).collect::<Result<_, _>>()?);
+    let mut decode = BTreeMap::new();
+    for &b in &args.batch {
+        let v: Vec<f64> = (0..args.runs).map(|r| bench_decode(&mut engine, b, args, (b * 100 + r) as u64)).collect::<Result<_, _>>()?;
+        decode.insert(b, Spread::of(v));
+    }
+    let report = Report {
+        model: eargs.model.as_ref().map_or_else(|| "SmolLM2-135M-Instruct (default)".into(), |p| p.display().to_string()),
+        dtype: eargs.dtype.as_str(),
+        kv_dtype: eargs.kv_dtype.as_str(),
+        threads: tandem_engine::kernels_threads(),
+        prompt_len: args.prompt_len,
+        prefill_tok_s: prefill.median,
+        decode_tok_s: decode.iter().map(|(b, s)| (b.to_string(), s.median)).collect(),
+        prefill_spread: prefill,
+        decode_spread: decode.iter().map(|(b, s)| (b.to_string(), *s)).collect(),
+        weight_bytes_per_token: bytes_per_token,
+        mem_read_gb_s: mem_bw,
+        bandwidth_bound_tok_s: mem_bw * 1e9 / bytes_per_token as f64,
+        flops_per_token,
+        runs: args.runs,
+    };
+    Ok(match args.format {
+        Format::Json => serde_json::to_string(&report)?,
+        Format::Table => {
+            let mut s = format!(
+                "model {} · weights {} · KV {} · {} threads · medians of {} runs (min–max)\n",
+                report.model, report.dtype, report.kv_dtype, report.threads, report.runs
+            );
+            s += &format!(
+                "prefill  {:>5} tokens      {:>9.1} tok/s  ({:.1}–{:.1})\n",
+                args.prompt_len, prefill.median, prefill.min, prefill.max
+            );
+            for (b, sp) in &decode {
+                s += &format!("decode   batch {:>3}         {:>9.1} tok/s  ({:.1}–{:.1})\n", b, sp.median, sp.min, sp.max);
+            }
+            s += &format!(
+                "bound    1 seq at {:.1} GB/s  {:>9.1} tok/s  ({} MB of weights per token)\n",
+                mem_bw,
+                report.bandwidth_bound_tok_s,
+                bytes_per_token / 1_000_000
+            );
+            if let Some(one) = decode.get(&1) {
+                s += &format!("decode batch 1 / bound     {:>9.1} %\n", 100.0 * one.median / report.bandwidth_bound_tok_s);
+            }
+            s
+        }
+    })
+}

