@@ -68,10 +68,31 @@ fn attn(a: &[String]) {
     println!("attn {dtype} ctx={ctx} batch={batch} q_len={q_len}: best {:.1} us ({:.1} GB/s KV), mean CPU {:.1} us", best * 1e6, kv / best / 1e9, cpu * 1e6);
 }
 
+/// m = 1 over weights not in cache: cycles through copies totalling >= 400 MB.
+fn gemv(a: &[String]) {
+    let dtype: WeightDtype = a.get(2).map_or("f32", |s| s).parse().unwrap();
+    let cols: usize = a.get(3).map_or(576, |s| s.parse().unwrap());
+    let rows: usize = a.get(4).map_or(3072, |s| s.parse().unwrap());
+    let w = Weight::from_f32(rows, cols, (0..rows * cols).map(|i| (i % 7) as f32 * 0.01).collect(), dtype).unwrap();
+    let copies: Vec<Weight> = (0..(400usize << 20).div_ceil(w.size_bytes())).map(|_| w.clone()).collect();
+    let x: Vec<f32> = (0..cols).map(|i| (i % 5) as f32 * 0.1).collect();
+    let mut out = vec![0.0; rows];
+    let mut i = 0;
+    let (best, cpu) = time(copies.len(), || {
+        i = (i + 1) % copies.len();
+        linear(&x, 1, &copies[i], &mut out)
+    });
+    let gb = w.size_bytes() as f64 / 1e9;
+    println!("gemv {dtype} {cols}->{rows}: best {:.1} GB/s, mean CPU-time {:.1} GB/s per busy thread-second", gb / best, gb / cpu);
+}
+
 fn main() {
     let a: Vec<String> = std::env::args().collect();
     if a.get(1).map(String::as_str) == Some("attn") {
         return attn(&a);
+    }
+    if a.get(1).map(String::as_str) == Some("gemv") {
+        return gemv(&a);
     }
     let dtype: WeightDtype = a.get(2).map_or("f32", |s| s).parse().unwrap();
     let cols: usize = a.get(3).map_or(576, |s| s.parse().unwrap());
