@@ -249,7 +249,16 @@ pub async fn push(args: PushArgs) -> anyhow::Result<()> {
         Err(e) => say(&format!("RESULT err {}", e.kind().as_str())),
     }
     drop(src);
-    say(&format!("METRICS {}", serde_json::to_string(&transport.metrics().snapshot())?));
+    // UCX unmaps on its progress thread: let the registration gauge settle before reporting.
+    let metrics = transport.metrics();
+    for _ in 0..500 {
+        let m = metrics.snapshot();
+        if m.live_registrations == 0 && m.live_transfers == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    say(&format!("METRICS {}", serde_json::to_string(&metrics.snapshot())?));
     Ok(())
 }
 

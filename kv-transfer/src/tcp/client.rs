@@ -125,7 +125,19 @@ async fn get_conn(net: &Arc<NetShared>, peer: &str, src: &PoolRegistration) -> R
         conns.remove(&key);
     }
     let c = Arc::new(connect(net, peer, src).await?);
-    conns.insert(key, Arc::clone(&c));
+    conns.insert(key.clone(), Arc::clone(&c));
+    // Evict the connection from the cache as soon as it closes, so a dead peer's connection
+    // (and its gauge unit, UCX endpoint and tasks) goes once its last push lets go of it.
+    let (weak_net, shared) = (Arc::downgrade(net), Arc::clone(&c.shared));
+    tokio::spawn(async move {
+        shared.closed.cancelled().await;
+        if let Some(net) = weak_net.upgrade() {
+            let mut conns = net.conns.lock().await;
+            if conns.get(&key).is_some_and(|c| Arc::ptr_eq(&c.shared, &shared)) {
+                conns.remove(&key);
+            }
+        }
+    });
     Ok(c)
 }
 

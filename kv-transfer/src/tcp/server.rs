@@ -482,6 +482,10 @@ impl ServerConn {
     async fn teardown(mut self, end: End) {
         self.kill.cancel();
         self.release_landings(None).await;
+        #[cfg(feature = "ucx")]
+        if let (Some(DataMode::Tag), Some(rt)) = (self.mode, &self.net.ucx) {
+            rt.drain_unexpected(self.conn_id);
+        }
         let peer = self.peer.clone();
         let reason = |end: &End| match end {
             End::Gone(kind) => TransferError::PeerGone { peer: peer.clone(), phase: Phase::Data, reason: *kind },

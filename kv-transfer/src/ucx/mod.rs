@@ -166,6 +166,11 @@ impl UcxNet {
     pub fn cancel_tag_recvs(&self, tag: u64, mask: u64) {
         let _ = self.rt.send(Cmd::CancelRecvs { tag, mask });
     }
+
+    /// Discards tagged messages of a closed connection that arrived with no receive posted.
+    pub fn drain_unexpected(&self, conn_id: u32) {
+        let _ = self.rt.send(Cmd::DrainUnexpected { tag: tag_for(conn_id, 0, 0), mask: CONN_TAG_MASK });
+    }
 }
 
 /// A pool registered with UCX (`ucp_mem_map`); unmapped when its registration drops.

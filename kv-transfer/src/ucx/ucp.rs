@@ -185,6 +185,26 @@ impl Worker {
         unsafe { sys::ucp_request_cancel(self.h, req.ptr) };
     }
 
+    /// Takes the next unexpected message matching `tag` under `mask` out of the worker and
+    /// receives it into `sink` (grown to fit); `None` when there is none.
+    pub fn drain_unexpected(&self, tag: u64, mask: u64, sink: &mut Vec<u8>) -> Option<Result<Started, TransferError>> {
+        let mut info = sys::ucp_tag_recv_info_t::default();
+        // SAFETY: own thread, live worker; `info` is a valid out-parameter; remove=1 hands the
+        // message to us, and we receive it right below.
+        let msg = unsafe { sys::ucp_tag_probe_nb(self.h, tag, mask, 1, &mut info) };
+        if msg.is_null() {
+            return None;
+        }
+        if sink.len() < info.length {
+            sink.resize(info.length, 0);
+        }
+        let param = sys::ucp_request_param_t::default();
+        // SAFETY: `sink` holds `info.length` bytes; the caller keeps it alive and unmoved until
+        // the returned request completes.
+        let p = unsafe { sys::ucp_tag_msg_recv_nbx(self.h, sink.as_mut_ptr().cast(), info.length, msg, &param) };
+        Some(Started::from_ptr(p, "ucp_tag_msg_recv_nbx"))
+    }
+
     /// Posts a tagged receive of exactly `len` bytes into `addr`.
     ///
     /// # Safety

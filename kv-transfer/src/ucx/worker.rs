@@ -40,6 +40,9 @@ use tandem_ucx_sys as sys;
 const IDLE_SPIN: Duration = Duration::from_micros(50);
 const BUSY_SPIN: Duration = Duration::from_millis(2);
 
+/// How long a closed connection's stray tagged messages keep being discarded.
+const DRAIN_FOR: Duration = Duration::from_secs(2);
+
 /// Something kept alive until a batch completes (the memory its requests point into).
 pub(crate) type Keep = Box<dyn Any + Send>;
 
@@ -54,6 +57,9 @@ pub(crate) enum Cmd {
     TagSend { ep: u64, ops: Vec<TagOp>, keep: Keep, reply: Reply<()> },
     TagRecv { ops: Vec<TagOp>, keep: Keep, reply: Reply<()> },
     CancelRecvs { tag: u64, mask: u64 },
+    /// Receive-and-discard every unexpected message matching `tag` under `mask` (a dead
+    /// connection's tagged data that no receive was posted for).
+    DrainUnexpected { tag: u64, mask: u64 },
     Shutdown,
 }
 
@@ -162,6 +168,8 @@ struct Progress {
     next_id: u64,
     batches: Vec<Batch>,
     closing: Vec<Request>,
+    /// (tag, mask, until): prefixes whose unexpected messages are discarded.
+    drains: Vec<(u64, u64, Instant)>,
     worker: Rc<Worker>,
     ctx: Rc<Context>,
 }
@@ -176,7 +184,16 @@ fn request_error(s: Status, op: &'static str) -> TransferError {
 
 impl Progress {
     fn new(ctx: Rc<Context>, worker: Rc<Worker>) -> Self {
-        Self { mems: HashMap::new(), eps: HashMap::new(), next_id: 1, batches: Vec::new(), closing: Vec::new(), worker, ctx }
+        Self {
+            mems: HashMap::new(),
+            eps: HashMap::new(),
+            next_id: 1,
+            batches: Vec::new(),
+            closing: Vec::new(),
+            drains: Vec::new(),
+            worker,
+            ctx,
+        }
     }
 
     fn run(mut self, rx: Receiver<Cmd>) {
@@ -194,6 +211,9 @@ impl Progress {
             }
             let before = self.batches.len() + self.closing.len();
             let progressed = self.worker.progress();
+            if !self.drains.is_empty() {
+                self.drain();
+            }
             self.poll();
             if progressed || self.batches.len() + self.closing.len() != before {
                 last_activity = Instant::now();
@@ -320,7 +340,30 @@ impl Progress {
                     }
                 }
             }
+            Cmd::DrainUnexpected { tag, mask } => {
+                // Messages still in flight land later: keep draining this prefix for a while.
+                self.drains.push((tag, mask, Instant::now() + DRAIN_FOR));
+                self.drain();
+            }
             Cmd::Shutdown => unreachable!("handled by the loop"),
+        }
+    }
+
+    /// Receives and discards unexpected messages under every active drain prefix.
+    fn drain(&mut self) {
+        let now = Instant::now();
+        self.drains.retain(|&(_, _, until)| until > now);
+        for i in 0..self.drains.len() {
+            let (tag, mask, _) = self.drains[i];
+            loop {
+                let mut sink = Vec::new();
+                let Some(r) = self.worker.drain_unexpected(tag, mask, &mut sink) else { break };
+                let mut b = Batch { pending: Vec::new(), next: Next::Reply, error: None, _keep: Box::new(sink), reply: None };
+                b.absorb(r, 0);
+                if !b.pending.is_empty() {
+                    self.batches.push(b);
+                }
+            }
         }
     }
 
@@ -378,11 +421,15 @@ impl Progress {
         for ep in eps {
             self.handle(Cmd::Close { ep });
         }
+        // Whatever tagged data nobody will receive now: take it out of the worker before it goes.
+        self.drains = vec![(0, 0, Instant::now() + DRAIN_FOR)];
         let until = Instant::now() + Duration::from_secs(2);
         while (!self.batches.is_empty() || !self.closing.is_empty()) && Instant::now() < until {
             self.worker.progress();
+            self.drain();
             self.poll();
         }
+        self.drain();
         if !self.batches.is_empty() {
             tracing::error!(batches = self.batches.len(), "UCX requests still pending at shutdown; leaking them");
             for b in &mut self.batches {
