@@ -31,7 +31,7 @@ fn linear_matches_the_f64_reference_for_odd_shapes_and_all_dtypes() {
 #[test]
 fn a_row_computes_the_same_bits_alone_or_in_any_batch_on_any_threads_and_isa() {
     let mut rng = Rng::new(2);
-    for &(rows, cols) in &[(70, 45), (96, 64), (200, 33)] {
+    for &(rows, cols) in &[(70, 45), (96, 64), (200, 33), (600, 40)] {
         for dtype in DTYPES {
             let w = Weight::from_f32(rows, cols, rng.vec(rows * cols, 0.5), dtype).unwrap();
             let probe = rng.vec(cols, 1.0);

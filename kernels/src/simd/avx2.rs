@@ -256,11 +256,12 @@ pub(crate) unsafe fn accumulate_v<const DT: u8, const G: usize>(
     tile: *const u8,
     n: usize,
     hd: usize,
+    dims: std::ops::Range<usize>,
     vscale: Option<f32>,
     acc: [*mut f32; G],
 ) {
     unsafe {
-        for c in (0..hd).step_by(8) {
+        for c in dims.step_by(8) {
             let mut a: [__m256; G] = std::array::from_fn(|g| _mm256_loadu_ps(acc[g].add(c)));
             for t in 0..n {
                 let v = if hd - c >= 8 {

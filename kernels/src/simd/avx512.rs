@@ -274,8 +274,9 @@ pub(crate) fn softmax_weights(s: &mut [f32]) -> f32 {
     tree16(acc)
 }
 
-/// `acc[r][d] = fma(w_r(t), v_t[d], acc[r][d])` for `t < n` (see `portable::accumulate_v`),
-/// `G` rows at a time. `acc` rows have a stride of `hd` rounded up to 16.
+/// `acc[r][d] = fma(w_r(t), v_t[d], acc[r][d])` for `t < n` and `d` in `dims` (see
+/// `portable::accumulate_v`), `G` rows at a time. `acc` rows have a stride of `hd` rounded up
+/// to 16; `dims.start` is a multiple of 16 and `dims.end` is one too, or `hd`.
 ///
 /// Up to 4 chunks of 16 dimensions are carried at once, so `G × 4` independent FMA chains
 /// hide the FMA latency even for one row, and each V load feeds all `G` rows.
@@ -289,17 +290,18 @@ pub(crate) unsafe fn accumulate_v<const DT: u8, const G: usize>(
     tile: *const u8,
     n: usize,
     hd: usize,
+    dims: std::ops::Range<usize>,
     vscale: Option<f32>,
     acc: [*mut f32; G],
 ) {
     for r in 0..G {
         assert!(e[r].len() >= n, "accumulate_v: {} weights for {n} tokens", e[r].len());
     }
-    let mut c0 = 0;
-    while c0 < hd {
+    let mut c0 = dims.start;
+    while c0 < dims.end {
         // SAFETY: forwarded contract; the pass covers dims c0..c0 + 16 * NC (padded).
         unsafe {
-            match (hd - c0).div_ceil(16) {
+            match (dims.end - c0).div_ceil(16) {
                 1 => v_pass::<DT, G, 1>(&e, tile, n, hd, c0, vscale, &acc),
                 2 => v_pass::<DT, G, 2>(&e, tile, n, hd, c0, vscale, &acc),
                 3 => v_pass::<DT, G, 3>(&e, tile, n, hd, c0, vscale, &acc),
