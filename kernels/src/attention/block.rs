@@ -4,7 +4,7 @@
 //! Both take raw pointers into buffers that several tasks of the split path share; every call
 //! touches only its own (row, block) scores or (row, dims) accumulators.
 
-use super::dispatch::{accumulate_v, scores};
+use super::dispatch::{MAX_TILES, accumulate_v, scores};
 use super::{AttnSeq, Task, V_GROUP};
 use crate::kv::{KvCacheRef, KvPart, read_f32, scale_offset, tile_offset};
 use crate::simd::{Isa, prefetch};
@@ -113,55 +113,92 @@ pub(super) unsafe fn score_block(
     }
 }
 
-/// Adds block `b`'s weighted V rows into the accumulators `acc[r * hd_pad + d]`, `d` in `dims`,
-/// reading weights `e[r * stride + b * bs ..]`. Rows go `V_GROUP` at a time over the tokens
-/// they all attend to; a row that attends to more (the diagonal block of a prefill) finishes
-/// alone, continuing its chain in token order.
+/// Adds the weighted V rows of blocks `blocks` into the accumulators `acc[r * hd_pad + d]`,
+/// `d` in `dims`, reading weights `e[r * stride + position]`.
+///
+/// Blocks every row attends to in full go `MAX_TILES` at a time (one call, accumulators kept
+/// in registers across them), rows `V_GROUP` at a time sharing each V load. The remaining
+/// blocks (the diagonal of a prefill, the last partial block) go one by one; within one, rows
+/// share the tokens they all attend to, and a row that attends to more finishes alone. Every
+/// row's chain stays in token order throughout.
 ///
 /// # Safety
-/// `e` holds the rows' weights for this block; the `dims` of each accumulator row are ours
+/// `e` holds the rows' weights for these blocks; the `dims` of each accumulator row are ours
 /// alone during the call; `acc` rows are `hd` rounded up to 16 floats apart.
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn v_block(
+pub(super) unsafe fn v_blocks(
     isa: Isa,
     cache: &KvCacheRef<'_>,
     layer: usize,
     rows: &Rows<'_>,
-    b: usize,
+    blocks: std::ops::Range<usize>,
     e: *const f32,
     stride: usize,
     acc: *mut f32,
     dims: std::ops::Range<usize>,
 ) {
-    let (vtile, vscale) = tile(cache, layer, rows, b, KvPart::V);
-    let (hd, bs, esz) = (rows.hd, rows.bs, cache.layout.dtype.elem_bytes());
+    let (hd, bs, dt) = (rows.hd, rows.bs, cache.layout.dtype);
     let hd_pad = hd.next_multiple_of(16);
     let n_rows = rows.len();
-    for g0 in (0..n_rows).step_by(V_GROUP) {
-        let g1 = (g0 + V_GROUP).min(n_rows);
-        let n_min = (g0..g1).map(|r| rows.valid(r, b)).min().unwrap_or(0);
-        let mut spans = [(0usize, 0usize, 0usize, 0usize); V_GROUP + 1];
-        let mut n_spans = 0;
-        if n_min > 0 {
-            spans[0] = (g0, g1, 0, n_min);
-            n_spans = 1;
-        }
-        for r in g0..g1 {
-            if rows.valid(r, b) > n_min {
-                spans[n_spans] = (r, r + 1, n_min, rows.valid(r, b));
-                n_spans += 1;
+    let full_end = (0..n_rows).map(|r| (rows.pos(r) + 1) / bs).min().unwrap_or(0).clamp(blocks.start, blocks.end);
+    let chunks: Vec<std::ops::Range<usize>> = (blocks.start..full_end)
+        .step_by(MAX_TILES)
+        .map(|c0| c0..(c0 + MAX_TILES).min(full_end))
+        .chain((full_end..blocks.end).map(|b| b..b + 1))
+        .collect();
+    for (ci, chunk) in chunks.iter().enumerate() {
+        if let Some(next) = chunks.get(ci + 1) {
+            for b in next.clone() {
+                prefetch(tile(cache, layer, rows, b, KvPart::V).0);
             }
         }
-        for &(r0, r1, from, to) in &spans[..n_spans] {
-            let row = |i: usize| (r0 + i).min(r1 - 1);
-            // SAFETY: the weights of (row, block) exist per the contract.
-            let w: [&[f32]; V_GROUP] =
-                std::array::from_fn(|i| unsafe { std::slice::from_raw_parts(e.add(row(i) * stride + b * bs + from), to - from) });
-            // SAFETY: row < n_rows; accumulator rows are hd_pad apart.
-            let a: [*mut f32; V_GROUP] = std::array::from_fn(|i| unsafe { acc.add(row(i) * hd_pad) });
-            let t = &vtile[from * hd * esz..to * hd * esz];
-            // SAFETY: `t` holds `to - from` tokens; only the first r1 - r0 (distinct) rows are used.
-            unsafe { accumulate_v(isa, cache.layout.dtype, &w[..r1 - r0], t, to - from, hd, dims.clone(), vscale, &a[..r1 - r0]) };
+        let mut tiles: [&[u8]; MAX_TILES] = [&[]; MAX_TILES];
+        let mut scales = [0.0f32; MAX_TILES];
+        for (i, b) in chunk.clone().enumerate() {
+            let (t, s) = tile(cache, layer, rows, b, KvPart::V);
+            tiles[i] = t;
+            scales[i] = s.unwrap_or(1.0);
+        }
+        let k = chunk.len();
+        let scales = if dt == KvDtype::Int8 { &scales[..k] } else { &[][..] };
+        // Spans (first row, end row, first token, end token) of this chunk, relative to it.
+        let mut spans = [(0usize, 0usize, 0usize, 0usize); V_GROUP + 1];
+        for g0 in (0..n_rows).step_by(V_GROUP) {
+            let g1 = (g0 + V_GROUP).min(n_rows);
+            let n_spans = if k > 1 {
+                spans[0] = (g0, g1, 0, k * bs);
+                1
+            } else {
+                let b = chunk.start;
+                let n_min = (g0..g1).map(|r| rows.valid(r, b)).min().unwrap_or(0);
+                let mut n = 0;
+                if n_min > 0 {
+                    spans[0] = (g0, g1, 0, n_min);
+                    n = 1;
+                }
+                for r in g0..g1 {
+                    if rows.valid(r, b) > n_min {
+                        spans[n] = (r, r + 1, n_min, rows.valid(r, b));
+                        n += 1;
+                    }
+                }
+                n
+            };
+            for &(r0, r1, from, to) in &spans[..n_spans] {
+                let row = |i: usize| (r0 + i).min(r1 - 1);
+                let base = chunk.start * bs + from;
+                // SAFETY: the weights of these (row, position) pairs exist per the contract.
+                let w: [&[f32]; V_GROUP] = std::array::from_fn(|i| unsafe {
+                    std::slice::from_raw_parts(e.add(row(i) * stride + base), to - from)
+                });
+                // SAFETY: row < n_rows; accumulator rows are hd_pad apart.
+                let a: [*mut f32; V_GROUP] = std::array::from_fn(|i| unsafe { acc.add(row(i) * hd_pad) });
+                let esz = dt.elem_bytes();
+                let one = if k == 1 { [&tiles[0][from * hd * esz..to * hd * esz]] } else { [&[][..]] };
+                let (ts, n): (&[&[u8]], usize) = if k > 1 { (&tiles[..k], bs) } else { (&one, to - from) };
+                // SAFETY: each tile holds n tokens; only the first r1 - r0 (distinct) rows are used.
+                unsafe { accumulate_v(isa, dt, &w[..r1 - r0], ts, n, scales, hd, dims.clone(), &a[..r1 - r0]) };
+            }
         }
     }
 }

@@ -52,36 +52,45 @@ pub(super) fn softmax_weights(isa: Isa, s: &mut [f32]) -> f32 {
     }
 }
 
+/// Most tiles one [`accumulate_v`] call takes.
+pub(super) const MAX_TILES: usize = 16;
+
 /// # Safety
-/// `tile` holds `n` tokens of `hd` elements; each `e` row has `n` weights; each `acc` row points
-/// at `hd` rounded up to 16 floats, whose `dims` are not accessed elsewhere during the call;
-/// `dims` starts at a multiple of 16 and ends at one or at `hd`. `e.len() <= 4`.
+/// Each of `tiles` (≤ `MAX_TILES`) holds `n` tokens of `hd` elements; each `e` row has
+/// `tiles.len() * n` weights; each `acc` row points at `hd` rounded up to 16 floats, whose `dims`
+/// are not accessed elsewhere during the call; `dims` starts at a multiple of 16 and ends at one
+/// or at `hd`; `scales` is empty or one Int8 V scale per tile. `e.len() <= 4`.
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn accumulate_v(
     isa: Isa,
     dt: KvDtype,
     e: &[&[f32]],
-    tile: &[u8],
+    tiles: &[&[u8]],
     n: usize,
+    scales: &[f32],
     hd: usize,
     dims: std::ops::Range<usize>,
-    vs: Option<f32>,
     acc: &[*mut f32],
 ) {
     #[cfg(target_arch = "x86_64")]
     use crate::simd::{avx512::DT_I8, avx512_gemm::{DT_BF16, DT_F16, DT_F32}};
+    assert!(tiles.len() <= MAX_TILES, "accumulate_v: {} tiles", tiles.len());
+    let mut ptrs = [std::ptr::null::<u8>(); MAX_TILES];
+    for (p, t) in ptrs.iter_mut().zip(tiles) {
+        *p = t.as_ptr();
+    }
+    let vt = crate::simd::VTiles { ptrs: &ptrs[..tiles.len()], n, scales };
     #[cfg(target_arch = "x86_64")]
     macro_rules! go_g {
         ($m:ident, $g:literal) => {{
             let er: [&[f32]; $g] = std::array::from_fn(|i| e[i]);
             let ar: [*mut f32; $g] = std::array::from_fn(|i| acc[i]);
-            let p = tile.as_ptr();
             unsafe {
                 match dt {
-                    KvDtype::F32 => crate::simd::$m::accumulate_v::<DT_F32, $g>(er, p, n, hd, dims.clone(), vs, ar),
-                    KvDtype::F16 => crate::simd::$m::accumulate_v::<DT_F16, $g>(er, p, n, hd, dims.clone(), vs, ar),
-                    KvDtype::Bf16 => crate::simd::$m::accumulate_v::<DT_BF16, $g>(er, p, n, hd, dims.clone(), vs, ar),
-                    KvDtype::Int8 => crate::simd::$m::accumulate_v::<DT_I8, $g>(er, p, n, hd, dims.clone(), vs, ar),
+                    KvDtype::F32 => crate::simd::$m::accumulate_v::<DT_F32, $g>(er, vt, hd, dims.clone(), ar),
+                    KvDtype::F16 => crate::simd::$m::accumulate_v::<DT_F16, $g>(er, vt, hd, dims.clone(), ar),
+                    KvDtype::Bf16 => crate::simd::$m::accumulate_v::<DT_BF16, $g>(er, vt, hd, dims.clone(), ar),
+                    KvDtype::Int8 => crate::simd::$m::accumulate_v::<DT_I8, $g>(er, vt, hd, dims.clone(), ar),
                 }
             }
         }};
@@ -103,12 +112,13 @@ pub(super) unsafe fn accumulate_v(
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => go!(avx2),
         _ => {
+            let _ = vt;
             // SAFETY: per the contract the `dims` of each row are ours alone during the call.
             let mut rows: Vec<&mut [f32]> = acc
                 .iter()
                 .map(|&p| unsafe { std::slice::from_raw_parts_mut(p.add(dims.start), dims.len()) })
                 .collect();
-            portable::accumulate_v(e, tile, kv_loader(dt), n, hd, dims, vs, &mut rows)
+            portable::accumulate_v(e, tiles, n, scales, kv_loader(dt), hd, dims, &mut rows)
         }
     }
 }

@@ -2,7 +2,7 @@
 //! K tile shared by the rows while in L1; softmax; V sums with rows sharing V loads) in
 //! thread-local scratch. Used whenever there are enough tasks to keep every thread busy.
 
-use super::block::{Rows, for_blocks, score_block, v_block};
+use super::block::{Rows, for_blocks, score_block, v_blocks};
 use super::dispatch::softmax_weights;
 use crate::kv::{KvCacheRef, KvPart};
 use crate::simd::Isa;
@@ -45,9 +45,7 @@ pub(super) unsafe fn run_task(
         sums.extend((0..n_rows).map(|r| softmax_weights(isa, &mut sbuf[r * ctx..r * ctx + rows.pos(r) + 1])));
         let (ep, ap) = (sbuf.as_ptr(), abuf.as_mut_ptr());
         // SAFETY: weights computed above; abuf holds n_rows × hd_pad floats, all ours.
-        for_blocks(cache, layer, rows, 0..n_blocks, KvPart::V, |b| unsafe {
-            v_block(isa, cache, layer, rows, b, ep, ctx, ap, 0..hd)
-        });
+        unsafe { v_blocks(isa, cache, layer, rows, 0..n_blocks, ep, ctx, ap, 0..hd) };
         for r in 0..n_rows {
             let at = rows.at(r);
             for d in 0..hd {

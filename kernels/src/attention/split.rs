@@ -10,7 +10,7 @@
 //! bitwise identical to it; only the work division differs. K and V are each read once per
 //! group (the group's query heads share them) and every thread gets a share.
 
-use super::block::{Rows, for_blocks, score_block, v_block};
+use super::block::{Rows, for_blocks, score_block, v_blocks};
 use super::dispatch::softmax_weights;
 use crate::kv::{KvCacheRef, KvPart};
 use crate::linear::SyncPtr;
@@ -100,9 +100,7 @@ pub(super) unsafe fn run_split(
         // accumulators and output rows.
         unsafe {
             let acc = ap.0.add(a_off[i]);
-            for_blocks(cache, layer, g, 0..g.blocks(), KvPart::V, |b| {
-                v_block(isa, cache, layer, g, b, sp.0.add(s_off[i]), g.ctx(), acc, dims.clone())
-            });
+            v_blocks(isa, cache, layer, g, 0..g.blocks(), sp.0.add(s_off[i]), g.ctx(), acc, dims.clone());
             for r in 0..g.len() {
                 let sum = *up.0.add(r_off[i] + r);
                 for d in dims.clone() {

@@ -4,6 +4,7 @@
 //! the first step of the canonical tree (`l[i] + l[i+8]`) is one vector add; everything else
 //! mirrors the AVX-512 and portable versions bit for bit. Tails go through zeroed buffers.
 
+use super::VTiles;
 use super::avx2_gemm::load8;
 use super::avx512::DT_I8;
 use super::avx512_gemm::{DT_BF16, DT_F16, DT_F32};
@@ -245,36 +246,29 @@ pub(crate) fn softmax_weights(s: &mut [f32]) -> f32 {
     tree16(a0, a1)
 }
 
-/// `acc[r][d] = fma(w_r(t), v_t[d], acc[r][d])` for `t < n`, `G` rows at a time
-/// (see `avx512::accumulate_v`; same contract).
+/// `acc[r][d] = fma(w_r(t), v_t[d], acc[r][d])` over the tokens of `tiles`, `G` rows at a
+/// time (see `avx512::accumulate_v`; same contract).
 ///
 /// # Safety
 /// As `avx512::accumulate_v`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn accumulate_v<const DT: u8, const G: usize>(
     e: [&[f32]; G],
-    tile: *const u8,
-    n: usize,
+    tiles: VTiles<'_>,
     hd: usize,
     dims: std::ops::Range<usize>,
-    vscale: Option<f32>,
     acc: [*mut f32; G],
 ) {
     unsafe {
         for c in dims.step_by(8) {
             let mut a: [__m256; G] = std::array::from_fn(|g| _mm256_loadu_ps(acc[g].add(c)));
-            for t in 0..n {
-                let v = if hd - c >= 8 {
-                    kv8::<DT>(tile, t * hd + c)
-                } else {
-                    kv16::<DT>(tile, t * hd + c, hd - c).0
-                };
-                for g in 0..G {
-                    let w = match vscale {
-                        Some(vs) => e[g][t] * vs,
-                        None => e[g][t],
-                    };
-                    a[g] = _mm256_fmadd_ps(_mm256_set1_ps(w), v, a[g]);
+            for (i, &tile) in tiles.ptrs.iter().enumerate() {
+                for t in 0..tiles.n {
+                    let v = if hd - c >= 8 { kv8::<DT>(tile, t * hd + c) } else { kv16::<DT>(tile, t * hd + c, hd - c).0 };
+                    for g in 0..G {
+                        let w = tiles.weight(i, e[g][i * tiles.n + t]);
+                        a[g] = _mm256_fmadd_ps(_mm256_set1_ps(w), v, a[g]);
+                    }
                 }
             }
             for g in 0..G {

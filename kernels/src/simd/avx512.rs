@@ -4,6 +4,7 @@
 //! the canonical lanes, tails are zero-padded, and [`tree16`] is the canonical reduction tree.
 
 use super::avx512_gemm::{DT_BF16, DT_F16, DT_F32};
+use super::VTiles;
 use super::portable::{EXP_HI, EXP_LO, EXP_P, LN2_HI, LN2_LO, LOG2E};
 use std::arch::x86_64::*;
 
@@ -274,38 +275,37 @@ pub(crate) fn softmax_weights(s: &mut [f32]) -> f32 {
     tree16(acc)
 }
 
-/// `acc[r][d] = fma(w_r(t), v_t[d], acc[r][d])` for `t < n` and `d` in `dims` (see
-/// `portable::accumulate_v`), `G` rows at a time. `acc` rows have a stride of `hd` rounded up
-/// to 16; `dims.start` is a multiple of 16 and `dims.end` is one too, or `hd`.
+/// `acc[r][d] = fma(w_r(t), v_t[d], acc[r][d])` over the tokens `t` of `tiles`, in order, and
+/// `d` in `dims` (see `portable::accumulate_v`), `G` rows at a time. `acc` rows have a stride
+/// of `hd` rounded up to 16; `dims.start` is a multiple of 16 and `dims.end` is one too, or `hd`.
 ///
-/// Up to 4 chunks of 16 dimensions are carried at once, so `G × 4` independent FMA chains
-/// hide the FMA latency even for one row, and each V load feeds all `G` rows.
+/// Up to 4 chunks of 16 dimensions are carried at once in registers across all the tiles, so
+/// `G × 4` independent FMA chains hide the FMA latency even for one row, and each V load feeds
+/// all `G` rows.
 ///
 /// # Safety
-/// `tile` holds `n * hd` elements of dtype `DT`; each `e[r]` has `n` weights; each `acc[r]`
-/// points at `hd.next_multiple_of(16)` floats.
+/// Each tile holds `tiles.n * hd` elements of dtype `DT`; each `e[r]` has `tiles.tokens()`
+/// weights; the `dims` of each `acc[r]` (`hd.next_multiple_of(16)` floats) are ours alone.
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn accumulate_v<const DT: u8, const G: usize>(
     e: [&[f32]; G],
-    tile: *const u8,
-    n: usize,
+    tiles: VTiles<'_>,
     hd: usize,
     dims: std::ops::Range<usize>,
-    vscale: Option<f32>,
     acc: [*mut f32; G],
 ) {
     for r in 0..G {
-        assert!(e[r].len() >= n, "accumulate_v: {} weights for {n} tokens", e[r].len());
+        assert!(e[r].len() >= tiles.tokens(), "accumulate_v: {} weights for {} tokens", e[r].len(), tiles.tokens());
     }
     let mut c0 = dims.start;
     while c0 < dims.end {
         // SAFETY: forwarded contract; the pass covers dims c0..c0 + 16 * NC (padded).
         unsafe {
             match (dims.end - c0).div_ceil(16) {
-                1 => v_pass::<DT, G, 1>(&e, tile, n, hd, c0, vscale, &acc),
-                2 => v_pass::<DT, G, 2>(&e, tile, n, hd, c0, vscale, &acc),
-                3 => v_pass::<DT, G, 3>(&e, tile, n, hd, c0, vscale, &acc),
-                _ => v_pass::<DT, G, 4>(&e, tile, n, hd, c0, vscale, &acc),
+                1 => v_pass::<DT, G, 1>(&e, tiles, hd, c0, &acc),
+                2 => v_pass::<DT, G, 2>(&e, tiles, hd, c0, &acc),
+                3 => v_pass::<DT, G, 3>(&e, tiles, hd, c0, &acc),
+                _ => v_pass::<DT, G, 4>(&e, tiles, hd, c0, &acc),
             }
         }
         c0 += 64;
@@ -315,18 +315,14 @@ pub(crate) unsafe fn accumulate_v<const DT: u8, const G: usize>(
 /// One pass of [`accumulate_v`] over dims `c0..c0 + 16 * NC`, accumulators in registers.
 #[target_feature(enable = "avx512f")]
 #[inline]
-#[allow(clippy::too_many_arguments)]
 unsafe fn v_pass<const DT: u8, const G: usize, const NC: usize>(
     e: &[&[f32]; G],
-    tile: *const u8,
-    n: usize,
+    tiles: VTiles<'_>,
     hd: usize,
     c0: usize,
-    vscale: Option<f32>,
     acc: &[*mut f32; G],
 ) {
     let full = hd / 16 * 16;
-    let vs = vscale.unwrap_or(1.0);
     unsafe {
         let mut a = [[_mm512_setzero_ps(); NC]; G];
         for g in 0..G {
@@ -334,23 +330,24 @@ unsafe fn v_pass<const DT: u8, const G: usize, const NC: usize>(
                 *ac = _mm512_loadu_ps(acc[g].add(c0 + 16 * c));
             }
         }
-        for t in 0..n {
-            let mut v = [_mm512_setzero_ps(); NC];
-            if c0 + 16 * NC <= full {
-                for (c, vc) in v.iter_mut().enumerate() {
-                    *vc = kv16::<DT>(tile, t * hd + c0 + 16 * c);
+        for (i, &tile) in tiles.ptrs.iter().enumerate() {
+            for t in 0..tiles.n {
+                let mut v = [_mm512_setzero_ps(); NC];
+                if c0 + 16 * NC <= full {
+                    for (c, vc) in v.iter_mut().enumerate() {
+                        *vc = kv16::<DT>(tile, t * hd + c0 + 16 * c);
+                    }
+                } else {
+                    for (c, vc) in v.iter_mut().enumerate() {
+                        let d = c0 + 16 * c;
+                        *vc = if d < full { kv16::<DT>(tile, t * hd + d) } else { kv16_tail::<DT>(tile, t * hd + d, hd - d) };
+                    }
                 }
-            } else {
-                for (c, vc) in v.iter_mut().enumerate() {
-                    let d = c0 + 16 * c;
-                    *vc = if d < full { kv16::<DT>(tile, t * hd + d) } else { kv16_tail::<DT>(tile, t * hd + d, hd - d) };
-                }
-            }
-            for g in 0..G {
-                let et = *e[g].get_unchecked(t);
-                let w = _mm512_set1_ps(if vscale.is_some() { et * vs } else { et });
-                for c in 0..NC {
-                    a[g][c] = _mm512_fmadd_ps(w, v[c], a[g][c]);
+                for g in 0..G {
+                    let w = _mm512_set1_ps(tiles.weight(i, *e[g].get_unchecked(i * tiles.n + t)));
+                    for c in 0..NC {
+                        a[g][c] = _mm512_fmadd_ps(w, v[c], a[g][c]);
+                    }
                 }
             }
         }

@@ -131,6 +131,27 @@ pub(crate) fn prefetch(bytes: &[u8]) {
     let _ = bytes;
 }
 
+/// V tiles of consecutive KV blocks for one accumulation call: `n` tokens of each tile, in
+/// order; `scales[i]` is tile `i`'s Int8 V scale (empty for float KV).
+#[derive(Clone, Copy)]
+pub(crate) struct VTiles<'a> {
+    pub(crate) ptrs: &'a [*const u8],
+    pub(crate) n: usize,
+    pub(crate) scales: &'a [f32],
+}
+
+impl VTiles<'_> {
+    /// Tokens in all tiles.
+    pub(crate) fn tokens(&self) -> usize {
+        self.ptrs.len() * self.n
+    }
+    /// The weight multiplier of tile `i`: `e * scale` for Int8, `e` otherwise.
+    #[inline]
+    pub(crate) fn weight(&self, i: usize, e: f32) -> f32 {
+        if self.scales.is_empty() { e } else { e * self.scales[i] }
+    }
+}
+
 /// 0 = not chosen yet; otherwise `Isa::tag`.
 static ACTIVE: AtomicU8 = AtomicU8::new(0);
 

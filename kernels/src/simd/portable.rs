@@ -235,27 +235,27 @@ pub(crate) fn softmax_weights(s: &mut [f32]) -> f32 {
     sum(s)
 }
 
-/// `acc[r][d] = fma(w_r(t), v_t[d], acc[r][d])` for `t` in `0..n`, `d` in `dims` (`acc[r]`
-/// holds just those dims), rows `r` of `e` (each
-/// `e[r][t]`), where `w_r(t) = e[r][t]` (float KV) or `e[r][t] * vscale` (Int8).
+/// `acc[r][d] = fma(w_r(t), v_t[d], acc[r][d])` over the tokens `t` of `tiles` in order, `d`
+/// in `dims` (`acc[r]` holds just those dims), rows `r` of `e` (each `e[r][t]`), where
+/// `w_r(t) = e[r][t]` (float KV) or `e[r][t] * vscale_tile` (Int8).
 pub(crate) fn accumulate_v(
     e: &[&[f32]],
-    tile: &[u8],
-    load: KvLoad,
+    tiles: &[&[u8]],
     n: usize,
+    scales: &[f32],
+    load: KvLoad,
     hd: usize,
     dims: std::ops::Range<usize>,
-    vscale: Option<f32>,
     acc: &mut [&mut [f32]],
 ) {
-    for t in 0..n {
-        for (er, ar) in e.iter().zip(acc.iter_mut()) {
-            let w = match vscale {
-                Some(vs) => er[t] * vs,
-                None => er[t],
-            };
-            for d in dims.clone() {
-                ar[d - dims.start] = w.mul_add(load(tile, t * hd + d), ar[d - dims.start]);
+    for (i, tile) in tiles.iter().enumerate() {
+        for t in 0..n {
+            for (er, ar) in e.iter().zip(acc.iter_mut()) {
+                let et = er[i * n + t];
+                let w = if scales.is_empty() { et } else { et * scales[i] };
+                for d in dims.clone() {
+                    ar[d - dims.start] = w.mul_add(load(tile, t * hd + d), ar[d - dims.start]);
+                }
             }
         }
     }
