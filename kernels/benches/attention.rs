@@ -9,7 +9,9 @@
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use std::time::Duration;
-use tandem_kernels::{AttnSeq, KvCacheMut, KvCacheRef, KvDtype, KvLayout, paged_attention, write_kv};
+use tandem_kernels::{
+    AttnSeq, KvCacheMut, KvCacheRef, KvDtype, KvLayout, paged_attention, write_kv,
+};
 
 const HEADS: usize = 9;
 const KV_HEADS: usize = 3;
@@ -20,7 +22,9 @@ fn seeded(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed;
     (0..n)
         .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
         })
         .collect()
@@ -40,19 +44,34 @@ fn pool(dtype: KvDtype, seqs: usize, ctx: usize) -> Pool {
     let per = ctx.div_ceil(BS);
     let num_blocks = seqs * per;
     let mut bytes = vec![0u8; layout.pool_bytes(num_blocks)];
-    let tables: Vec<Vec<u32>> = (0..seqs).map(|s| (0..per).map(|b| (b * seqs + s) as u32).collect()).collect();
+    let tables: Vec<Vec<u32>> = (0..seqs)
+        .map(|s| (0..per).map(|b| (b * seqs + s) as u32).collect())
+        .collect();
     for (s, table) in tables.iter().enumerate() {
         let k = seeded(ctx * KV_HEADS * HD, 3 + s as u64);
-        let slots: Vec<usize> = (0..ctx).map(|t| table[t / BS] as usize * BS + t % BS).collect();
-        let mut c = KvCacheMut { layout: &layout, num_blocks, bytes: &mut bytes };
+        let slots: Vec<usize> = (0..ctx)
+            .map(|t| table[t / BS] as usize * BS + t % BS)
+            .collect();
+        let mut c = KvCacheMut {
+            layout: &layout,
+            num_blocks,
+            bytes: &mut bytes,
+        };
         write_kv(&mut c, 0, &k, &k, &slots).unwrap();
     }
-    Pool { layout, num_blocks, bytes, tables }
+    Pool {
+        layout,
+        num_blocks,
+        bytes,
+        tables,
+    }
 }
 
 fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("attention");
-    g.warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_millis(1200)).sample_size(10);
+    g.warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_millis(1200))
+        .sample_size(10);
     let scale = 1.0 / (HD as f32).sqrt();
     for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Bf16, KvDtype::Int8] {
         for (ctx, batch) in [(512usize, 1usize), (2048, 1), (512, 16), (2048, 16)] {
@@ -60,11 +79,20 @@ fn bench(c: &mut Criterion) {
                 continue;
             }
             let p = pool(dtype, batch, ctx);
-            let cache = KvCacheRef { layout: &p.layout, num_blocks: p.num_blocks, bytes: &p.bytes };
+            let cache = KvCacheRef {
+                layout: &p.layout,
+                num_blocks: p.num_blocks,
+                bytes: &p.bytes,
+            };
             let q = seeded(batch * HEADS * HD, 11);
             let mut out = vec![0.0f32; q.len()];
             let seqs: Vec<AttnSeq<'_>> = (0..batch)
-                .map(|s| AttnSeq { block_table: &p.tables[s], q_row: s, q_len: 1, first_pos: ctx - 1 })
+                .map(|s| AttnSeq {
+                    block_table: &p.tables[s],
+                    q_row: s,
+                    q_len: 1,
+                    first_pos: ctx - 1,
+                })
                 .collect();
             let kv_bytes = batch * ctx * KV_HEADS * HD * 2 * dtype.elem_bytes();
             g.throughput(Throughput::Bytes(kv_bytes as u64));
@@ -75,10 +103,19 @@ fn bench(c: &mut Criterion) {
         if dtype == KvDtype::F32 || dtype == KvDtype::F16 {
             let len = 512;
             let p = pool(dtype, 1, len);
-            let cache = KvCacheRef { layout: &p.layout, num_blocks: p.num_blocks, bytes: &p.bytes };
+            let cache = KvCacheRef {
+                layout: &p.layout,
+                num_blocks: p.num_blocks,
+                bytes: &p.bytes,
+            };
             let q = seeded(len * HEADS * HD, 12);
             let mut out = vec![0.0f32; q.len()];
-            let seqs = [AttnSeq { block_table: &p.tables[0], q_row: 0, q_len: len, first_pos: 0 }];
+            let seqs = [AttnSeq {
+                block_table: &p.tables[0],
+                q_row: 0,
+                q_len: len,
+                first_pos: 0,
+            }];
             let flops = 4 * HEADS * HD * len * (len + 1) / 2;
             g.throughput(Throughput::Elements(flops as u64));
             g.bench_function(format!("prefill/{dtype}/len{len}"), |b| {
@@ -90,11 +127,19 @@ fn bench(c: &mut Criterion) {
         let len = 512;
         let mut p = pool(dtype, 1, len);
         let k = seeded(len * KV_HEADS * HD, 13);
-        let slots: Vec<usize> = (0..len).map(|t| p.tables[0][t / BS] as usize * BS + t % BS).collect();
-        g.throughput(Throughput::Bytes((2 * len * KV_HEADS * HD * dtype.elem_bytes()) as u64));
+        let slots: Vec<usize> = (0..len)
+            .map(|t| p.tables[0][t / BS] as usize * BS + t % BS)
+            .collect();
+        g.throughput(Throughput::Bytes(
+            (2 * len * KV_HEADS * HD * dtype.elem_bytes()) as u64,
+        ));
         g.bench_function(format!("write_kv/{dtype}/prefill{len}"), |b| {
             b.iter(|| {
-                let mut c = KvCacheMut { layout: &p.layout, num_blocks: p.num_blocks, bytes: &mut p.bytes };
+                let mut c = KvCacheMut {
+                    layout: &p.layout,
+                    num_blocks: p.num_blocks,
+                    bytes: &mut p.bytes,
+                };
                 write_kv(&mut c, 0, &k, &k, &slots).unwrap()
             })
         });

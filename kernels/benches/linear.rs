@@ -25,7 +25,9 @@ fn seeded(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed;
     (0..n)
         .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1
         })
         .collect()
@@ -50,7 +52,10 @@ fn memread(g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTim
                         acc[l] = acc[l].wrapping_add(w[l]);
                     }
                 }
-                total.fetch_add(acc.iter().fold(0, |a, b| a ^ b), std::sync::atomic::Ordering::Relaxed);
+                total.fetch_add(
+                    acc.iter().fold(0, |a, b| a ^ b),
+                    std::sync::atomic::Ordering::Relaxed,
+                );
             });
             total.into_inner()
         })
@@ -59,7 +64,9 @@ fn memread(g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTim
 
 fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("linear");
-    g.warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_millis(1200)).sample_size(10);
+    g.warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_millis(1200))
+        .sample_size(10);
     memread(&mut g);
     for dtype in [WeightDtype::F32, WeightDtype::F16] {
         for (name, cols, rows) in SHAPES {

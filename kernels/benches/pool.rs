@@ -10,16 +10,24 @@ use tandem_kernels::global_pool;
 
 fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("pool");
-    g.warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_millis(1500));
+    g.warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_millis(1500));
     let pool = global_pool();
     let hits = AtomicUsize::new(0);
-    g.bench_function(format!("dispatch {} tasks on {} threads", pool.threads(), pool.threads()), |b| {
-        b.iter(|| {
-            pool.run(pool.threads(), &|_| {
-                hits.fetch_add(1, Ordering::Relaxed);
+    g.bench_function(
+        format!(
+            "dispatch {} tasks on {} threads",
+            pool.threads(),
+            pool.threads()
+        ),
+        |b| {
+            b.iter(|| {
+                pool.run(pool.threads(), &|_| {
+                    hits.fetch_add(1, Ordering::Relaxed);
+                })
             })
-        })
-    });
+        },
+    );
     g.finish();
 }
 

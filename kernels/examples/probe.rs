@@ -8,7 +8,10 @@ use tandem_kernels::{Weight, WeightDtype, linear};
 fn cpu_secs() -> f64 {
     let mut ru: libc_rusage = unsafe { std::mem::zeroed() };
     unsafe { getrusage(0, &mut ru) };
-    ru.ru_utime[0] as f64 + ru.ru_utime[1] as f64 * 1e-6 + ru.ru_stime[0] as f64 + ru.ru_stime[1] as f64 * 1e-6
+    ru.ru_utime[0] as f64
+        + ru.ru_utime[1] as f64 * 1e-6
+        + ru.ru_stime[0] as f64
+        + ru.ru_stime[1] as f64 * 1e-6
 }
 
 #[repr(C)]
@@ -38,7 +41,9 @@ fn time(iters: usize, mut f: impl FnMut()) -> (f64, f64) {
 }
 
 fn attn(a: &[String]) {
-    use tandem_kernels::{AttnSeq, KvCacheMut, KvCacheRef, KvDtype, KvLayout, paged_attention, write_kv};
+    use tandem_kernels::{
+        AttnSeq, KvCacheMut, KvCacheRef, KvDtype, KvLayout, paged_attention, write_kv,
+    };
     let dtype: KvDtype = a.get(2).map_or("f32", |s| s).parse().unwrap();
     let ctx: usize = a.get(3).map_or(2048, |s| s.parse().unwrap());
     let batch: usize = a.get(4).map_or(16, |s| s.parse().unwrap());
@@ -48,24 +53,57 @@ fn attn(a: &[String]) {
     let per = ctx.div_ceil(bs);
     let nb = per * batch;
     let mut bytes = vec![0u8; layout.pool_bytes(nb)];
-    let tables: Vec<Vec<u32>> = (0..batch).map(|s| (0..per).map(|b| (b * batch + s) as u32).collect()).collect();
+    let tables: Vec<Vec<u32>> = (0..batch)
+        .map(|s| (0..per).map(|b| (b * batch + s) as u32).collect())
+        .collect();
     for t in &tables {
-        let k: Vec<f32> = (0..ctx * kvh * hd).map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5).collect();
+        let k: Vec<f32> = (0..ctx * kvh * hd)
+            .map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5)
+            .collect();
         let slots: Vec<usize> = (0..ctx).map(|p| t[p / bs] as usize * bs + p % bs).collect();
-        write_kv(&mut KvCacheMut { layout: &layout, num_blocks: nb, bytes: &mut bytes }, 0, &k, &k, &slots).unwrap();
+        write_kv(
+            &mut KvCacheMut {
+                layout: &layout,
+                num_blocks: nb,
+                bytes: &mut bytes,
+            },
+            0,
+            &k,
+            &k,
+            &slots,
+        )
+        .unwrap();
     }
-    let cache = KvCacheRef { layout: &layout, num_blocks: nb, bytes: &bytes };
-    let q: Vec<f32> = (0..batch * q_len * heads * hd).map(|i| ((i * 31) % 100) as f32 * 0.01 - 0.5).collect();
+    let cache = KvCacheRef {
+        layout: &layout,
+        num_blocks: nb,
+        bytes: &bytes,
+    };
+    let q: Vec<f32> = (0..batch * q_len * heads * hd)
+        .map(|i| ((i * 31) % 100) as f32 * 0.01 - 0.5)
+        .collect();
     let mut out = vec![0.0; q.len()];
     let seqs: Vec<AttnSeq<'_>> = (0..batch)
-        .map(|s| AttnSeq { block_table: &tables[s], q_row: s * q_len, q_len, first_pos: ctx - q_len })
+        .map(|s| AttnSeq {
+            block_table: &tables[s],
+            q_row: s * q_len,
+            q_len,
+            first_pos: ctx - q_len,
+        })
         .collect();
     let t0 = Instant::now();
     paged_attention(&cache, 0, &q, heads, &seqs, 0.125, &mut out).unwrap();
     let iters = ((0.02 / t0.elapsed().as_secs_f64()) as usize).max(1);
-    let (best, cpu) = time(iters, || paged_attention(&cache, 0, &q, heads, &seqs, 0.125, &mut out).unwrap());
+    let (best, cpu) = time(iters, || {
+        paged_attention(&cache, 0, &q, heads, &seqs, 0.125, &mut out).unwrap()
+    });
     let kv = (batch * ctx * kvh * hd * 2 * dtype.elem_bytes()) as f64;
-    println!("attn {dtype} ctx={ctx} batch={batch} q_len={q_len}: best {:.1} us ({:.1} GB/s KV), mean CPU {:.1} us", best * 1e6, kv / best / 1e9, cpu * 1e6);
+    println!(
+        "attn {dtype} ctx={ctx} batch={batch} q_len={q_len}: best {:.1} us ({:.1} GB/s KV), mean CPU {:.1} us",
+        best * 1e6,
+        kv / best / 1e9,
+        cpu * 1e6
+    );
 }
 
 /// m = 1 over weights not in cache: cycles through copies totalling >= 400 MB.
@@ -73,8 +111,16 @@ fn gemv(a: &[String]) {
     let dtype: WeightDtype = a.get(2).map_or("f32", |s| s).parse().unwrap();
     let cols: usize = a.get(3).map_or(576, |s| s.parse().unwrap());
     let rows: usize = a.get(4).map_or(3072, |s| s.parse().unwrap());
-    let w = Weight::from_f32(rows, cols, (0..rows * cols).map(|i| (i % 7) as f32 * 0.01).collect(), dtype).unwrap();
-    let copies: Vec<Weight> = (0..(400usize << 20).div_ceil(w.size_bytes())).map(|_| w.clone()).collect();
+    let w = Weight::from_f32(
+        rows,
+        cols,
+        (0..rows * cols).map(|i| (i % 7) as f32 * 0.01).collect(),
+        dtype,
+    )
+    .unwrap();
+    let copies: Vec<Weight> = (0..(400usize << 20).div_ceil(w.size_bytes()))
+        .map(|_| w.clone())
+        .collect();
     let x: Vec<f32> = (0..cols).map(|i| (i % 5) as f32 * 0.1).collect();
     let mut out = vec![0.0; rows];
     let mut i = 0;
@@ -83,7 +129,11 @@ fn gemv(a: &[String]) {
         linear(&x, 1, &copies[i], &mut out)
     });
     let gb = w.size_bytes() as f64 / 1e9;
-    println!("gemv {dtype} {cols}->{rows}: best {:.1} GB/s, mean CPU-time {:.1} GB/s per busy thread-second", gb / best, gb / cpu);
+    println!(
+        "gemv {dtype} {cols}->{rows}: best {:.1} GB/s, mean CPU-time {:.1} GB/s per busy thread-second",
+        gb / best,
+        gb / cpu
+    );
 }
 
 fn main() {
@@ -98,7 +148,13 @@ fn main() {
     let cols: usize = a.get(3).map_or(576, |s| s.parse().unwrap());
     let rows: usize = a.get(4).map_or(3072, |s| s.parse().unwrap());
     let m: usize = a.get(5).map_or(512, |s| s.parse().unwrap());
-    let w = Weight::from_f32(rows, cols, (0..rows * cols).map(|i| (i % 7) as f32 * 0.01).collect(), dtype).unwrap();
+    let w = Weight::from_f32(
+        rows,
+        cols,
+        (0..rows * cols).map(|i| (i % 7) as f32 * 0.01).collect(),
+        dtype,
+    )
+    .unwrap();
     let x: Vec<f32> = (0..m * cols).map(|i| (i % 5) as f32 * 0.1).collect();
     let mut out = vec![0.0; m * rows];
     let flops = 2.0 * (m * rows * cols) as f64;

@@ -4,11 +4,11 @@
 //! `add_inplace` is one IEEE add per element; `argmax` is order-independent by definition
 //! (first maximum wins, NaN never wins). All are per element, so trivially batch invariant.
 
+use crate::Exec;
 use crate::error::assert_len;
 use crate::linear::SyncPtr;
 use crate::norm::par_rows;
 use crate::simd::{Isa, portable};
-use crate::Exec;
 
 /// `gate_up`: `m` rows of `[gate (inter) | up (inter)]`; `out`: `m × inter` = `silu(gate) * up`.
 pub fn silu_mul(gate_up: &[f32], m: usize, inter: usize, out: &mut [f32]) {
@@ -17,17 +17,21 @@ pub fn silu_mul(gate_up: &[f32], m: usize, inter: usize, out: &mut [f32]) {
 
 /// [`silu_mul`] on an explicit pool and ISA.
 pub fn silu_mul_on(exec: &Exec<'_>, gate_up: &[f32], m: usize, inter: usize, out: &mut [f32]) {
-    assert_len("silu_mul", "gate_up (m * 2 * inter)", m * 2 * inter, gate_up.len());
+    assert_len(
+        "silu_mul",
+        "gate_up (m * 2 * inter)",
+        m * 2 * inter,
+        gate_up.len(),
+    );
     assert_len("silu_mul", "out (m * inter)", m * inter, out.len());
     let isa = exec.isa();
     let optr = SyncPtr(out.as_mut_ptr());
     par_rows(exec, m, inter, &|r| {
-        let optr = optr;
         for i in r {
             let g = &gate_up[i * 2 * inter..i * 2 * inter + inter];
             let u = &gate_up[i * 2 * inter + inter..(i + 1) * 2 * inter];
             // SAFETY: row `i` is written by exactly one task; `out` has `m * inter` floats.
-            let o = unsafe { std::slice::from_raw_parts_mut(optr.0.add(i * inter), inter) };
+            let o = unsafe { std::slice::from_raw_parts_mut(optr.get().add(i * inter), inter) };
             match isa {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `Exec` only holds supported ISAs.

@@ -156,7 +156,16 @@ pub(crate) fn check_len(
     expected: usize,
     got: usize,
 ) -> Result<(), KernelError> {
-    if expected == got { Ok(()) } else { Err(KernelError::ShapeMismatch { op, what, expected, got }) }
+    if expected == got {
+        Ok(())
+    } else {
+        Err(KernelError::ShapeMismatch {
+            op,
+            what,
+            expected,
+            got,
+        })
+    }
 }
 
 /// Panics with a shape message unless `got == expected` (for the infallible kernels).

@@ -47,7 +47,11 @@ pub struct KvCacheMut<'a> {
 impl KvCacheMut<'_> {
     /// A read-only view of the same pool.
     pub fn as_ref(&self) -> KvCacheRef<'_> {
-        KvCacheRef { layout: self.layout, num_blocks: self.num_blocks, bytes: self.bytes }
+        KvCacheRef {
+            layout: self.layout,
+            num_blocks: self.num_blocks,
+            bytes: self.bytes,
+        }
     }
 }
 
@@ -70,15 +74,31 @@ impl KvPart {
 }
 
 /// Byte offset of the `(layer, block, head, part)` tile.
-pub(crate) fn tile_offset(l: &KvLayout, num_blocks: usize, layer: usize, block: usize, head: usize, part: KvPart) -> usize {
+pub(crate) fn tile_offset(
+    l: &KvLayout,
+    num_blocks: usize,
+    layer: usize,
+    block: usize,
+    head: usize,
+    part: KvPart,
+) -> usize {
     l.slab_offset(num_blocks, layer, block)
         + part.index() * l.kv_part_bytes()
         + head * l.head_tile_elems() * l.dtype.elem_bytes()
 }
 
 /// Byte offset of the Int8 scale of `(layer, block, head, part)`.
-pub(crate) fn scale_offset(l: &KvLayout, num_blocks: usize, layer: usize, block: usize, head: usize, part: KvPart) -> usize {
-    l.slab_offset(num_blocks, layer, block) + 2 * l.kv_part_bytes() + (part.index() * l.num_kv_heads + head) * 4
+pub(crate) fn scale_offset(
+    l: &KvLayout,
+    num_blocks: usize,
+    layer: usize,
+    block: usize,
+    head: usize,
+    part: KvPart,
+) -> usize {
+    l.slab_offset(num_blocks, layer, block)
+        + 2 * l.kv_part_bytes()
+        + (part.index() * l.num_kv_heads + head) * 4
 }
 
 pub(crate) fn read_f32(b: &[u8], at: usize) -> f32 {
@@ -97,9 +117,18 @@ pub(crate) fn check_pool(
     bytes_len: usize,
     layer: usize,
 ) -> Result<(), KernelError> {
-    check_len(op, "pool bytes (layout.pool_bytes(num_blocks))", layout.pool_bytes(num_blocks), bytes_len)?;
+    check_len(
+        op,
+        "pool bytes (layout.pool_bytes(num_blocks))",
+        layout.pool_bytes(num_blocks),
+        bytes_len,
+    )?;
     if layer >= layout.num_layers {
-        return Err(KernelError::LayerOutOfRange { op, layer, num_layers: layout.num_layers });
+        return Err(KernelError::LayerOutOfRange {
+            op,
+            layer,
+            num_layers: layout.num_layers,
+        });
     }
     Ok(())
 }
@@ -118,11 +147,26 @@ pub fn write_kv(
     let l = *cache.layout;
     check_pool(OP, &l, cache.num_blocks, cache.bytes.len(), layer)?;
     let row = l.num_kv_heads * l.head_dim;
-    check_len(OP, "k (T * kv_heads * head_dim)", slots.len() * row, k.len())?;
-    check_len(OP, "v (T * kv_heads * head_dim)", slots.len() * row, v.len())?;
+    check_len(
+        OP,
+        "k (T * kv_heads * head_dim)",
+        slots.len() * row,
+        k.len(),
+    )?;
+    check_len(
+        OP,
+        "v (T * kv_heads * head_dim)",
+        slots.len() * row,
+        v.len(),
+    )?;
     let num_slots = cache.num_blocks * l.block_size_tokens;
     if let Some((token, &slot)) = slots.iter().enumerate().find(|&(_, &s)| s >= num_slots) {
-        return Err(KernelError::SlotOutOfRange { op: OP, token, slot, num_slots });
+        return Err(KernelError::SlotOutOfRange {
+            op: OP,
+            token,
+            slot,
+            num_slots,
+        });
     }
     let (hd, bs) = (l.head_dim, l.block_size_tokens);
     let mut tmp16: Vec<u16> = Vec::new();
@@ -143,12 +187,18 @@ pub fn write_kv(
                     KvDtype::F16 => {
                         tmp16.resize(hd, 0);
                         // Vectorised (F16C when present), round to nearest even either way.
-                        tmp16.as_mut_slice().reinterpret_cast_mut::<f16>().convert_from_f32_slice(x);
+                        tmp16
+                            .as_mut_slice()
+                            .reinterpret_cast_mut::<f16>()
+                            .convert_from_f32_slice(x);
                         put_u16s(&mut bytes[dst_at..dst_at + 2 * hd], &tmp16);
                     }
                     KvDtype::Bf16 => {
                         tmp16.resize(hd, 0);
-                        tmp16.as_mut_slice().reinterpret_cast_mut::<bf16>().convert_from_f32_slice(x);
+                        tmp16
+                            .as_mut_slice()
+                            .reinterpret_cast_mut::<bf16>()
+                            .convert_from_f32_slice(x);
                         put_u16s(&mut bytes[dst_at..dst_at + 2 * hd], &tmp16);
                     }
                     KvDtype::Int8 => {
@@ -182,6 +232,8 @@ pub fn write_kv(
 fn quantize(x: f32, scale: f32) -> i8 {
     const MAGIC: f32 = 12_582_912.0; // 1.5 × 2^23
     if scale > 0.0 {
+        // Not `clamp`: `max` must map NaN to -127 (`clamp` would pass NaN through).
+        #[allow(clippy::manual_clamp)]
         let y = (x / scale).max(-127.0).min(127.0);
         let r = (y + MAGIC) - MAGIC;
         // SAFETY: `r` is an integer in [-127, 127] (clamped, and `max` maps NaN to -127).
@@ -200,7 +252,10 @@ fn abs_max(x: &[f32]) -> f32 {
             *l = l.max(v.abs());
         }
     }
-    let tail = chunks.remainder().iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let tail = chunks
+        .remainder()
+        .iter()
+        .fold(0.0f32, |m, v| m.max(v.abs()));
     lanes.iter().fold(tail, |m, &v| m.max(v))
 }
 
@@ -234,21 +289,41 @@ pub fn read_kv(
     if let Err(e) = check_pool("read_kv", l, cache.num_blocks, cache.bytes.len(), layer) {
         panic!("{e}");
     }
-    assert!(block < cache.num_blocks, "read_kv: block {block} >= {}", cache.num_blocks);
-    assert!(offset < l.block_size_tokens, "read_kv: offset {offset} >= {}", l.block_size_tokens);
-    assert!(head < l.num_kv_heads, "read_kv: head {head} >= {}", l.num_kv_heads);
+    assert!(
+        block < cache.num_blocks,
+        "read_kv: block {block} >= {}",
+        cache.num_blocks
+    );
+    assert!(
+        offset < l.block_size_tokens,
+        "read_kv: offset {offset} >= {}",
+        l.block_size_tokens
+    );
+    assert!(
+        head < l.num_kv_heads,
+        "read_kv: head {head} >= {}",
+        l.num_kv_heads
+    );
     crate::error::assert_len("read_kv", "out (head_dim)", l.head_dim, out.len());
-    let at = tile_offset(l, cache.num_blocks, layer, block, head, which) + offset * l.head_dim * l.dtype.elem_bytes();
+    let at = tile_offset(l, cache.num_blocks, layer, block, head, which)
+        + offset * l.head_dim * l.dtype.elem_bytes();
     let b = cache.bytes;
     let scale = match l.dtype {
-        KvDtype::Int8 => read_f32(b, scale_offset(l, cache.num_blocks, layer, block, head, which)),
+        KvDtype::Int8 => read_f32(
+            b,
+            scale_offset(l, cache.num_blocks, layer, block, head, which),
+        ),
         _ => 1.0,
     };
     for (d, o) in out.iter_mut().enumerate() {
         *o = match l.dtype {
             KvDtype::F32 => read_f32(b, at + 4 * d),
-            KvDtype::F16 => f16::from_bits(u16::from_le_bytes([b[at + 2 * d], b[at + 2 * d + 1]])).to_f32(),
-            KvDtype::Bf16 => bf16::from_bits(u16::from_le_bytes([b[at + 2 * d], b[at + 2 * d + 1]])).to_f32(),
+            KvDtype::F16 => {
+                f16::from_bits(u16::from_le_bytes([b[at + 2 * d], b[at + 2 * d + 1]])).to_f32()
+            }
+            KvDtype::Bf16 => {
+                bf16::from_bits(u16::from_le_bytes([b[at + 2 * d], b[at + 2 * d + 1]])).to_f32()
+            }
             KvDtype::Int8 => (b[at + d] as i8) as f32 * scale,
         };
     }

@@ -76,7 +76,11 @@ pub struct Exec<'p> {
 impl<'p> Exec<'p> {
     /// Runs on `pool` with `isa`; fails if this CPU cannot run `isa`.
     pub fn new(pool: &'p WorkerPool, isa: Isa) -> Result<Exec<'p>, KernelError> {
-        if isa.is_supported() { Ok(Exec { pool, isa }) } else { Err(KernelError::IsaUnsupported(isa)) }
+        if isa.is_supported() {
+            Ok(Exec { pool, isa })
+        } else {
+            Err(KernelError::IsaUnsupported(isa))
+        }
     }
 
     /// The pool.
@@ -93,6 +97,9 @@ impl<'p> Exec<'p> {
 impl Exec<'static> {
     /// The global pool and the active ISA.
     pub fn global() -> Exec<'static> {
-        Exec { pool: global_pool(), isa: active_isa() }
+        Exec {
+            pool: global_pool(),
+            isa: active_isa(),
+        }
     }
 }

@@ -28,6 +28,14 @@ pub(crate) struct SyncPtr(pub(crate) *mut f32);
 unsafe impl Send for SyncPtr {}
 unsafe impl Sync for SyncPtr {}
 
+impl SyncPtr {
+    /// The pointer (a method, so closures capture the `Sync` wrapper, not the raw field).
+    #[inline]
+    pub(crate) fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
 /// `out[i*rows + j] = Σ_k x[i*cols + k] * W[j][k]` for `i < m`; `x` is `m × cols`, `out` is
 /// `m × rows` (overwritten). Panics if the lengths do not match the shapes.
 pub fn linear(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
@@ -52,16 +60,23 @@ pub fn linear_on(exec: &Exec<'_>, x: &[f32], m: usize, w: &Weight, out: &mut [f3
     let isa = exec.isa();
     let optr = SyncPtr(out.as_mut_ptr());
     exec.pool().run_ranges(panels, n_tasks, &|r| {
-        let optr = optr;
         // SAFETY: `Exec` guarantees the ISA is supported; shapes were checked above; tasks own
         // disjoint panel ranges, hence disjoint output features.
-        unsafe { linear_panels(isa, x, m, w, optr.0, r.start, r.end) }
+        unsafe { linear_panels(isa, x, m, w, optr.get(), r.start, r.end) }
     });
 }
 
 /// # Safety
 /// `isa` is supported; `x` and `out` match the shapes; no concurrent writer of these panels.
-unsafe fn linear_panels(isa: Isa, x: &[f32], m: usize, w: &Weight, out: *mut f32, p0: usize, p1: usize) {
+unsafe fn linear_panels(
+    isa: Isa,
+    x: &[f32],
+    m: usize,
+    w: &Weight,
+    out: *mut f32,
+    p0: usize,
+    p1: usize,
+) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { crate::simd::avx512_gemm::linear_panels(x, m, w, out, p0, p1) },

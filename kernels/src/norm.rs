@@ -7,10 +7,10 @@
 //! Cost: two passes over each row; rows are spread over the pool only when the call has at
 //! least `PAR_MIN_ELEMS` elements (a decode step's norm is a few KB: one thread is faster).
 
+use crate::Exec;
 use crate::error::assert_len;
 use crate::linear::SyncPtr;
 use crate::simd::{Isa, portable};
-use crate::Exec;
 
 /// Calls with fewer elements than this run on one thread.
 pub(crate) const PAR_MIN_ELEMS: usize = 1 << 15;
@@ -25,17 +25,21 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 pub fn rms_norm_on(exec: &Exec<'_>, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let n = weight.len();
     assert!(n > 0, "rms_norm: weight is empty");
-    assert_len("rms_norm", "x (a multiple of weight.len())", x.len().next_multiple_of(n), x.len());
+    assert_len(
+        "rms_norm",
+        "x (a multiple of weight.len())",
+        x.len().next_multiple_of(n),
+        x.len(),
+    );
     assert_len("rms_norm", "out", x.len(), out.len());
     let rows = x.len() / n;
     let isa = exec.isa();
     let optr = SyncPtr(out.as_mut_ptr());
     par_rows(exec, rows, n, &|r| {
-        let optr = optr;
         for row in r {
             let xr = &x[row * n..(row + 1) * n];
             // SAFETY: each row is written by exactly one task; `out` has `rows * n` floats.
-            let or = unsafe { std::slice::from_raw_parts_mut(optr.0.add(row * n), n) };
+            let or = unsafe { std::slice::from_raw_parts_mut(optr.get().add(row * n), n) };
             match isa {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `Exec` only holds supported ISAs.

@@ -84,7 +84,9 @@ pub struct WorkerPool {
 
 impl std::fmt::Debug for WorkerPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("WorkerPool").field("threads", &self.threads).finish_non_exhaustive()
+        f.debug_struct("WorkerPool")
+            .field("threads", &self.threads)
+            .finish_non_exhaustive()
     }
 }
 
@@ -103,13 +105,21 @@ impl WorkerPool {
             lock: Mutex::new(()),
             wake: Condvar::new(),
         });
-        let mut pool = WorkerPool { threads, shared, publish: Mutex::new(()), workers: Vec::new() };
+        let mut pool = WorkerPool {
+            threads,
+            shared,
+            publish: Mutex::new(()),
+            workers: Vec::new(),
+        };
         for index in 1..threads {
             let shared = Arc::clone(&pool.shared);
             let handle = std::thread::Builder::new()
                 .name(format!("tandem-kernel-{index}"))
                 .spawn(move || worker_loop(&shared))
-                .map_err(|e| KernelError::SpawnFailed { index, reason: e.to_string() })?;
+                .map_err(|e| KernelError::SpawnFailed {
+                    index,
+                    reason: e.to_string(),
+                })?;
             pool.workers.push(handle);
         }
         Ok(pool)
@@ -127,7 +137,11 @@ impl WorkerPool {
             return;
         }
         let inline = n_tasks == 1 || self.workers.is_empty() || IN_JOB.with(|c| c.get());
-        let guard = if inline { None } else { self.publish.try_lock().ok() };
+        let guard = if inline {
+            None
+        } else {
+            self.publish.try_lock().ok()
+        };
         let Some(_guard) = guard else {
             (0..n_tasks).for_each(f);
             return;
@@ -161,7 +175,12 @@ impl WorkerPool {
     }
 
     /// Splits `0..len` into `n_tasks` contiguous, nearly equal ranges and runs `f(range)` on each.
-    pub fn run_ranges(&self, len: usize, n_tasks: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
+    pub fn run_ranges(
+        &self,
+        len: usize,
+        n_tasks: usize,
+        f: &(dyn Fn(std::ops::Range<usize>) + Sync),
+    ) {
         let n = n_tasks.clamp(1, len.max(1));
         self.run(n, &|t| f(split_range(len, n, t)));
     }

@@ -13,7 +13,9 @@ pub fn linear(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
     for j in 0..rows {
         w.row_to_f32(j, &mut wr);
         for i in 0..m {
-            let s: f64 = (0..cols).map(|k| x[i * cols + k] as f64 * wr[k] as f64).sum();
+            let s: f64 = (0..cols)
+                .map(|k| x[i * cols + k] as f64 * wr[k] as f64)
+                .sum();
             out[i * rows + j] = s as f32;
         }
     }

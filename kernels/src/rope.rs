@@ -7,11 +7,11 @@
 //!
 //! Cost: table `2 * max_positions * head_dim/2` floats; applying it is 6 flops per pair.
 
+use crate::Exec;
 use crate::error::assert_len;
 use crate::linear::SyncPtr;
 use crate::norm::par_rows;
 use crate::simd::{Isa, portable};
-use crate::Exec;
 
 /// Precomputed RoPE cos/sin for positions `0..max_positions`.
 #[derive(Clone, Debug)]
@@ -25,7 +25,10 @@ pub struct RopeTable {
 impl RopeTable {
     /// Builds the table (angles in f64). Panics if `head_dim` is odd or zero.
     pub fn new(head_dim: usize, max_positions: usize, theta: f64) -> RopeTable {
-        assert!(head_dim > 0 && head_dim % 2 == 0, "RopeTable: head_dim {head_dim} must be even and > 0");
+        assert!(
+            head_dim > 0 && head_dim.is_multiple_of(2),
+            "RopeTable: head_dim {head_dim} must be even and > 0"
+        );
         let half = head_dim / 2;
         let mut cos = Vec::with_capacity(max_positions * half);
         let mut sin = Vec::with_capacity(max_positions * half);
@@ -37,7 +40,12 @@ impl RopeTable {
                 sin.push(angle.sin() as f32);
             }
         }
-        RopeTable { head_dim, max_positions, cos, sin }
+        RopeTable {
+            head_dim,
+            max_positions,
+            cos,
+            sin,
+        }
     }
 
     /// Positions covered.
@@ -52,15 +60,28 @@ impl RopeTable {
 
     /// `(cos, sin)` rows for `pos`, each `head_dim / 2` long.
     pub fn row(&self, pos: usize) -> (&[f32], &[f32]) {
-        assert!(pos < self.max_positions, "RopeTable: position {pos} >= max_positions {}", self.max_positions);
+        assert!(
+            pos < self.max_positions,
+            "RopeTable: position {pos} >= max_positions {}",
+            self.max_positions
+        );
         let half = self.head_dim / 2;
-        (&self.cos[pos * half..(pos + 1) * half], &self.sin[pos * half..(pos + 1) * half])
+        (
+            &self.cos[pos * half..(pos + 1) * half],
+            &self.sin[pos * half..(pos + 1) * half],
+        )
     }
 }
 
 /// `x`: `[T × n_heads × head_dim]`; row `t` rotated by `positions[t]`, in place. Panics on a
 /// shape mismatch or a position outside the table.
-pub fn rope(x: &mut [f32], n_heads: usize, head_dim: usize, positions: &[usize], table: &RopeTable) {
+pub fn rope(
+    x: &mut [f32],
+    n_heads: usize,
+    head_dim: usize,
+    positions: &[usize],
+    table: &RopeTable,
+) {
     rope_on(&Exec::global(), x, n_heads, head_dim, positions, table)
 }
 
@@ -75,19 +96,28 @@ pub fn rope_on(
 ) {
     assert_len("rope", "head_dim (table)", table.head_dim, head_dim);
     let row = n_heads * head_dim;
-    assert_len("rope", "x (T * n_heads * head_dim)", positions.len() * row, x.len());
+    assert_len(
+        "rope",
+        "x (T * n_heads * head_dim)",
+        positions.len() * row,
+        x.len(),
+    );
     if let Some(&bad) = positions.iter().find(|&&p| p >= table.max_positions) {
-        panic!("rope: position {bad} >= table max_positions {}", table.max_positions);
+        panic!(
+            "rope: position {bad} >= table max_positions {}",
+            table.max_positions
+        );
     }
     let isa = exec.isa();
     let xptr = SyncPtr(x.as_mut_ptr());
     par_rows(exec, positions.len(), row, &|r| {
-        let xptr = xptr;
         for t in r {
             let (cos, sin) = table.row(positions[t]);
             for h in 0..n_heads {
                 // SAFETY: each (t, h) head is touched by exactly one task; in bounds by the check.
-                let xh = unsafe { std::slice::from_raw_parts_mut(xptr.0.add(t * row + h * head_dim), head_dim) };
+                let xh = unsafe {
+                    std::slice::from_raw_parts_mut(xptr.get().add(t * row + h * head_dim), head_dim)
+                };
                 match isa {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: `Exec` only holds supported ISAs.

@@ -84,7 +84,10 @@ pub(crate) struct AlignedBytes {
 
 impl AlignedBytes {
     pub(crate) fn zeroed(len: usize) -> AlignedBytes {
-        AlignedBytes { lines: vec![Line([0; 64]); len.div_ceil(64)], len }
+        AlignedBytes {
+            lines: vec![Line([0; 64]); len.div_ceil(64)],
+            len,
+        }
     }
 
     pub(crate) fn as_bytes(&self) -> &[u8] {
@@ -135,7 +138,9 @@ impl Weight {
         data: &[f16],
         dtype: WeightDtype,
     ) -> Result<Weight, KernelError> {
-        Self::from_fn(rows, cols, dtype, data.len(), |r, k| data[r * cols + k].to_f32())
+        Self::from_fn(rows, cols, dtype, data.len(), |r, k| {
+            data[r * cols + k].to_f32()
+        })
     }
 
     /// Packs a row-major bf16 matrix (no rounding for `Bf16`; exact widening for `F32`).
@@ -145,7 +150,9 @@ impl Weight {
         data: &[bf16],
         dtype: WeightDtype,
     ) -> Result<Weight, KernelError> {
-        Self::from_fn(rows, cols, dtype, data.len(), |r, k| data[r * cols + k].to_f32())
+        Self::from_fn(rows, cols, dtype, data.len(), |r, k| {
+            data[r * cols + k].to_f32()
+        })
     }
 
     fn from_fn(
@@ -181,7 +188,12 @@ impl Weight {
                 }
             }
         }
-        Ok(Weight { rows, cols, dtype, data: buf })
+        Ok(Weight {
+            rows,
+            cols,
+            dtype,
+            data: buf,
+        })
     }
 
     /// Output features.
@@ -221,7 +233,12 @@ impl Weight {
 
     /// Element `(r, k)` widened to f32 (exact).
     pub fn get(&self, r: usize, k: usize) -> f32 {
-        assert!(r < self.rows && k < self.cols, "Weight::get: ({r}, {k}) outside {}x{}", self.rows, self.cols);
+        assert!(
+            r < self.rows && k < self.cols,
+            "Weight::get: ({r}, {k}) outside {}x{}",
+            self.rows,
+            self.cols
+        );
         let esz = self.dtype.elem_bytes();
         let at = (((r / PANEL_ROWS) * self.cols + k) * PANEL_ROWS + r % PANEL_ROWS) * esz;
         load_elem(self.dtype, self.packed(), at)
@@ -229,7 +246,11 @@ impl Weight {
 
     /// Row `r` widened to f32 into `out` (len cols). Used for embedding lookup.
     pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
-        assert!(r < self.rows, "Weight::row_to_f32: row {r} outside {} rows", self.rows);
+        assert!(
+            r < self.rows,
+            "Weight::row_to_f32: row {r} outside {} rows",
+            self.rows
+        );
         crate::error::assert_len("Weight::row_to_f32", "out", self.cols, out.len());
         let esz = self.dtype.elem_bytes();
         let base = (r / PANEL_ROWS) * self.cols * PANEL_ROWS + r % PANEL_ROWS;
@@ -245,12 +266,14 @@ impl Weight {
 pub(crate) fn load_elem(dtype: WeightDtype, bytes: &[u8], at: usize) -> f32 {
     match dtype {
         WeightDtype::F32 => f32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes")),
-        WeightDtype::F16 => {
-            f16::from_bits(u16::from_le_bytes(bytes[at..at + 2].try_into().expect("2 bytes"))).to_f32()
-        }
-        WeightDtype::Bf16 => {
-            bf16::from_bits(u16::from_le_bytes(bytes[at..at + 2].try_into().expect("2 bytes"))).to_f32()
-        }
+        WeightDtype::F16 => f16::from_bits(u16::from_le_bytes(
+            bytes[at..at + 2].try_into().expect("2 bytes"),
+        ))
+        .to_f32(),
+        WeightDtype::Bf16 => bf16::from_bits(u16::from_le_bytes(
+            bytes[at..at + 2].try_into().expect("2 bytes"),
+        ))
+        .to_f32(),
     }
 }
 
@@ -294,7 +317,12 @@ mod tests {
         let e = Weight::from_f32(3, 4, vec![0.0; 11], WeightDtype::F32).unwrap_err();
         assert_eq!(
             e,
-            KernelError::ShapeMismatch { op: "Weight::from_f32", what: "data", expected: 12, got: 11 }
+            KernelError::ShapeMismatch {
+                op: "Weight::from_f32",
+                what: "data",
+                expected: 12,
+                got: 11
+            }
         );
         assert!("f64".parse::<WeightDtype>().is_err());
         assert_eq!("BF16".parse::<WeightDtype>().unwrap(), WeightDtype::Bf16);

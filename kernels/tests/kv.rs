@@ -8,10 +8,30 @@ fn layout(dtype: KvDtype) -> KvLayout {
     KvLayout::new(2, 3, 20, 4, dtype, 0).unwrap()
 }
 
-fn read(l: &KvLayout, nb: usize, bytes: &[u8], layer: usize, slot: usize, head: usize, part: KvPart) -> Vec<f32> {
+fn read(
+    l: &KvLayout,
+    nb: usize,
+    bytes: &[u8],
+    layer: usize,
+    slot: usize,
+    head: usize,
+    part: KvPart,
+) -> Vec<f32> {
     let mut out = vec![0.0; l.head_dim];
-    let c = tandem_kernels::KvCacheRef { layout: l, num_blocks: nb, bytes };
-    read_kv(&c, layer, slot / l.block_size_tokens, slot % l.block_size_tokens, head, part, &mut out);
+    let c = tandem_kernels::KvCacheRef {
+        layout: l,
+        num_blocks: nb,
+        bytes,
+    };
+    read_kv(
+        &c,
+        layer,
+        slot / l.block_size_tokens,
+        slot % l.block_size_tokens,
+        head,
+        part,
+        &mut out,
+    );
     out
 }
 
@@ -27,7 +47,11 @@ fn written_tokens_read_back_within_the_dtype_precision() {
         let slots: Vec<usize> = (8..20).collect();
         let k = rng.vec(slots.len() * row, 2.0);
         let v = rng.vec(slots.len() * row, 2.0);
-        let mut c = KvCacheMut { layout: &l, num_blocks: nb, bytes: &mut bytes };
+        let mut c = KvCacheMut {
+            layout: &l,
+            num_blocks: nb,
+            bytes: &mut bytes,
+        };
         write_kv(&mut c, 1, &k, &v, &slots).unwrap();
         let (rtol, atol) = match dtype {
             KvDtype::F32 => (0.0, 0.0),
@@ -42,12 +66,23 @@ fn written_tokens_read_back_within_the_dtype_precision() {
                 for (part, src) in [(KvPart::K, &k), (KvPart::V, &v)] {
                     let got = read(&l, nb, &bytes, 1, slot, h, part);
                     let want = &src[t * row + h * l.head_dim..t * row + (h + 1) * l.head_dim];
-                    assert_close(&got, want, atol, rtol, &format!("{dtype} slot {slot} head {h} {part:?}"));
+                    assert_close(
+                        &got,
+                        want,
+                        atol,
+                        rtol,
+                        &format!("{dtype} slot {slot} head {h} {part:?}"),
+                    );
                 }
             }
         }
         // Layer 0 was not touched.
-        assert!(read(&l, nb, &bytes, 0, 9, 0, KvPart::K).iter().all(|&x| x == 0.0), "{dtype}");
+        assert!(
+            read(&l, nb, &bytes, 0, 9, 0, KvPart::K)
+                .iter()
+                .all(|&x| x == 0.0),
+            "{dtype}"
+        );
     }
 }
 
@@ -59,14 +94,21 @@ fn int8_requantizes_a_block_when_a_larger_token_arrives() {
     let row = l.num_kv_heads * l.head_dim;
     let small = vec![0.5f32; row];
     let big = vec![4.0f32; row];
-    let mut c = KvCacheMut { layout: &l, num_blocks: nb, bytes: &mut bytes };
+    let mut c = KvCacheMut {
+        layout: &l,
+        num_blocks: nb,
+        bytes: &mut bytes,
+    };
     write_kv(&mut c, 0, &small, &small, &[4]).unwrap(); // block 1, offset 0
     write_kv(&mut c, 0, &big, &big, &[5]).unwrap(); // same block: scale grows 8x
     let first = read(&l, nb, &bytes, 0, 4, 2, KvPart::V);
     let second = read(&l, nb, &bytes, 0, 5, 2, KvPart::V);
     assert!(second.iter().all(|&x| x == 4.0), "{second:?}");
     // 0.5 on a 4/127 grid: 16 steps of 0.031496 = 0.50394.
-    assert!(first.iter().all(|&x| (x - 0.5).abs() <= 2.0 / 127.0), "{first:?}");
+    assert!(
+        first.iter().all(|&x| (x - 0.5).abs() <= 2.0 / 127.0),
+        "{first:?}"
+    );
 }
 
 #[test]
@@ -75,7 +117,11 @@ fn writing_offset_zero_resets_a_recycled_blocks_scale() {
     let nb = 1;
     let mut bytes = vec![0u8; l.pool_bytes(nb)];
     let row = l.num_kv_heads * l.head_dim;
-    let mut c = KvCacheMut { layout: &l, num_blocks: nb, bytes: &mut bytes };
+    let mut c = KvCacheMut {
+        layout: &l,
+        num_blocks: nb,
+        bytes: &mut bytes,
+    };
     // Previous owner: huge values.
     write_kv(&mut c, 0, &vec![100.0; row], &vec![100.0; row], &[0]).unwrap();
     // New owner starts at offset 0 with small values: must get a fine scale, not 100/127.
@@ -91,20 +137,40 @@ fn bad_slots_layers_and_shapes_are_typed_errors() {
     let mut bytes = vec![0u8; l.pool_bytes(nb)];
     let row = l.num_kv_heads * l.head_dim;
     let kv = vec![0.0; 2 * row];
-    let mut c = KvCacheMut { layout: &l, num_blocks: nb, bytes: &mut bytes };
+    let mut c = KvCacheMut {
+        layout: &l,
+        num_blocks: nb,
+        bytes: &mut bytes,
+    };
     assert_eq!(
         write_kv(&mut c, 0, &kv, &kv, &[1, 8]).unwrap_err(),
-        KernelError::SlotOutOfRange { op: "write_kv", token: 1, slot: 8, num_slots: 8 }
+        KernelError::SlotOutOfRange {
+            op: "write_kv",
+            token: 1,
+            slot: 8,
+            num_slots: 8
+        }
     );
     assert!(matches!(
         write_kv(&mut c, 2, &kv, &kv, &[0, 1]),
-        Err(KernelError::LayerOutOfRange { layer: 2, num_layers: 2, .. })
+        Err(KernelError::LayerOutOfRange {
+            layer: 2,
+            num_layers: 2,
+            ..
+        })
     ));
     assert!(matches!(
         write_kv(&mut c, 0, &kv[1..], &kv, &[0, 1]),
         Err(KernelError::ShapeMismatch { what, .. }) if what.starts_with('k')
     ));
     let mut short = vec![0u8; l.pool_bytes(nb) - 4];
-    let mut c = KvCacheMut { layout: &l, num_blocks: nb, bytes: &mut short };
-    assert!(matches!(write_kv(&mut c, 0, &kv, &kv, &[0, 1]), Err(KernelError::ShapeMismatch { .. })));
+    let mut c = KvCacheMut {
+        layout: &l,
+        num_blocks: nb,
+        bytes: &mut short,
+    };
+    assert!(matches!(
+        write_kv(&mut c, 0, &kv, &kv, &[0, 1]),
+        Err(KernelError::ShapeMismatch { .. })
+    ));
 }

@@ -21,7 +21,13 @@ fn linear_matches_the_f64_reference_for_odd_shapes_and_all_dtypes() {
                     let mut got = vec![f32::NAN; m * rows];
                     linear_on(&exec, &x, m, &w, &mut got);
                     let tol = 2e-6 * (cols as f32).sqrt();
-                    assert_close(&got, &want, tol, 1e-5, &format!("{rows}x{cols} {dtype} m={m} {}", exec.isa()));
+                    assert_close(
+                        &got,
+                        &want,
+                        tol,
+                        1e-5,
+                        &format!("{rows}x{cols} {dtype} m={m} {}", exec.isa()),
+                    );
                 }
             }
         }
@@ -47,7 +53,11 @@ fn a_row_computes_the_same_bits_alone_or_in_any_batch_on_any_threads_and_isa() {
                     assert_bits_eq(
                         &out[at * rows..(at + 1) * rows],
                         &alone,
-                        &format!("{rows}x{cols} {dtype} m={m} row {at} {} {}t", exec.isa(), exec.pool().threads()),
+                        &format!(
+                            "{rows}x{cols} {dtype} m={m} row {at} {} {}t",
+                            exec.isa(),
+                            exec.pool().threads()
+                        ),
                     );
                 }
             }
@@ -70,7 +80,11 @@ fn large_batches_take_the_widened_path_and_still_match_single_rows() {
         for i in [0, 11, 36] {
             let mut one = vec![0.0; rows];
             linear_on(&exec, &x[i * cols..(i + 1) * cols], 1, &w, &mut one);
-            assert_bits_eq(&batch[i * rows..(i + 1) * rows], &one, &format!("{dtype} row {i}"));
+            assert_bits_eq(
+                &batch[i * rows..(i + 1) * rows],
+                &one,
+                &format!("{dtype} row {i}"),
+            );
         }
     }
 }

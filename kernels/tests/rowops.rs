@@ -3,7 +3,9 @@
 
 mod common;
 use common::*;
-use tandem_kernels::{RopeTable, add_inplace_on, argmax, reference, rms_norm_on, rope_on, silu_mul_on};
+use tandem_kernels::{
+    RopeTable, add_inplace_on, argmax, reference, rms_norm_on, rope_on, silu_mul_on,
+};
 
 #[test]
 fn rms_norm_matches_reference_and_is_bitwise_identical_everywhere() {
@@ -18,16 +20,28 @@ fn rms_norm_matches_reference_and_is_bitwise_identical_everywhere() {
             for exec in all_execs() {
                 let mut got = vec![f32::NAN; rows * n];
                 rms_norm_on(&exec, &x, &w, 1e-5, &mut got);
-                assert_close(&got, &want, 1e-6, 2e-6, &format!("n={n} rows={rows} {}", exec.isa()));
+                assert_close(
+                    &got,
+                    &want,
+                    1e-6,
+                    2e-6,
+                    &format!("n={n} rows={rows} {}", exec.isa()),
+                );
                 match &first {
                     None => first = Some(got),
-                    Some(f) => assert_bits_eq(&got, f, &format!("n={n} rows={rows} {}", exec.isa())),
+                    Some(f) => {
+                        assert_bits_eq(&got, f, &format!("n={n} rows={rows} {}", exec.isa()))
+                    }
                 }
             }
             // A row alone equals the same row in the batch.
             let mut one = vec![0.0; n];
             rms_norm_on(&fast(), &x[(rows - 1) * n..], &w, 1e-5, &mut one);
-            assert_bits_eq(&one, &first.unwrap()[(rows - 1) * n..], "row alone vs batch");
+            assert_bits_eq(
+                &one,
+                &first.unwrap()[(rows - 1) * n..],
+                "row alone vs batch",
+            );
         }
     }
 }
@@ -83,10 +97,18 @@ fn silu_mul_matches_reference_and_is_bitwise_identical_everywhere() {
             for exec in all_execs() {
                 let mut got = vec![f32::NAN; m * inter];
                 silu_mul_on(&exec, &gu, m, inter, &mut got);
-                assert_close(&got, &want, 1e-6, 4e-7, &format!("inter={inter} m={m} {}", exec.isa()));
+                assert_close(
+                    &got,
+                    &want,
+                    1e-6,
+                    4e-7,
+                    &format!("inter={inter} m={m} {}", exec.isa()),
+                );
                 match &first {
                     None => first = Some(got),
-                    Some(f) => assert_bits_eq(&got, f, &format!("inter={inter} m={m} {}", exec.isa())),
+                    Some(f) => {
+                        assert_bits_eq(&got, f, &format!("inter={inter} m={m} {}", exec.isa()))
+                    }
                 }
             }
         }

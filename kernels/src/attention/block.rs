@@ -46,7 +46,8 @@ impl Rows<'_> {
     /// Offset of row `r` in `q` and `out`.
     pub(super) fn at(&self, r: usize) -> usize {
         let h = self.heads();
-        (self.seq.q_row + self.task.j0 + r / h) * self.n_heads * self.hd + (self.task.h0 + r % h) * self.hd
+        (self.seq.q_row + self.task.j0 + r / h) * self.n_heads * self.hd
+            + (self.task.h0 + r % h) * self.hd
     }
     /// Tokens of block `b` that row `r` attends to.
     pub(super) fn valid(&self, r: usize, b: usize) -> usize {
@@ -55,13 +56,26 @@ impl Rows<'_> {
 }
 
 /// Byte range of the K or V tile of block `b` (table index) for the task's KV head.
-fn tile<'c>(cache: &KvCacheRef<'c>, layer: usize, rows: &Rows<'_>, b: usize, part: KvPart) -> (&'c [u8], Option<f32>) {
+fn tile<'c>(
+    cache: &KvCacheRef<'c>,
+    layer: usize,
+    rows: &Rows<'_>,
+    b: usize,
+    part: KvPart,
+) -> (&'c [u8], Option<f32>) {
     let l = cache.layout;
     let block = rows.seq.block_table[b] as usize;
     let at = tile_offset(l, cache.num_blocks, layer, block, rows.task.kv_head, part);
-    let scale = (l.dtype == KvDtype::Int8)
-        .then(|| read_f32(cache.bytes, scale_offset(l, cache.num_blocks, layer, block, rows.task.kv_head, part)));
-    (&cache.bytes[at..at + rows.bs * l.head_dim * l.dtype.elem_bytes()], scale)
+    let scale = (l.dtype == KvDtype::Int8).then(|| {
+        read_f32(
+            cache.bytes,
+            scale_offset(l, cache.num_blocks, layer, block, rows.task.kv_head, part),
+        )
+    });
+    (
+        &cache.bytes[at..at + rows.bs * l.head_dim * l.dtype.elem_bytes()],
+        scale,
+    )
 }
 
 /// Walks blocks `b0..b1`, prefetching the `part` tile `PREFETCH_BLOCKS` ahead of each.
@@ -88,6 +102,7 @@ pub(super) fn for_blocks(
 ///
 /// # Safety
 /// `s` is valid for those writes and no one else touches them during the call.
+#[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn score_block(
     isa: Isa,
     cache: &KvCacheRef<'_>,
@@ -107,7 +122,16 @@ pub(super) unsafe fn score_block(
             // SAFETY: per the contract this (row, block) range is ours; `ktile` holds n tokens.
             unsafe {
                 let srow = std::slice::from_raw_parts_mut(s.add(r * stride + b * rows.bs), n);
-                scores(isa, cache.layout.dtype, &q[rows.at(r)..rows.at(r) + hd], &ktile[..n * hd * esz], n, kscale, scale, srow);
+                scores(
+                    isa,
+                    cache.layout.dtype,
+                    &q[rows.at(r)..rows.at(r) + hd],
+                    &ktile[..n * hd * esz],
+                    n,
+                    kscale,
+                    scale,
+                    srow,
+                );
             }
         }
     }
@@ -140,7 +164,11 @@ pub(super) unsafe fn v_blocks(
     let (hd, bs, dt) = (rows.hd, rows.bs, cache.layout.dtype);
     let hd_pad = hd.next_multiple_of(16);
     let n_rows = rows.len();
-    let full_end = (0..n_rows).map(|r| (rows.pos(r) + 1) / bs).min().unwrap_or(0).clamp(blocks.start, blocks.end);
+    let full_end = (0..n_rows)
+        .map(|r| (rows.pos(r) + 1) / bs)
+        .min()
+        .unwrap_or(0)
+        .clamp(blocks.start, blocks.end);
     let chunks: Vec<std::ops::Range<usize>> = (blocks.start..full_end)
         .step_by(MAX_TILES)
         .map(|c0| c0..(c0 + MAX_TILES).min(full_end))
@@ -160,7 +188,11 @@ pub(super) unsafe fn v_blocks(
             scales[i] = s.unwrap_or(1.0);
         }
         let k = chunk.len();
-        let scales = if dt == KvDtype::Int8 { &scales[..k] } else { &[][..] };
+        let scales = if dt == KvDtype::Int8 {
+            &scales[..k]
+        } else {
+            &[][..]
+        };
         // Spans (first row, end row, first token, end token) of this chunk, relative to it.
         let mut spans = [(0usize, 0usize, 0usize, 0usize); V_GROUP + 1];
         for g0 in (0..n_rows).step_by(V_GROUP) {
@@ -192,12 +224,33 @@ pub(super) unsafe fn v_blocks(
                     std::slice::from_raw_parts(e.add(row(i) * stride + base), to - from)
                 });
                 // SAFETY: row < n_rows; accumulator rows are hd_pad apart.
-                let a: [*mut f32; V_GROUP] = std::array::from_fn(|i| unsafe { acc.add(row(i) * hd_pad) });
+                let a: [*mut f32; V_GROUP] =
+                    std::array::from_fn(|i| unsafe { acc.add(row(i) * hd_pad) });
                 let esz = dt.elem_bytes();
-                let one = if k == 1 { [&tiles[0][from * hd * esz..to * hd * esz]] } else { [&[][..]] };
-                let (ts, n): (&[&[u8]], usize) = if k > 1 { (&tiles[..k], bs) } else { (&one, to - from) };
+                let one = if k == 1 {
+                    [&tiles[0][from * hd * esz..to * hd * esz]]
+                } else {
+                    [&[][..]]
+                };
+                let (ts, n): (&[&[u8]], usize) = if k > 1 {
+                    (&tiles[..k], bs)
+                } else {
+                    (&one, to - from)
+                };
                 // SAFETY: each tile holds n tokens; only the first r1 - r0 (distinct) rows are used.
-                unsafe { accumulate_v(isa, dt, &w[..r1 - r0], ts, n, scales, hd, dims.clone(), &a[..r1 - r0]) };
+                unsafe {
+                    accumulate_v(
+                        isa,
+                        dt,
+                        &w[..r1 - r0],
+                        ts,
+                        n,
+                        scales,
+                        hd,
+                        dims.clone(),
+                        &a[..r1 - r0],
+                    )
+                };
             }
         }
     }

@@ -6,18 +6,38 @@ use tandem_kv_layout::KvDtype;
 /// # Safety
 /// `tile` holds `n` tokens of `q.len()` elements; `s` has room for `n`.
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn scores(isa: Isa, dt: KvDtype, q: &[f32], tile: &[u8], n: usize, ks: Option<f32>, mul: f32, s: &mut [f32]) {
+pub(super) unsafe fn scores(
+    isa: Isa,
+    dt: KvDtype,
+    q: &[f32],
+    tile: &[u8],
+    n: usize,
+    ks: Option<f32>,
+    mul: f32,
+    s: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
-    use crate::simd::{avx512::DT_I8, avx512_gemm::{DT_BF16, DT_F16, DT_F32}};
+    use crate::simd::{
+        avx512::DT_I8,
+        avx512_gemm::{DT_BF16, DT_F16, DT_F32},
+    };
     #[cfg(target_arch = "x86_64")]
     macro_rules! go {
         ($m:ident) => {
             unsafe {
                 match dt {
-                    KvDtype::F32 => crate::simd::$m::scores::<DT_F32>(q, tile.as_ptr(), n, ks, mul, s),
-                    KvDtype::F16 => crate::simd::$m::scores::<DT_F16>(q, tile.as_ptr(), n, ks, mul, s),
-                    KvDtype::Bf16 => crate::simd::$m::scores::<DT_BF16>(q, tile.as_ptr(), n, ks, mul, s),
-                    KvDtype::Int8 => crate::simd::$m::scores::<DT_I8>(q, tile.as_ptr(), n, ks, mul, s),
+                    KvDtype::F32 => {
+                        crate::simd::$m::scores::<DT_F32>(q, tile.as_ptr(), n, ks, mul, s)
+                    }
+                    KvDtype::F16 => {
+                        crate::simd::$m::scores::<DT_F16>(q, tile.as_ptr(), n, ks, mul, s)
+                    }
+                    KvDtype::Bf16 => {
+                        crate::simd::$m::scores::<DT_BF16>(q, tile.as_ptr(), n, ks, mul, s)
+                    }
+                    KvDtype::Int8 => {
+                        crate::simd::$m::scores::<DT_I8>(q, tile.as_ptr(), n, ks, mul, s)
+                    }
                 }
             }
         };
@@ -73,13 +93,24 @@ pub(super) unsafe fn accumulate_v(
     acc: &[*mut f32],
 ) {
     #[cfg(target_arch = "x86_64")]
-    use crate::simd::{avx512::DT_I8, avx512_gemm::{DT_BF16, DT_F16, DT_F32}};
-    assert!(tiles.len() <= MAX_TILES, "accumulate_v: {} tiles", tiles.len());
+    use crate::simd::{
+        avx512::DT_I8,
+        avx512_gemm::{DT_BF16, DT_F16, DT_F32},
+    };
+    assert!(
+        tiles.len() <= MAX_TILES,
+        "accumulate_v: {} tiles",
+        tiles.len()
+    );
     let mut ptrs = [std::ptr::null::<u8>(); MAX_TILES];
     for (p, t) in ptrs.iter_mut().zip(tiles) {
         *p = t.as_ptr();
     }
-    let vt = crate::simd::VTiles { ptrs: &ptrs[..tiles.len()], n, scales };
+    let vt = crate::simd::VTiles {
+        ptrs: &ptrs[..tiles.len()],
+        n,
+        scales,
+    };
     #[cfg(target_arch = "x86_64")]
     macro_rules! go_g {
         ($m:ident, $g:literal) => {{
@@ -87,10 +118,18 @@ pub(super) unsafe fn accumulate_v(
             let ar: [*mut f32; $g] = std::array::from_fn(|i| acc[i]);
             unsafe {
                 match dt {
-                    KvDtype::F32 => crate::simd::$m::accumulate_v::<DT_F32, $g>(er, vt, hd, dims.clone(), ar),
-                    KvDtype::F16 => crate::simd::$m::accumulate_v::<DT_F16, $g>(er, vt, hd, dims.clone(), ar),
-                    KvDtype::Bf16 => crate::simd::$m::accumulate_v::<DT_BF16, $g>(er, vt, hd, dims.clone(), ar),
-                    KvDtype::Int8 => crate::simd::$m::accumulate_v::<DT_I8, $g>(er, vt, hd, dims.clone(), ar),
+                    KvDtype::F32 => {
+                        crate::simd::$m::accumulate_v::<DT_F32, $g>(er, vt, hd, dims.clone(), ar)
+                    }
+                    KvDtype::F16 => {
+                        crate::simd::$m::accumulate_v::<DT_F16, $g>(er, vt, hd, dims.clone(), ar)
+                    }
+                    KvDtype::Bf16 => {
+                        crate::simd::$m::accumulate_v::<DT_BF16, $g>(er, vt, hd, dims.clone(), ar)
+                    }
+                    KvDtype::Int8 => {
+                        crate::simd::$m::accumulate_v::<DT_I8, $g>(er, vt, hd, dims.clone(), ar)
+                    }
                 }
             }
         }};

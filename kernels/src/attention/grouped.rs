@@ -42,7 +42,10 @@ pub(super) unsafe fn run_task(
             score_block(isa, cache, layer, rows, b, q, scale, sp, ctx)
         });
         sums.clear();
-        sums.extend((0..n_rows).map(|r| softmax_weights(isa, &mut sbuf[r * ctx..r * ctx + rows.pos(r) + 1])));
+        sums.extend(
+            (0..n_rows)
+                .map(|r| softmax_weights(isa, &mut sbuf[r * ctx..r * ctx + rows.pos(r) + 1])),
+        );
         let (ep, ap) = (sbuf.as_ptr(), abuf.as_mut_ptr());
         // SAFETY: weights computed above; abuf holds n_rows × hd_pad floats, all ours.
         unsafe { v_blocks(isa, cache, layer, rows, 0..n_blocks, ep, ctx, ap, 0..hd) };

@@ -92,7 +92,7 @@ pub fn paged_attention_on(
     const OP: &str = "paged_attention";
     let l = cache.layout;
     check_pool(OP, l, cache.num_blocks, cache.bytes.len(), layer)?;
-    if n_heads == 0 || n_heads % l.num_kv_heads != 0 {
+    if n_heads == 0 || !n_heads.is_multiple_of(l.num_kv_heads) {
         return Err(KernelError::NotDivisible {
             op: OP,
             what: "n_heads by kv_heads",
@@ -101,7 +101,12 @@ pub fn paged_attention_on(
         });
     }
     let row = n_heads * l.head_dim;
-    check_len(OP, "q (a multiple of n_heads * head_dim)", q.len().next_multiple_of(row), q.len())?;
+    check_len(
+        OP,
+        "q (a multiple of n_heads * head_dim)",
+        q.len().next_multiple_of(row),
+        q.len(),
+    )?;
     check_len(OP, "out", q.len(), out.len())?;
     let total_rows = q.len() / row;
     validate_seqs(OP, cache, seqs, total_rows)?;
@@ -117,13 +122,28 @@ pub fn paged_attention_on(
         for kv_head in 0..l.num_kv_heads {
             for j0 in (0..s.q_len).step_by(tile) {
                 let (h0, h1) = (kv_head * group, (kv_head + 1) * group);
-                tasks.push(Task { seq: si, kv_head, j0, j1: (j0 + tile).min(s.q_len), h0, h1 });
+                tasks.push(Task {
+                    seq: si,
+                    kv_head,
+                    j0,
+                    j1: (j0 + tile).min(s.q_len),
+                    h0,
+                    h1,
+                });
             }
         }
     }
     let (hd, bs) = (l.head_dim, l.block_size_tokens);
-    let rows: Vec<Rows<'_>> =
-        tasks.iter().map(|&task| Rows { seq: &seqs[task.seq], task, n_heads, hd, bs }).collect();
+    let rows: Vec<Rows<'_>> = tasks
+        .iter()
+        .map(|&task| Rows {
+            seq: &seqs[task.seq],
+            task,
+            n_heads,
+            hd,
+            bs,
+        })
+        .collect();
     let threads = exec.pool().threads();
     if threads > 1 && rows.len() < 2 * threads {
         // SAFETY: validated shapes; the groups' rows are disjoint.
@@ -133,9 +153,8 @@ pub fn paged_attention_on(
     let isa = exec.isa();
     let optr = SyncPtr(out.as_mut_ptr());
     let run = |i: usize| {
-        let optr = optr;
         // SAFETY: validated shapes; tasks own disjoint (query row, head) outputs.
-        unsafe { grouped::run_task(isa, cache, layer, q, &rows[i], scale, optr.0) }
+        unsafe { grouped::run_task(isa, cache, layer, q, &rows[i], scale, optr.get()) }
     };
     if rows.len() == 1 || threads == 1 {
         (0..rows.len()).for_each(run);
@@ -176,18 +195,32 @@ fn validate_seqs(
                 table_blocks: s.block_table.len(),
             });
         }
-        if let Some(&b) = s.block_table[..needed].iter().find(|&&b| b as usize >= cache.num_blocks) {
-            return Err(KernelError::BlockOutOfRange { op, block: b as usize, num_blocks: cache.num_blocks });
+        if let Some(&b) = s.block_table[..needed]
+            .iter()
+            .find(|&&b| b as usize >= cache.num_blocks)
+        {
+            return Err(KernelError::BlockOutOfRange {
+                op,
+                block: b as usize,
+                num_blocks: cache.num_blocks,
+            });
         }
     }
-    let mut spans: Vec<(usize, usize, usize)> =
-        seqs.iter().enumerate().filter(|(_, s)| s.q_len > 0).map(|(i, s)| (s.q_row, s.q_row + s.q_len, i)).collect();
+    let mut spans: Vec<(usize, usize, usize)> = seqs
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.q_len > 0)
+        .map(|(i, s)| (s.q_row, s.q_row + s.q_len, i))
+        .collect();
     spans.sort_unstable();
     for w in spans.windows(2) {
         if w[1].0 < w[0].1 {
-            return Err(KernelError::QueryRowsOverlap { op, seq_a: w[0].2, seq_b: w[1].2 });
+            return Err(KernelError::QueryRowsOverlap {
+                op,
+                seq_a: w[0].2,
+                seq_b: w[1].2,
+            });
         }
     }
     Ok(())
 }
-

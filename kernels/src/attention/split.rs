@@ -49,7 +49,11 @@ pub(super) unsafe fn run_split(
     let mut sbuf = vec![0.0f32; s_off[groups.len()]];
     let mut abuf = vec![0.0f32; a_off[groups.len()]];
     let mut sums = vec![0.0f32; r_off[groups.len()]];
-    let (sp, ap, up) = (SyncPtr(sbuf.as_mut_ptr()), SyncPtr(abuf.as_mut_ptr()), SyncPtr(sums.as_mut_ptr()));
+    let (sp, ap, up) = (
+        SyncPtr(sbuf.as_mut_ptr()),
+        SyncPtr(abuf.as_mut_ptr()),
+        SyncPtr(sums.as_mut_ptr()),
+    );
     let op = SyncPtr(out);
     let items = pool.threads() * ITEMS_PER_THREAD;
 
@@ -66,10 +70,19 @@ pub(super) unsafe fn run_split(
     pool.run(score_items.len(), &|k| {
         let (i, ref blocks) = score_items[k];
         let g = &groups[i];
-        let sp = sp;
         // SAFETY: disjoint (row, block) score ranges per item; buffers sized above.
         for_blocks(cache, layer, g, blocks.clone(), KvPart::K, |b| unsafe {
-            score_block(isa, cache, layer, g, b, q, scale, sp.0.add(s_off[i]), g.ctx())
+            score_block(
+                isa,
+                cache,
+                layer,
+                g,
+                b,
+                q,
+                scale,
+                sp.get().add(s_off[i]),
+                g.ctx(),
+            )
         });
     });
 
@@ -77,11 +90,11 @@ pub(super) unsafe fn run_split(
     pool.run(r_off[groups.len()], &|row| {
         let i = r_off.partition_point(|&o| o <= row) - 1;
         let (g, r) = (&groups[i], row - r_off[i]);
-        let (sp, up) = (sp, up);
         // SAFETY: each row's scores and sum belong to this item alone.
         unsafe {
-            let s = std::slice::from_raw_parts_mut(sp.0.add(s_off[i] + r * g.ctx()), g.pos(r) + 1);
-            *up.0.add(row) = softmax_weights(isa, s);
+            let s =
+                std::slice::from_raw_parts_mut(sp.get().add(s_off[i] + r * g.ctx()), g.pos(r) + 1);
+            *up.get().add(row) = softmax_weights(isa, s);
         }
     });
 
@@ -95,16 +108,25 @@ pub(super) unsafe fn run_split(
     pool.run(v_items.len(), &|k| {
         let (i, ref dims) = v_items[k];
         let g = &groups[i];
-        let (sp, ap, up, op) = (sp, ap, up, op);
         // SAFETY: weights are final after phase 2; each item owns its dims of its group's
         // accumulators and output rows.
         unsafe {
-            let acc = ap.0.add(a_off[i]);
-            v_blocks(isa, cache, layer, g, 0..g.blocks(), sp.0.add(s_off[i]), g.ctx(), acc, dims.clone());
+            let acc = ap.get().add(a_off[i]);
+            v_blocks(
+                isa,
+                cache,
+                layer,
+                g,
+                0..g.blocks(),
+                sp.get().add(s_off[i]),
+                g.ctx(),
+                acc,
+                dims.clone(),
+            );
             for r in 0..g.len() {
-                let sum = *up.0.add(r_off[i] + r);
+                let sum = *up.get().add(r_off[i] + r);
                 for d in dims.clone() {
-                    *op.0.add(g.at(r) + d) = *acc.add(r * hd_pad + d) / sum;
+                    *op.get().add(g.at(r) + d) = *acc.add(r * hd_pad + d) / sum;
                 }
             }
         }

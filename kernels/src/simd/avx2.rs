@@ -54,11 +54,17 @@ fn ld16(x: &[f32], c: usize) -> (__m256, __m256) {
     // SAFETY: full loads only when 16 elements remain; otherwise via a padded copy.
     unsafe {
         if n >= 16 {
-            (_mm256_loadu_ps(x.as_ptr().add(c)), _mm256_loadu_ps(x.as_ptr().add(c + 8)))
+            (
+                _mm256_loadu_ps(x.as_ptr().add(c)),
+                _mm256_loadu_ps(x.as_ptr().add(c + 8)),
+            )
         } else {
             let mut tmp = [0.0f32; 16];
             tmp[..n].copy_from_slice(&x[c..]);
-            (_mm256_loadu_ps(tmp.as_ptr()), _mm256_loadu_ps(tmp.as_ptr().add(8)))
+            (
+                _mm256_loadu_ps(tmp.as_ptr()),
+                _mm256_loadu_ps(tmp.as_ptr().add(8)),
+            )
         }
     }
 }
@@ -97,7 +103,10 @@ fn tree16(lo: __m256, hi: __m256) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn exp8(x: __m256) -> __m256 {
-    let xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
+    let xc = _mm256_min_ps(
+        _mm256_max_ps(x, _mm256_set1_ps(EXP_LO)),
+        _mm256_set1_ps(EXP_HI),
+    );
     let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
         xc,
         _mm256_set1_ps(LOG2E),
@@ -108,8 +117,14 @@ fn exp8(x: __m256) -> __m256 {
     for c in &EXP_P[1..] {
         p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
     }
-    let y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0));
-    let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)));
+    let y = _mm256_add_ps(
+        _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r),
+        _mm256_set1_ps(1.0),
+    );
+    let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(n),
+        _mm256_set1_epi32(127),
+    ));
     let e = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
     let under = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP_LO));
     _mm256_blendv_ps(e, _mm256_setzero_ps(), under)
@@ -202,7 +217,7 @@ pub(crate) unsafe fn scores<const DT: u8>(
     s: &mut [f32],
 ) {
     let hd = q.len();
-    for t in 0..n {
+    for (t, st) in s.iter_mut().enumerate().take(n) {
         let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         for c in (0..hd).step_by(16) {
             let (q0, q1) = ld16(q, c);
@@ -211,7 +226,7 @@ pub(crate) unsafe fn scores<const DT: u8>(
             a1 = _mm256_fmadd_ps(q1, k1, a1);
         }
         let d = tree16(a0, a1);
-        s[t] = match kscale {
+        *st = match kscale {
             Some(ks) => (d * ks) * mul,
             None => d * mul,
         };
@@ -221,7 +236,9 @@ pub(crate) unsafe fn scores<const DT: u8>(
 /// In-place softmax numerator; returns the canonical sum (see `portable::softmax_weights`).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) fn softmax_weights(s: &mut [f32]) -> f32 {
-    let m = s.iter().fold(f32::NEG_INFINITY, |m, &v| super::portable::x86_max(v, m));
+    let m = s
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, &v| super::portable::x86_max(v, m));
     let mv = _mm256_set1_ps(m);
     let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
     let n = s.len();
@@ -264,7 +281,11 @@ pub(crate) unsafe fn accumulate_v<const DT: u8, const G: usize>(
             let mut a: [__m256; G] = std::array::from_fn(|g| _mm256_loadu_ps(acc[g].add(c)));
             for (i, &tile) in tiles.ptrs.iter().enumerate() {
                 for t in 0..tiles.n {
-                    let v = if hd - c >= 8 { kv8::<DT>(tile, t * hd + c) } else { kv16::<DT>(tile, t * hd + c, hd - c).0 };
+                    let v = if hd - c >= 8 {
+                        kv8::<DT>(tile, t * hd + c)
+                    } else {
+                        kv16::<DT>(tile, t * hd + c, hd - c).0
+                    };
                     for g in 0..G {
                         let w = tiles.weight(i, e[g][i * tiles.n + t]);
                         a[g] = _mm256_fmadd_ps(_mm256_set1_ps(w), v, a[g]);

@@ -84,7 +84,14 @@ unsafe fn tile<const DT: u8, const MR: usize, const NV: usize>(
 /// The CPU supports AVX2, FMA and F16C; `x` holds `m * cols` floats; `out` is valid for writes
 /// of `m * rows` floats and no other thread writes the features of panels `p0..p1`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn linear_panels(x: &[f32], m: usize, w: &Weight, out: *mut f32, p0: usize, p1: usize) {
+pub(crate) unsafe fn linear_panels(
+    x: &[f32],
+    m: usize,
+    w: &Weight,
+    out: *mut f32,
+    p0: usize,
+    p1: usize,
+) {
     let (cols, rows) = (w.cols(), w.rows());
     let esz = w.dtype().elem_bytes();
     let packed = w.packed().as_ptr();

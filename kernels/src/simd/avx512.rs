@@ -3,8 +3,8 @@
 //! Each function reproduces its `portable` twin bit for bit: the 16-lane accumulators *are*
 //! the canonical lanes, tails are zero-padded, and [`tree16`] is the canonical reduction tree.
 
-use super::avx512_gemm::{DT_BF16, DT_F16, DT_F32};
 use super::VTiles;
+use super::avx512_gemm::{DT_BF16, DT_F16, DT_F32};
 use super::portable::{EXP_HI, EXP_LO, EXP_P, LN2_HI, LN2_LO, LOG2E};
 use std::arch::x86_64::*;
 
@@ -41,7 +41,11 @@ unsafe fn kv16_tail<const DT: u8>(p: *const u8, elem: usize, n: usize) -> __m512
 
 #[inline]
 fn mask(n: usize) -> u16 {
-    if n >= 16 { u16::MAX } else { ((1u32 << n) - 1) as u16 }
+    if n >= 16 {
+        u16::MAX
+    } else {
+        ((1u32 << n) - 1) as u16
+    }
 }
 
 /// The canonical 16 → 1 tree: `l[i] + l[i+8]`, `+ [i+4]`, `+ [i+2]`, `+ [i+1]`.
@@ -61,7 +65,10 @@ pub(crate) fn tree16(v: __m512) -> f32 {
 #[target_feature(enable = "avx512f")]
 #[inline]
 pub(crate) fn exp16(x: __m512) -> __m512 {
-    let xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LO)), _mm512_set1_ps(EXP_HI));
+    let xc = _mm512_min_ps(
+        _mm512_max_ps(x, _mm512_set1_ps(EXP_LO)),
+        _mm512_set1_ps(EXP_HI),
+    );
     let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
         _mm512_mul_ps(xc, _mm512_set1_ps(LOG2E)),
     );
@@ -71,8 +78,14 @@ pub(crate) fn exp16(x: __m512) -> __m512 {
     for c in &EXP_P[1..] {
         p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
     }
-    let y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0));
-    let bits = _mm512_slli_epi32::<23>(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)));
+    let y = _mm512_add_ps(
+        _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r),
+        _mm512_set1_ps(1.0),
+    );
+    let bits = _mm512_slli_epi32::<23>(_mm512_add_epi32(
+        _mm512_cvtps_epi32(n),
+        _mm512_set1_epi32(127),
+    ));
     let e = _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
     let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(EXP_LO));
     _mm512_mask_blend_ps(under, e, _mm512_setzero_ps())
@@ -100,7 +113,11 @@ pub(crate) fn rms_norm_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
         unsafe {
             let xv = _mm512_maskz_loadu_ps(k, x.as_ptr().add(c));
             let wv = _mm512_maskz_loadu_ps(k, w.as_ptr().add(c));
-            _mm512_mask_storeu_ps(out.as_mut_ptr().add(c), k, _mm512_mul_ps(_mm512_mul_ps(xv, inv), wv));
+            _mm512_mask_storeu_ps(
+                out.as_mut_ptr().add(c),
+                k,
+                _mm512_mul_ps(_mm512_mul_ps(xv, inv), wv),
+            );
         }
     }
 }
@@ -165,20 +182,32 @@ pub(crate) fn tree16x16(a: &[__m512; 16]) -> __m512 {
     // 16 -> 8: lanes 0-7 = token 2k's s8, lanes 8-15 = token 2k+1's s8.
     let b: [__m512; 8] = std::array::from_fn(|k| {
         let (x, y) = (a[2 * k], a[2 * k + 1]);
-        _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(x, y), _mm512_shuffle_f32x4::<0xEE>(x, y))
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x44>(x, y),
+            _mm512_shuffle_f32x4::<0xEE>(x, y),
+        )
     });
     // 8 -> 4: 128-bit block j of c[m] = token 4m + j's s4.
     let c: [__m512; 4] = std::array::from_fn(|m| {
         let (x, y) = (b[2 * m], b[2 * m + 1]);
-        _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(x, y), _mm512_shuffle_f32x4::<0xDD>(x, y))
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(x, y),
+            _mm512_shuffle_f32x4::<0xDD>(x, y),
+        )
     });
     // 4 -> 2: block j of d[n] = [s2 of token 8n + j, s2 of token 8n + 4 + j].
     let d: [__m512; 2] = std::array::from_fn(|n| {
         let (x, y) = (c[2 * n], c[2 * n + 1]);
-        _mm512_add_ps(_mm512_shuffle_ps::<0x44>(x, y), _mm512_shuffle_ps::<0xEE>(x, y))
+        _mm512_add_ps(
+            _mm512_shuffle_ps::<0x44>(x, y),
+            _mm512_shuffle_ps::<0xEE>(x, y),
+        )
     });
     // 2 -> 1: lane 4j + q = sum of token j + 4q.
-    let e = _mm512_add_ps(_mm512_shuffle_ps::<0x88>(d[0], d[1]), _mm512_shuffle_ps::<0xDD>(d[0], d[1]));
+    let e = _mm512_add_ps(
+        _mm512_shuffle_ps::<0x88>(d[0], d[1]),
+        _mm512_shuffle_ps::<0xDD>(d[0], d[1]),
+    );
     // Token t sits in lane 4 * (t % 4) + t / 4.
     let idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     _mm512_permutexvar_ps(idx, e)
@@ -214,7 +243,11 @@ pub(crate) unsafe fn scores<const DT: u8>(
             }
             if full < hd {
                 for (u, a) in acc.iter_mut().enumerate() {
-                    *a = _mm512_fmadd_ps(qtail, kv16_tail::<DT>(tile, (t + u) * hd + full, hd - full), *a);
+                    *a = _mm512_fmadd_ps(
+                        qtail,
+                        kv16_tail::<DT>(tile, (t + u) * hd + full, hd - full),
+                        *a,
+                    );
                 }
             }
         }
@@ -227,19 +260,24 @@ pub(crate) unsafe fn scores<const DT: u8>(
         unsafe { _mm512_storeu_ps(s.as_mut_ptr().add(t), d) };
         t += 16;
     }
-    for t in t..n {
+    let t_batched = t;
+    for (t, st) in s.iter_mut().enumerate().take(n).skip(t_batched) {
         let mut acc = _mm512_setzero_ps();
         let base = t * hd;
         unsafe {
             for c in (0..full).step_by(16) {
-                acc = _mm512_fmadd_ps(_mm512_loadu_ps(q.as_ptr().add(c)), kv16::<DT>(tile, base + c), acc);
+                acc = _mm512_fmadd_ps(
+                    _mm512_loadu_ps(q.as_ptr().add(c)),
+                    kv16::<DT>(tile, base + c),
+                    acc,
+                );
             }
             if full < hd {
                 acc = _mm512_fmadd_ps(qtail, kv16_tail::<DT>(tile, base + full, hd - full), acc);
             }
         }
         let d = tree16(acc);
-        s[t] = match kscale {
+        *st = match kscale {
             Some(ks) => (d * ks) * mul,
             None => d * mul,
         };
@@ -259,7 +297,9 @@ pub(crate) fn softmax_weights(s: &mut [f32]) -> f32 {
     let mut lanes = [0.0f32; 16];
     // SAFETY: 16 floats.
     unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), mv) };
-    let m = lanes.iter().fold(f32::NEG_INFINITY, |a, &b| super::portable::x86_max(b, a));
+    let m = lanes
+        .iter()
+        .fold(f32::NEG_INFINITY, |a, &b| super::portable::x86_max(b, a));
     let mvec = _mm512_set1_ps(m);
     let mut acc = _mm512_setzero_ps();
     for c in (0..n).step_by(16) {
@@ -294,8 +334,13 @@ pub(crate) unsafe fn accumulate_v<const DT: u8, const G: usize>(
     dims: std::ops::Range<usize>,
     acc: [*mut f32; G],
 ) {
-    for r in 0..G {
-        assert!(e[r].len() >= tiles.tokens(), "accumulate_v: {} weights for {} tokens", e[r].len(), tiles.tokens());
+    for er in &e {
+        assert!(
+            er.len() >= tiles.tokens(),
+            "accumulate_v: {} weights for {} tokens",
+            er.len(),
+            tiles.tokens()
+        );
     }
     let mut c0 = dims.start;
     while c0 < dims.end {
@@ -340,7 +385,11 @@ unsafe fn v_pass<const DT: u8, const G: usize, const NC: usize>(
                 } else {
                     for (c, vc) in v.iter_mut().enumerate() {
                         let d = c0 + 16 * c;
-                        *vc = if d < full { kv16::<DT>(tile, t * hd + d) } else { kv16_tail::<DT>(tile, t * hd + d, hd - d) };
+                        *vc = if d < full {
+                            kv16::<DT>(tile, t * hd + d)
+                        } else {
+                            kv16_tail::<DT>(tile, t * hd + d, hd - d)
+                        };
                     }
                 }
                 for g in 0..G {

@@ -122,9 +122,25 @@ macro_rules! dispatch_tile {
 
 /// Vectors per tile for a row block of `mr` rows, given `left` panels remaining.
 fn nv_for(mr: usize, left: usize) -> usize {
-    let max_panels = if mr == 1 { 8 } else if mr <= 2 { 4 } else if mr <= 4 { 2 } else { 1 };
+    let max_panels = if mr == 1 {
+        8
+    } else if mr <= 2 {
+        4
+    } else if mr <= 4 {
+        2
+    } else {
+        1
+    };
     let p = max_panels.min(left);
-    2 * if p >= 8 { 8 } else if p >= 4 { 4 } else if p >= 2 { 2 } else { 1 }
+    2 * if p >= 8 {
+        8
+    } else if p >= 4 {
+        4
+    } else if p >= 2 {
+        2
+    } else {
+        1
+    }
 }
 
 thread_local! {
@@ -153,7 +169,14 @@ unsafe fn widen<const DT: u8>(src: *const u8, elems: usize, dst: *mut f32) {
 /// The CPU supports AVX-512F; `x` holds `m * cols` floats; `out` is valid for writes of
 /// `m * rows` floats and no other thread writes the features of panels `p0..p1`.
 #[target_feature(enable = "avx512f")]
-pub(crate) unsafe fn linear_panels(x: &[f32], m: usize, w: &Weight, out: *mut f32, p0: usize, p1: usize) {
+pub(crate) unsafe fn linear_panels(
+    x: &[f32],
+    m: usize,
+    w: &Weight,
+    out: *mut f32,
+    p0: usize,
+    p1: usize,
+) {
     let (cols, rows) = (w.cols(), w.rows());
     let convert = w.dtype() != WeightDtype::F32 && m >= CONVERT_MIN_M;
     WIDE.with(|wide| {
@@ -165,7 +188,12 @@ pub(crate) unsafe fn linear_panels(x: &[f32], m: usize, w: &Weight, out: *mut f3
         let mut g0 = p0;
         while g0 < p1 {
             // Wide groups give GEMV more independent streams; widened f32 groups must fit L2.
-            let g = if convert { GROUP_PANELS / 2 } else { GROUP_PANELS }.min(p1 - g0);
+            let g = if convert {
+                GROUP_PANELS / 2
+            } else {
+                GROUP_PANELS
+            }
+            .min(p1 - g0);
             let src = unsafe { w.packed().as_ptr().add(g0 * pbytes) };
             let (base, stride, dt) = if convert {
                 let dst = wide.as_bytes_mut().as_mut_ptr().cast::<f32>();
@@ -188,7 +216,11 @@ pub(crate) unsafe fn linear_panels(x: &[f32], m: usize, w: &Weight, out: *mut f3
                 while p < g {
                     let nv = nv_for(mr, g - p);
                     let j0 = (g0 + p) * PANEL_ROWS;
-                    let dst = Dst { ptr: unsafe { out.add(i * rows + j0) }, ld: rows, n: rows - j0 };
+                    let dst = Dst {
+                        ptr: unsafe { out.add(i * rows + j0) },
+                        ld: rows,
+                        n: rows - j0,
+                    };
                     let xi = unsafe { x.as_ptr().add(i * cols) };
                     let args = (xi, cols, unsafe { base.add(p * stride) }, stride, cols, dst);
                     unsafe {

@@ -70,7 +70,10 @@ impl Isa {
 
     /// The fastest ISA this CPU supports.
     pub fn best() -> Isa {
-        [Isa::Avx512, Isa::Avx2].into_iter().find(|i| i.is_supported()).unwrap_or(Isa::Portable)
+        [Isa::Avx512, Isa::Avx2]
+            .into_iter()
+            .find(|i| i.is_supported())
+            .unwrap_or(Isa::Portable)
     }
 
     /// Every ISA this CPU supports, slowest first.
@@ -126,7 +129,11 @@ pub(crate) fn prefetch(bytes: &[u8]) {
     #[cfg(target_arch = "x86_64")]
     for line in (0..bytes.len()).step_by(64) {
         // SAFETY: prefetch never faults and the address is inside `bytes`.
-        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(bytes.as_ptr().add(line).cast()) };
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                bytes.as_ptr().add(line).cast(),
+            )
+        };
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = bytes;
@@ -149,7 +156,11 @@ impl VTiles<'_> {
     /// The weight multiplier of tile `i`: `e * scale` for Int8, `e` otherwise.
     #[inline]
     pub(crate) fn weight(&self, i: usize, e: f32) -> f32 {
-        if self.scales.is_empty() { e } else { e * self.scales[i] }
+        if self.scales.is_empty() {
+            e
+        } else {
+            e * self.scales[i]
+        }
     }
 }
 

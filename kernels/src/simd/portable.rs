@@ -50,8 +50,14 @@ pub(crate) const EXP_HI: f32 = 88.0;
 pub(crate) const LOG2E: f32 = std::f32::consts::LOG2_E;
 pub(crate) const LN2_HI: f32 = 0.693_359_4;
 pub(crate) const LN2_LO: f32 = -2.121_944_4e-4;
-pub(crate) const EXP_P: [f32; 6] =
-    [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5];
+pub(crate) const EXP_P: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    0.166_666_65,
+    0.5,
+];
 
 /// Canonical `e^x` (≈1 ulp on `[-87, 88]`; 0 below -87; `e^88` above 88).
 #[inline]
@@ -76,7 +82,11 @@ pub(crate) fn dot(a: &[f32], b: impl Fn(usize) -> f32) -> f32 {
     for c in 0..a.len().div_ceil(LANES) {
         for (l, lane) in acc.iter_mut().enumerate() {
             let i = c * LANES + l;
-            let (x, y) = if i < a.len() { (a[i], b(i)) } else { (0.0, 0.0) };
+            let (x, y) = if i < a.len() {
+                (a[i], b(i))
+            } else {
+                (0.0, 0.0)
+            };
             *lane = x.mul_add(y, *lane);
         }
     }
@@ -157,7 +167,14 @@ pub(crate) fn argmax(x: &[f32]) -> usize {
 ///
 /// # Safety
 /// `out` is valid for writes of `m * rows` floats; no other thread writes these panels' features.
-pub(crate) unsafe fn linear_panels(x: &[f32], m: usize, w: &Weight, out: *mut f32, p0: usize, p1: usize) {
+pub(crate) unsafe fn linear_panels(
+    x: &[f32],
+    m: usize,
+    w: &Weight,
+    out: *mut f32,
+    p0: usize,
+    p1: usize,
+) {
     let (cols, rows) = (w.cols(), w.rows());
     let esz = w.dtype().elem_bytes();
     let bytes = w.packed();
@@ -191,11 +208,16 @@ pub(crate) fn kv_load_f32(b: &[u8], i: usize) -> f32 {
     f32::from_le_bytes(b[4 * i..4 * i + 4].try_into().expect("4 bytes"))
 }
 pub(crate) fn kv_load_f16(b: &[u8], i: usize) -> f32 {
-    half::f16::from_bits(u16::from_le_bytes(b[2 * i..2 * i + 2].try_into().expect("2 bytes"))).to_f32()
+    half::f16::from_bits(u16::from_le_bytes(
+        b[2 * i..2 * i + 2].try_into().expect("2 bytes"),
+    ))
+    .to_f32()
 }
 pub(crate) fn kv_load_bf16(b: &[u8], i: usize) -> f32 {
-    half::bf16::from_bits(u16::from_le_bytes(b[2 * i..2 * i + 2].try_into().expect("2 bytes")))
-        .to_f32()
+    half::bf16::from_bits(u16::from_le_bytes(
+        b[2 * i..2 * i + 2].try_into().expect("2 bytes"),
+    ))
+    .to_f32()
 }
 pub(crate) fn kv_load_i8(b: &[u8], i: usize) -> f32 {
     b[i] as i8 as f32
@@ -213,9 +235,9 @@ pub(crate) fn scores(
     s: &mut [f32],
 ) {
     let hd = q.len();
-    for t in 0..n {
+    for (t, st) in s.iter_mut().enumerate().take(n) {
         let d = dot(q, |i| load(tile, t * hd + i));
-        s[t] = match kscale {
+        *st = match kscale {
             Some(ks) => (d * ks) * mul,
             None => d * mul,
         };
@@ -238,6 +260,7 @@ pub(crate) fn softmax_weights(s: &mut [f32]) -> f32 {
 /// `acc[r][d] = fma(w_r(t), v_t[d], acc[r][d])` over the tokens `t` of `tiles` in order, `d`
 /// in `dims` (`acc[r]` holds just those dims), rows `r` of `e` (each `e[r][t]`), where
 /// `w_r(t) = e[r][t]` (float KV) or `e[r][t] * vscale_tile` (Int8).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn accumulate_v(
     e: &[&[f32]],
     tiles: &[&[u8]],
@@ -252,7 +275,11 @@ pub(crate) fn accumulate_v(
         for t in 0..n {
             for (er, ar) in e.iter().zip(acc.iter_mut()) {
                 let et = er[i * n + t];
-                let w = if scales.is_empty() { et } else { et * scales[i] };
+                let w = if scales.is_empty() {
+                    et
+                } else {
+                    et * scales[i]
+                };
                 for d in dims.clone() {
                     ar[d - dims.start] = w.mul_add(load(tile, t * hd + d), ar[d - dims.start]);
                 }

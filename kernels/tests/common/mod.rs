@@ -39,7 +39,10 @@ pub fn pools() -> &'static [WorkerPool] {
 
 /// One executor per supported ISA, on the 2-thread pool.
 pub fn isas() -> Vec<Exec<'static>> {
-    Isa::supported().into_iter().map(|isa| Exec::new(&pools()[1], isa).unwrap()).collect()
+    Isa::supported()
+        .into_iter()
+        .map(|isa| Exec::new(&pools()[1], isa).unwrap())
+        .collect()
 }
 
 /// Every (thread count, ISA) combination that runs fast (portable only single-threaded).
@@ -71,6 +74,9 @@ pub fn assert_bits_eq(a: &[f32], b: &[f32], what: &str) {
 pub fn assert_close(a: &[f32], b: &[f32], atol: f32, rtol: f32, what: &str) {
     assert_eq!(a.len(), b.len(), "{what}: lengths");
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        assert!((x - y).abs() <= atol + rtol * y.abs(), "{what}: element {i}: {x} vs reference {y}");
+        assert!(
+            (x - y).abs() <= atol + rtol * y.abs(),
+            "{what}: element {i}: {x} vs reference {y}"
+        );
     }
 }
