@@ -35,7 +35,8 @@ use tokio::sync::oneshot;
 
 use crate::error::{Side, TransferError};
 use crate::metrics::{Live, LiveGuard, TransferMetrics};
-use crate::pool::{BlockId, BlockRun, KvPool, block_checksum, block_runs, slab_checksum};
+use crate::checksum::{block_checksum, slab_checksum};
+use crate::pool::{BlockId, BlockRun, KvPool, block_runs};
 use crate::transport::PoolRegistration;
 use crate::wire::{Begin, WireError};
 

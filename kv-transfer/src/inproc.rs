@@ -14,7 +14,8 @@ use tokio_util::sync::CancellationToken;
 use crate::error::{Phase, TransferError};
 use crate::inbound::{AbortHook, InboundRegistry, InboundSession};
 use crate::metrics::TransferMetrics;
-use crate::pool::{block_runs, check_block_lists, slab_checksum};
+use crate::checksum::slab_checksum;
+use crate::pool::{block_runs, check_block_lists};
 use crate::transport::{
     KvTransport, OutboundTransfer, PoolRegistration, PushDriver, PushRequest, TransferCapabilities, TransferReport,
     layers_per_chunk, push_pair,

@@ -126,6 +126,10 @@ impl KvTransport for NetTransport {
         self.inner().register(pool)
     }
 
+    fn allocate(&self, layout: KvLayout, num_blocks: usize) -> Result<PoolRegistration, TransferError> {
+        self.inner().allocate(layout, num_blocks)
+    }
+
     fn push(
         &self,
         src: &PoolRegistration,

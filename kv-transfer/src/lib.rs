@@ -9,7 +9,7 @@
 //! # Module map
 //! - [`transport`]: the [`KvTransport`] seam, [`PushRequest`], [`OutboundTransfer`], [`PoolRegistration`].
 //! - [`inbound`]: the receiver's [`InboundRegistry`] of reservations and its fail-closed checks.
-//! - [`pool`]: [`KvPool`] memory, block runs, slab checksums (xxh3).
+//! - [`pool`]: [`KvPool`] memory and block runs; [`checksum`]: slab checksums (XXH3-64, AVX2).
 //! - [`wire`]: rkyv descriptors and framing (checked access on everything received).
 //! - [`tcp`]: [`TcpKvTransport`] (tokio) and the stream protocol UCX reuses for control.
 //! - `ucx` (feature `ucx`, default): [`UcxKvTransport`] over our `tandem-ucx-sys` bindings.
@@ -28,6 +28,7 @@
 //! - Every failure is a typed [`TransferError`] with [`TransferError::retry_safe`].
 
 pub mod bench;
+pub mod checksum;
 pub mod config;
 pub mod error;
 pub mod fault;

@@ -55,6 +55,20 @@ pub fn fill_blocks(pool: &mut KvPool, seed: u64, blocks: &[BlockId]) -> Result<(
     Ok(())
 }
 
+/// Fills every layer of `blocks` in a shared pool (one a transport allocated).
+///
+/// # Safety
+/// Nothing else reads or writes these blocks meanwhile (no transfer covers them).
+pub unsafe fn fill_blocks_shared(pool: &KvPool, seed: u64, blocks: &[BlockId]) -> Result<(), TransferError> {
+    for layer in 0..pool.layout().num_layers {
+        for &b in blocks {
+            // SAFETY: the caller guarantees exclusive access to these blocks.
+            fill_slab(seed, layer, b, unsafe { pool.slab_mut(layer, b) }?);
+        }
+    }
+    Ok(())
+}
+
 /// Counts the (layer, pair) slabs where `dst_blocks[i]` does not hold source block `src_blocks[i]`'s
 /// pattern.
 ///

@@ -34,7 +34,7 @@ use crate::config::{TransferConfig, UcxConfig, UcxDataMode};
 use crate::inbound::{InboundRegistry, Reservation};
 use crate::kind::{LayoutName, NetTransport, TransportKind};
 use crate::pattern;
-use crate::pool::{BlockId, KvPool};
+use crate::pool::BlockId;
 use crate::transport::{KvTransport, PushRequest};
 
 /// Seed of the slab pattern both processes use unless told otherwise.
@@ -162,8 +162,7 @@ pub struct PushArgs {
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let transport = args.transport.build()?;
     let layout = args.pool.layout.layout(args.pool.block_tokens)?;
-    let pool = Arc::new(KvPool::new(layout, args.pool.blocks)?);
-    let registry = InboundRegistry::new(transport.register(pool)?, TransferConfig::default().fence_timeout);
+    let registry = InboundRegistry::new(transport.allocate(layout, args.pool.blocks)?, TransferConfig::default().fence_timeout);
     let listener = TcpListener::bind("127.0.0.1:0").await.context("bind")?;
     say(&format!("LISTEN {}", listener.local_addr()?));
     let shutdown = CancellationToken::new();
@@ -222,9 +221,12 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 pub async fn push(args: PushArgs) -> anyhow::Result<()> {
     let transport = args.transport.build()?;
     let layout = args.pool.layout.layout(args.pool.block_tokens)?;
-    let mut pool = KvPool::new(layout, args.pool.blocks)?;
-    pattern::fill_blocks(&mut pool, args.pool.seed, &args.src)?;
-    let src = transport.register(Arc::new(pool))?;
+    let src = transport.allocate(layout, args.pool.blocks)?;
+    for &b in &args.src {
+        src.pool().check_block(b)?;
+    }
+    // SAFETY: the pool was just allocated; no transfer touches it yet.
+    unsafe { pattern::fill_blocks_shared(src.pool(), args.pool.seed, &args.src) }?;
     let mut req = PushRequest::new(&args.connect, args.reservation, args.epoch, args.src.clone(), args.dst.clone())
         .deadline(Duration::from_millis(args.deadline_ms));
     if args.layer_delay_ms > 0 {
@@ -317,6 +319,8 @@ impl PeerProcess {
     pub async fn spawn(bin: &Path, args: &[String]) -> anyhow::Result<Self> {
         let mut child = Command::new(bin)
             .args(args)
+            // Keep UCX's own log off the line protocol (unless the caller chose a log file).
+            .env("UCX_LOG_FILE", std::env::var("UCX_LOG_FILE").unwrap_or_else(|_| "stderr".into()))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .kill_on_drop(true)
@@ -332,12 +336,20 @@ impl PeerProcess {
         Ok(p)
     }
 
-    /// The next line the child prints (errors if it exits first).
+    /// The next protocol line the child prints (errors if it exits first). Lines in UCX's log
+    /// format (`[timestamp] ...`, which UCX writes to stdout by default) are passed to the log.
     pub async fn line(&mut self) -> anyhow::Result<String> {
-        let line = tokio::time::timeout(Duration::from_secs(120), self.lines.next_line())
-            .await
-            .context("peer printed nothing for 120 s")??;
-        line.context("peer exited")
+        loop {
+            let line = tokio::time::timeout(Duration::from_secs(120), self.lines.next_line())
+                .await
+                .context("peer printed nothing for 120 s")??
+                .context("peer exited")?;
+            if line.starts_with('[') {
+                tracing::info!(target: "tandem_kv_transfer::peer::child", "{line}");
+                continue;
+            }
+            return Ok(line);
+        }
     }
 
     /// Sends one command line.

@@ -3,7 +3,10 @@
 //! A [`KvPool`] owns one contiguous, 64-byte aligned, zero-initialised region of
 //! `layout.pool_bytes(num_blocks)` bytes laid out as `tandem-kv-layout` says (layer-major
 //! (layer, block) slabs). The engine can adopt it as its cache memory; transports register it once
-//! (UCX: `ucp_mem_map`) and then move slabs in and out for the block ids they are handed.
+//! (UCX: `ucp_mem_map`) and then move slabs in and out for the block ids they are handed. Prefer
+//! [`crate::KvTransport::allocate`] to get one: UCX then places the pool in memory its peers can
+//! write directly (on one host, a shared-memory segment they map: a put is one `memcpy`), where a
+//! heap pool would make UCX 1.13 emulate puts over active messages (two copies).
 //!
 //! # Aliasing contract
 //! The pool is shared (`Arc<KvPool>`) between the engine, kernels and transports, which all
@@ -35,12 +38,22 @@ pub type BlockId = u32;
 /// Alignment of every pool base address (a cache line; also what RDMA NICs like).
 pub const POOL_ALIGN_BYTES: usize = 64;
 
+/// Who frees a pool's memory.
+enum Backing {
+    /// `std::alloc`, freed with the same layout.
+    Heap,
+    /// Memory a transport allocated (UCX: `ucp_mem_map(ALLOCATE)`, shared-memory segments peers
+    /// can map); `release` frees it.
+    External { release: Option<Box<dyn FnOnce() + Send + Sync>> },
+}
+
 /// One node's KV pool: an owned, aligned, zeroed byte region of `num_blocks` blocks.
 pub struct KvPool {
     layout: KvLayout,
     num_blocks: usize,
     ptr: NonNull<u8>,
     len_bytes: usize,
+    backing: Backing,
 }
 
 // SAFETY: KvPool owns a plain byte allocation with no thread affinity; concurrent access to it is
@@ -63,7 +76,27 @@ impl KvPool {
         let ptr = NonNull::new(raw).ok_or_else(|| {
             TransferError::Io { op: "allocate KV pool", source: std::io::Error::from(std::io::ErrorKind::OutOfMemory) }
         })?;
-        Ok(Self { layout, num_blocks, ptr, len_bytes })
+        Ok(Self { layout, num_blocks, ptr, len_bytes, backing: Backing::Heap })
+    }
+
+    /// Wraps memory a transport allocated: `ptr` must be 64-byte aligned, zeroed, and valid for
+    /// `layout.pool_bytes(num_blocks)` bytes until `release` runs (when the pool drops).
+    ///
+    /// # Safety
+    /// The caller guarantees the above, and that nothing else frees or reuses the memory.
+    pub(crate) unsafe fn from_external(
+        layout: KvLayout,
+        num_blocks: usize,
+        ptr: *mut u8,
+        release: Box<dyn FnOnce() + Send + Sync>,
+    ) -> Result<Self, TransferError> {
+        let ptr = NonNull::new(ptr).ok_or_else(|| TransferError::invalid("ptr", "is null"))?;
+        if ptr.as_ptr() as usize % POOL_ALIGN_BYTES != 0 || num_blocks == 0 || num_blocks > BlockId::MAX as usize {
+            release();
+            return Err(TransferError::invalid("ptr", "external pool memory is misaligned or empty"));
+        }
+        let len_bytes = layout.pool_bytes(num_blocks);
+        Ok(Self { layout, num_blocks, ptr, len_bytes, backing: Backing::External { release: Some(release) } })
     }
 
     /// The layout every slab of this pool follows.
@@ -146,10 +179,19 @@ impl KvPool {
 
 impl Drop for KvPool {
     fn drop(&mut self) {
-        let alloc = AllocLayout::from_size_align(self.len_bytes, POOL_ALIGN_BYTES)
-            .expect("layout was valid at allocation. This is a bug.");
-        // SAFETY: `ptr` came from `alloc_zeroed` with this exact layout and is freed once.
-        unsafe { dealloc(self.ptr.as_ptr(), alloc) };
+        match &mut self.backing {
+            Backing::Heap => {
+                let alloc = AllocLayout::from_size_align(self.len_bytes, POOL_ALIGN_BYTES)
+                    .expect("layout was valid at allocation. This is a bug.");
+                // SAFETY: `ptr` came from `alloc_zeroed` with this exact layout and is freed once.
+                unsafe { dealloc(self.ptr.as_ptr(), alloc) };
+            }
+            Backing::External { release } => {
+                if let Some(release) = release.take() {
+                    release();
+                }
+            }
+        }
     }
 }
 
@@ -219,21 +261,6 @@ pub fn check_block_lists(
     Ok(())
 }
 
-/// xxh3-64 of one slab: the per-(layer, block) checksum carried on the wire.
-#[inline]
-pub fn slab_checksum(bytes: &[u8]) -> u64 {
-    xxhash_rust::xxh3::xxh3_64(bytes)
-}
-
-/// A block's checksum across layers: xxh3 over its per-layer slab checksums in layer order.
-pub fn block_checksum(slab_checksums_by_layer: impl Iterator<Item = u64>) -> u64 {
-    let mut h = xxhash_rust::xxh3::Xxh3::new();
-    for c in slab_checksums_by_layer {
-        h.update(&c.to_le_bytes());
-    }
-    h.digest()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -277,13 +304,5 @@ mod tests {
         assert!(check_block_lists(&[0, 1], 4, &[2], 4).is_err());
         assert!(check_block_lists(&[0, 4], 4, &[2, 3], 4).is_err());
         assert!(check_block_lists(&[0, 1], 4, &[3, 3], 4).is_err());
-    }
-
-    #[test]
-    fn block_checksum_depends_on_layer_order() {
-        let a = block_checksum([1u64, 2, 3].into_iter());
-        let b = block_checksum([3u64, 2, 1].into_iter());
-        assert_ne!(a, b);
-        assert_ne!(slab_checksum(&[0u8; 64]), slab_checksum(&[1u8; 64]));
     }
 }

@@ -21,6 +21,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tandem_kv_layout::KvLayout;
 use tokio::sync::{oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
@@ -50,6 +51,12 @@ pub trait KvTransport: Send + Sync + 'static {
     /// Registers a pool for transfers (once per pool). Deregistered when the last clone of the
     /// returned registration drops.
     fn register(&self, pool: Arc<KvPool>) -> Result<PoolRegistration, TransferError>;
+
+    /// Allocates a zeroed pool where this transport moves bytes fastest, registered. The default
+    /// is a heap pool; UCX allocates memory peers can map (see [`KvPool`]).
+    fn allocate(&self, layout: KvLayout, num_blocks: usize) -> Result<PoolRegistration, TransferError> {
+        self.register(Arc::new(KvPool::new(layout, num_blocks)?))
+    }
 
     /// Starts pushing `req.src_blocks` of `src` into the peer's reservation. Must be called
     /// inside a tokio runtime. Errors here are request errors; everything later arrives through

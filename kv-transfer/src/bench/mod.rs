@@ -28,7 +28,7 @@ use tokio_util::sync::CancellationToken;
 use crate::kind::{LayoutName, TransportKind};
 use crate::pattern;
 use crate::peer::{DEFAULT_SEED, PeerProcess, PoolArgs, TransportArgs, default_peer_bin};
-use crate::pool::{BlockId, KvPool};
+use crate::pool::BlockId;
 use crate::transport::{KvTransport, PushRequest};
 
 /// Output format of the report.
@@ -195,11 +195,11 @@ async fn run_async(args: &BenchTransferArgs) -> anyhow::Result<BenchReport> {
         .context("cannot find tandem-kv-peer: build it (cargo build -p tandem-kv-transfer) or set TANDEM_KV_PEER_BIN")?;
     let layout = args.layout.layout(args.block_tokens)?;
     let transport = args.transport.build()?;
-    let mut pool = KvPool::new(layout, args.blocks)?;
+    let src = transport.allocate(layout, args.blocks)?;
     let ids: Vec<BlockId> = (0..args.blocks as BlockId).collect();
-    pattern::fill_blocks(&mut pool, DEFAULT_SEED, &ids)?;
-    let pool = Arc::new(pool);
-    let src = transport.register(Arc::clone(&pool))?;
+    // SAFETY: the pool was just allocated; no transfer touches it yet.
+    unsafe { pattern::fill_blocks_shared(src.pool(), DEFAULT_SEED, &ids) }?;
+    let pool = Arc::clone(src.pool());
 
     let pool_args = PoolArgs { layout: args.layout, block_tokens: args.block_tokens, blocks: args.blocks, seed: DEFAULT_SEED };
     let mut child: Vec<String> = vec!["serve".into()];

@@ -22,7 +22,8 @@ use super::NetShared;
 use crate::error::{Phase, TransferError};
 use crate::fault::ChunkFaults;
 use crate::metrics::{Live, LiveGuard};
-use crate::pool::{KvPool, block_runs, slab_checksum};
+use crate::checksum::slab_checksum;
+use crate::pool::{KvPool, block_runs};
 use crate::transport::{PoolRegistration, PushDriver, TransferReport, layers_per_chunk};
 use crate::wire::{
     Abort, ArchivedMsg, Begin, Chunk, DataMode, FrameReader, Hello, HelloReply, Msg, PROTOCOL_VERSION, ReadError,

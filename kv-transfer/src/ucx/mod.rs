@@ -34,6 +34,7 @@ mod worker;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use tandem_kv_layout::KvLayout;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
@@ -173,19 +174,24 @@ impl UcxNet {
     }
 }
 
-/// A pool registered with UCX (`ucp_mem_map`); unmapped when its registration drops.
+/// A pool registered with UCX (`ucp_mem_map`).
 pub(crate) struct MappedPool {
     rt: UcxRuntime,
     mem: u64,
     rkey: Vec<u8>,
     base: u64,
     len: u64,
+    /// UCX allocated the memory: the pool unmaps (frees) it when it drops, not the registration.
+    allocated: bool,
 }
 
 impl MappedPool {
-    /// Unmaps on the progress thread, then drops `guard` (so the gauge falls only when done).
+    /// Unmaps a registered heap pool on the progress thread, then drops `guard` (so the gauge
+    /// falls only when done). An allocated pool's memory goes when the pool itself drops.
     pub fn unmap(self, guard: Option<LiveGuard>) {
-        let _ = self.rt.send(Cmd::Unmap { mem: self.mem, guard });
+        if !self.allocated {
+            let _ = self.rt.send(Cmd::Unmap { mem: self.mem, guard });
+        }
     }
 }
 
@@ -357,15 +363,26 @@ impl KvTransport for UcxKvTransport {
             rkey,
             base: pool.as_ptr() as u64,
             len: pool.len_bytes() as u64,
+            allocated: false,
         };
-        let metrics = &self.shared.metrics;
-        Ok(PoolRegistration::new(RegistrationInner {
-            pool,
-            metrics: Arc::clone(metrics),
-            transport: "ucx",
-            ucx: Some(mapped),
-            live: Some(metrics.live_guard(Live::Registrations)),
-        }))
+        Ok(self.registration(pool, mapped))
+    }
+
+    fn allocate(&self, layout: KvLayout, num_blocks: usize) -> Result<PoolRegistration, TransferError> {
+        let len = layout.pool_bytes(num_blocks);
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.net().rt.send(Cmd::Alloc { len, reply: tx })?;
+        let (mem, addr, rkey) = rx.recv().map_err(|_| TransferError::Shutdown)??;
+        let rt = self.net().rt.clone();
+        let release = Box::new(move || {
+            let _ = rt.send(Cmd::Unmap { mem, guard: None });
+        });
+        // SAFETY: UCX allocated `len` zeroed, page-aligned bytes at `addr` (checked on the
+        // progress thread) and frees them only on the Unmap that `release` sends.
+        let pool = Arc::new(unsafe { KvPool::from_external(layout, num_blocks, addr as *mut u8, release) }?);
+        let mapped =
+            MappedPool { rt: self.net().rt.clone(), mem, rkey, base: addr as u64, len: len as u64, allocated: true };
+        Ok(self.registration(pool, mapped))
     }
 
     fn push(
@@ -375,6 +392,19 @@ impl KvTransport for UcxKvTransport {
         cancel: CancellationToken,
     ) -> Result<OutboundTransfer, TransferError> {
         self.shared.push(src, req, cancel)
+    }
+}
+
+impl UcxKvTransport {
+    fn registration(&self, pool: Arc<KvPool>, mapped: MappedPool) -> PoolRegistration {
+        let metrics = &self.shared.metrics;
+        PoolRegistration::new(RegistrationInner {
+            pool,
+            metrics: Arc::clone(metrics),
+            transport: "ucx",
+            ucx: Some(mapped),
+            live: Some(metrics.live_guard(Live::Registrations)),
+        })
     }
 }
 

@@ -7,13 +7,12 @@
 //! [`Worker`] keeps its [`Context`] alive, an [`Endpoint`] its worker, a [`MemHandle`] its
 //! context, and an endpoint destroys its [`RemoteKey`] before it is closed.
 //!
-//! Only [`Worker::signal`] is called from other threads, through [`WakeHandle`].
+//! No other thread touches any of them: commands reach the progress thread over a channel.
 
 use std::cell::Cell;
 use std::ffi::{CStr, CString, c_void};
 use std::ptr;
 use std::rc::Rc;
-use std::sync::Mutex;
 
 use tandem_ucx_sys as sys;
 
@@ -61,7 +60,7 @@ pub struct Context {
 
 impl Context {
     /// Reads UCX's configuration (the `UCX_*` environment), overrides `TLS` when `tls` is given
-    /// (tandem's config wins over the environment), and initialises UCP.
+    /// (tandem's config wins over the environment), and initialises UCP with RMA and TAG.
     pub fn new(tls: Option<&str>) -> Result<Rc<Self>, TransferError> {
         let mut config: *mut sys::ucp_config_t = ptr::null_mut();
         // SAFETY: null prefix and file mean "defaults + environment"; `config` is a valid out-pointer.
@@ -77,7 +76,10 @@ impl Context {
             }
             let params = sys::ucp_params_t {
                 field_mask: sys::UCP_PARAM_FIELD_FEATURES as u64,
-                features: (sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_TAG | sys::UCP_FEATURE_WAKEUP) as u64,
+                // No UCP_FEATURE_WAKEUP: with it, UCX 1.13 leaves shared-memory transports out of
+                // the RMA lanes and emulates puts over active messages (two copies and the
+                // receiver's CPU); the progress thread polls instead (see `worker`).
+                features: (sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_TAG) as u64,
                 ..Default::default()
             };
             let mut h: sys::ucp_context_h = ptr::null_mut();
@@ -99,27 +101,9 @@ impl Drop for Context {
     }
 }
 
-/// The cross-thread part of a worker: wakes it from `ucp_worker_wait`.
-pub struct WakeHandle {
-    worker: Mutex<Option<usize>>,
-}
-
-impl WakeHandle {
-    /// Interrupts the progress thread's wait (no-op once the worker is gone).
-    pub fn signal(&self) {
-        let guard = self.worker.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(w) = *guard {
-            // SAFETY: ucp_worker_signal is documented thread-safe; the worker is alive while the
-            // mutex holds Some (the progress thread clears it under the lock before destroying).
-            unsafe { sys::ucp_worker_signal(w as sys::ucp_worker_h) };
-        }
-    }
-}
-
 /// A UCP worker, driven by one thread.
 pub struct Worker {
     h: sys::ucp_worker_h,
-    wake: std::sync::Arc<WakeHandle>,
     _ctx: Rc<Context>,
 }
 
@@ -134,13 +118,7 @@ impl Worker {
         let mut h: sys::ucp_worker_h = ptr::null_mut();
         // SAFETY: ctx is a live context; params initialised as its mask says; `h` is an out-pointer.
         check(unsafe { sys::ucp_worker_create(ctx.h, &params, &mut h) }).map_err(|s| s.error("ucp_worker_create"))?;
-        let wake = std::sync::Arc::new(WakeHandle { worker: Mutex::new(Some(h as usize)) });
-        Ok(Rc::new(Self { h, wake, _ctx: Rc::clone(ctx) }))
-    }
-
-    /// The handle other threads use to wake this worker.
-    pub fn wake_handle(&self) -> std::sync::Arc<WakeHandle> {
-        std::sync::Arc::clone(&self.wake)
+        Ok(Rc::new(Self { h, _ctx: Rc::clone(ctx) }))
     }
 
     /// This worker's address, to hand to peers.
@@ -161,22 +139,6 @@ impl Worker {
     pub fn progress(&self) -> bool {
         // SAFETY: called only from the worker's own thread (single-threaded mode).
         unsafe { sys::ucp_worker_progress(self.h) != 0 }
-    }
-
-    /// Arms wakeup events; false means events are already pending (progress again, don't wait).
-    pub fn arm(&self) -> Result<bool, TransferError> {
-        // SAFETY: own thread, live worker.
-        match unsafe { sys::ucp_worker_arm(self.h) } {
-            sys::UCS_OK => Ok(true),
-            sys::UCS_ERR_BUSY => Ok(false),
-            s => Err(Status(s).error("ucp_worker_arm")),
-        }
-    }
-
-    /// Blocks until a UCX event or a [`WakeHandle::signal`].
-    pub fn wait(&self) -> Result<(), TransferError> {
-        // SAFETY: own thread, live worker, armed by the caller.
-        check(unsafe { sys::ucp_worker_wait(self.h) }).map_err(|s| s.error("ucp_worker_wait"))
     }
 
     /// Cancels a pending request (it then completes with `UCS_ERR_CANCELED`).
@@ -219,9 +181,7 @@ impl Worker {
 
 impl Drop for Worker {
     fn drop(&mut self) {
-        *self.wake.worker.lock().unwrap_or_else(|p| p.into_inner()) = None;
-        // SAFETY: endpoints hold an Rc to this worker, so none is left; no other thread can reach
-        // it (the wake handle was cleared above, under its lock).
+        // SAFETY: endpoints hold an Rc to this worker, so none is left; no other thread has it.
         unsafe { sys::ucp_worker_destroy(self.h) };
     }
 }
@@ -292,6 +252,28 @@ impl MemHandle {
         // SAFETY: live context; the region's validity is the caller's contract.
         check(unsafe { sys::ucp_mem_map(ctx.h, &params, &mut h) }).map_err(|s| s.error("ucp_mem_map"))?;
         Ok(Self { h, ctx: Rc::clone(ctx) })
+    }
+
+    /// Lets UCX allocate `len` bytes where peers can reach them best (on one host: a
+    /// shared-memory segment they map). Returns the handle and the region's address and length.
+    pub fn allocate(ctx: &Rc<Context>, len: usize) -> Result<(Self, *mut u8, usize), TransferError> {
+        let params = sys::ucp_mem_map_params_t {
+            field_mask: (sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH | sys::UCP_MEM_MAP_PARAM_FIELD_FLAGS) as u64,
+            length: len,
+            flags: sys::UCP_MEM_MAP_ALLOCATE,
+            ..Default::default()
+        };
+        let mut h: sys::ucp_mem_h = ptr::null_mut();
+        // SAFETY: live context; with ALLOCATE and no address UCX owns the region until unmap.
+        check(unsafe { sys::ucp_mem_map(ctx.h, &params, &mut h) }).map_err(|s| s.error("ucp_mem_map(ALLOCATE)"))?;
+        let memh = Self { h, ctx: Rc::clone(ctx) };
+        let mut attr = sys::ucp_mem_attr_t {
+            field_mask: (sys::UCP_MEM_ATTR_FIELD_ADDRESS | sys::UCP_MEM_ATTR_FIELD_LENGTH) as u64,
+            ..Default::default()
+        };
+        // SAFETY: live memh; `attr` is a valid out-parameter with its mask set.
+        check(unsafe { sys::ucp_mem_query(memh.h, &mut attr) }).map_err(|s| s.error("ucp_mem_query"))?;
+        Ok((memh, attr.address.cast(), attr.length))
     }
 
     /// The packed remote key peers need to write this region.

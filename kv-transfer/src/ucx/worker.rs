@@ -8,9 +8,12 @@
 //! ```
 //!
 //! UCX's worker is not thread-safe in the mode we create it (`UCS_THREAD_MODE_SINGLE`), so no
-//! other thread ever calls into it except `ucp_worker_signal` (thread-safe by contract). The loop
-//! spins on `ucp_worker_progress` while there is work and for a short grace period after, then
-//! arms the worker and sleeps in `ucp_worker_wait` until UCX or a command wakes it.
+//! other thread ever calls into it. The loop spins on `ucp_worker_progress` while requests are
+//! outstanding (and briefly after any activity), then parks: for [`BUSY_PARK`] at a time while
+//! requests are still outstanding, for [`IDLE_PARK`] when nothing is (to keep serving UCX's own
+//! incoming traffic); a new command unparks it at once. The context is created without
+//! `UCP_FEATURE_WAKEUP` (see `ucp::Context::new`), so parking with a timeout, not
+//! `ucp_worker_wait`, is how it sleeps.
 //!
 //! A batch (the puts of one chunk plus a flush, the tagged sends of one chunk, the receives of
 //! one chunk) replies once, after every request in it has completed: an error in one request
@@ -26,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-use super::ucp::{Context, Endpoint, MemHandle, Request, Started, Status, WakeHandle, Worker};
+use super::ucp::{Context, Endpoint, MemHandle, Request, Started, Status, Worker};
 use super::{PutOp, TagOp};
 use crate::error::{Phase, TransferError};
 use crate::metrics::LiveGuard;
@@ -39,6 +42,10 @@ use tandem_ucx_sys as sys;
 /// wake-up costs more than that).
 const IDLE_SPIN: Duration = Duration::from_micros(50);
 const BUSY_SPIN: Duration = Duration::from_millis(2);
+/// Park length while requests are outstanding but quiet (a slow peer).
+const BUSY_PARK: Duration = Duration::from_micros(100);
+/// Park length with nothing outstanding.
+const IDLE_PARK: Duration = Duration::from_millis(1);
 
 /// How long a closed connection's stray tagged messages keep being discarded.
 const DRAIN_FOR: Duration = Duration::from_secs(2);
@@ -50,6 +57,8 @@ type Reply<T> = oneshot::Sender<Result<T, TransferError>>;
 
 pub(crate) enum Cmd {
     Map { pool: Arc<KvPool>, reply: std::sync::mpsc::Sender<Result<(u64, Vec<u8>), TransferError>> },
+    /// Allocate and map `len` bytes: replies (mem id, address, rkey).
+    Alloc { len: usize, reply: std::sync::mpsc::Sender<Result<(u64, usize, Vec<u8>), TransferError>> },
     Unmap { mem: u64, guard: Option<LiveGuard> },
     Connect { address: Vec<u8>, rkey: Vec<u8>, peer_failure: bool, reply: Reply<(u64, String)> },
     Close { ep: u64 },
@@ -65,16 +74,16 @@ pub(crate) enum Cmd {
 
 struct RtInner {
     tx: SyncSender<Cmd>,
-    wake: Arc<WakeHandle>,
+    thread: std::thread::Thread,
     worker_address: Vec<u8>,
-    thread: std::sync::Mutex<Option<JoinHandle<()>>>,
+    join: std::sync::Mutex<Option<JoinHandle<()>>>,
 }
 
 impl Drop for RtInner {
     fn drop(&mut self) {
         let _ = self.tx.send(Cmd::Shutdown);
-        self.wake.signal();
-        if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        self.thread.unpark();
+        if let Some(t) = self.join.lock().unwrap_or_else(|p| p.into_inner()).take() {
             let _ = t.join();
         }
     }
@@ -102,7 +111,7 @@ impl UcxRuntime {
                 })();
                 match setup {
                     Ok((ctx, worker, address)) => {
-                        let _ = ready_tx.send(Ok((worker.wake_handle(), address)));
+                        let _ = ready_tx.send(Ok(address));
                         Progress::new(ctx, worker).run(rx);
                     }
                     Err(e) => {
@@ -111,9 +120,14 @@ impl UcxRuntime {
                 }
             })
             .map_err(|source| TransferError::Io { op: "spawn UCX progress thread", source })?;
-        let (wake, worker_address) = ready_rx.recv().map_err(|_| TransferError::Shutdown)??;
+        let worker_address = ready_rx.recv().map_err(|_| TransferError::Shutdown)??;
         Ok(Self {
-            inner: Arc::new(RtInner { tx, wake, worker_address, thread: std::sync::Mutex::new(Some(thread)) }),
+            inner: Arc::new(RtInner {
+                tx,
+                thread: thread.thread().clone(),
+                worker_address,
+                join: std::sync::Mutex::new(Some(thread)),
+            }),
         })
     }
 
@@ -125,7 +139,7 @@ impl UcxRuntime {
     /// Sends a command and wakes the thread.
     pub fn send(&self, cmd: Cmd) -> Result<(), TransferError> {
         self.inner.tx.send(cmd).map_err(|_| TransferError::Shutdown)?;
-        self.inner.wake.signal();
+        self.inner.thread.unpark();
         Ok(())
     }
 
@@ -155,6 +169,7 @@ enum Next {
 }
 
 struct Batch {
+    started: Instant,
     pending: Vec<Pending>,
     next: Next,
     error: Option<TransferError>,
@@ -163,7 +178,8 @@ struct Batch {
 }
 
 struct Progress {
-    mems: HashMap<u64, (MemHandle, Arc<KvPool>)>,
+    /// Mapped regions; a registered heap pool is kept alive by its Arc, allocated ones by UCX.
+    mems: HashMap<u64, (MemHandle, Option<Arc<KvPool>>)>,
     eps: HashMap<u64, Endpoint>,
     next_id: u64,
     batches: Vec<Batch>,
@@ -219,28 +235,13 @@ impl Progress {
                 last_activity = Instant::now();
                 continue;
             }
-            let spin = if self.batches.is_empty() && self.closing.is_empty() { IDLE_SPIN } else { BUSY_SPIN };
+            let busy = !self.batches.is_empty() || !self.closing.is_empty();
+            let (spin, park) = if busy { (BUSY_SPIN, BUSY_PARK) } else { (IDLE_SPIN, IDLE_PARK) };
             if last_activity.elapsed() < spin {
                 continue;
             }
-            match self.worker.arm() {
-                Ok(true) => match rx.try_recv() {
-                    Ok(Cmd::Shutdown) | Err(TryRecvError::Disconnected) => break 'outer,
-                    Ok(cmd) => self.handle(cmd),
-                    Err(TryRecvError::Empty) => {
-                        if let Err(e) = self.worker.wait() {
-                            tracing::warn!(error = %e, "ucp_worker_wait failed; polling");
-                            std::thread::sleep(Duration::from_micros(100));
-                        }
-                    }
-                },
-                Ok(false) => {}
-                Err(e) => {
-                    tracing::warn!(error = %e, "ucp_worker_arm failed; polling");
-                    std::thread::sleep(Duration::from_micros(100));
-                }
-            }
-            last_activity = Instant::now();
+            // A command sent meanwhile unparks at once (or makes this return immediately).
+            std::thread::park_timeout(park);
         }
         self.shutdown();
     }
@@ -253,8 +254,21 @@ impl Progress {
                     let memh = unsafe { MemHandle::map(&self.ctx, pool.as_ptr(), pool.len_bytes()) }?;
                     let rkey = memh.pack_rkey()?;
                     let id = self.id();
-                    self.mems.insert(id, (memh, pool));
+                    self.mems.insert(id, (memh, Some(pool)));
                     Ok((id, rkey))
+                })();
+                let _ = reply.send(r);
+            }
+            Cmd::Alloc { len, reply } => {
+                let r = (|| {
+                    let (memh, addr, got) = MemHandle::allocate(&self.ctx, len)?;
+                    if got < len || addr as usize % crate::pool::POOL_ALIGN_BYTES != 0 {
+                        return Err(TransferError::invalid("ucx_alloc", format!("got {got} bytes at {addr:p}")));
+                    }
+                    let rkey = memh.pack_rkey()?;
+                    let id = self.id();
+                    self.mems.insert(id, (memh, None));
+                    Ok((id, addr as usize, rkey))
                 })();
                 let _ = reply.send(r);
             }
@@ -289,7 +303,7 @@ impl Progress {
                 }
             }
             Cmd::Put { ep, ops, keep, reply } => {
-                let mut b = Batch { pending: Vec::new(), next: Next::Flush(ep), error: None, _keep: keep, reply: Some(reply) };
+                let mut b = Batch { started: Instant::now(), pending: Vec::new(), next: Next::Flush(ep), error: None, _keep: keep, reply: Some(reply) };
                 match self.eps.get(&ep) {
                     None => b.error = Some(closed_ep()),
                     Some(e) => {
@@ -306,7 +320,7 @@ impl Progress {
                 self.batches.push(b);
             }
             Cmd::TagSend { ep, ops, keep, reply } => {
-                let mut b = Batch { pending: Vec::new(), next: Next::Reply, error: None, _keep: keep, reply: Some(reply) };
+                let mut b = Batch { started: Instant::now(), pending: Vec::new(), next: Next::Reply, error: None, _keep: keep, reply: Some(reply) };
                 match self.eps.get(&ep) {
                     None => b.error = Some(closed_ep()),
                     Some(e) => {
@@ -322,7 +336,7 @@ impl Progress {
                 self.batches.push(b);
             }
             Cmd::TagRecv { ops, keep, reply } => {
-                let mut b = Batch { pending: Vec::new(), next: Next::Reply, error: None, _keep: keep, reply: Some(reply) };
+                let mut b = Batch { started: Instant::now(), pending: Vec::new(), next: Next::Reply, error: None, _keep: keep, reply: Some(reply) };
                 for op in &ops {
                     // SAFETY: `keep` holds the memory until this batch replies; the caller owns
                     // the destination range exclusively until then (a claimed reservation).
@@ -358,7 +372,7 @@ impl Progress {
             loop {
                 let mut sink = Vec::new();
                 let Some(r) = self.worker.drain_unexpected(tag, mask, &mut sink) else { break };
-                let mut b = Batch { pending: Vec::new(), next: Next::Reply, error: None, _keep: Box::new(sink), reply: None };
+                let mut b = Batch { started: Instant::now(), pending: Vec::new(), next: Next::Reply, error: None, _keep: Box::new(sink), reply: None };
                 b.absorb(r, 0);
                 if !b.pending.is_empty() {
                     self.batches.push(b);
@@ -405,6 +419,7 @@ impl Progress {
                 }
             }
             let mut b = self.batches.swap_remove(i);
+            tracing::trace!(elapsed = ?b.started.elapsed(), "UCX batch done");
             if let Some(reply) = b.reply.take() {
                 let _ = reply.send(b.error.take().map_or(Ok(()), Err));
             }
