@@ -7,9 +7,9 @@
 //! shape, so `m` and the tile choice never change a result.
 //!
 //! Shapes: `MR = 1` → 16 vectors (8 panels, 8 weight streams), `MR = 2` → 8 vectors,
-//! `MR <= 4` → 4 vectors, up to `MR = 12` → 2 vectors (24 accumulators of 32 registers). For `m >= CONVERT_MIN_M`, f16/bf16 panels are
-//! first widened into a thread-local f32 buffer, so the convert cost is paid once per panel
-//! rather than once per row block.
+//! `MR <= 4` → 4 vectors, up to `MR = 12` → 2 vectors (24 accumulators of 32 registers).
+//! For `m >= CONVERT_MIN_M`, f16/bf16 panels are first widened into a thread-local f32
+//! buffer, so the convert cost is paid once per panel rather than once per row block.
 
 use crate::weight::{AlignedBytes, PANEL_ROWS, Weight, WeightDtype};
 use std::arch::x86_64::*;
@@ -24,8 +24,9 @@ pub(crate) const DT_BF16: u8 = 2;
 const GROUP_PANELS: usize = 8;
 /// Largest row block.
 const MR_MAX: usize = 12;
-/// Batch size from which f16/bf16 panels are widened once up front.
-const CONVERT_MIN_M: usize = 8;
+/// Batch size from which f16/bf16 panels are widened once up front (below it, tiles widen
+/// on the fly: `ceil(m / 12)` conversions per weight beat a widened copy's store and reload).
+const CONVERT_MIN_M: usize = 64;
 
 pub(crate) const fn dt_of(d: WeightDtype) -> u8 {
     match d {
