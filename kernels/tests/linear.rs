@@ -107,3 +107,18 @@ fn a_wrong_input_length_panics_with_the_op_name() {
     let mut out = vec![0.0; 4];
     linear_on(&fast(), &[0.0; 5], 2, &w, &mut out);
 }
+
+#[test]
+fn the_plain_entry_point_uses_the_global_pool_and_matches_every_isa() {
+    let mut rng = Rng::new(4);
+    let (rows, cols, m) = (130, 70, 5);
+    let w = Weight::from_f32(rows, cols, rng.vec(rows * cols, 0.5), WeightDtype::F16).unwrap();
+    let x = rng.vec(m * cols, 1.0);
+    let mut global = vec![0.0; m * rows];
+    tandem_kernels::linear(&x, m, &w, &mut global);
+    for exec in isas() {
+        let mut out = vec![0.0; m * rows];
+        linear_on(&exec, &x, m, &w, &mut out);
+        assert_bits_eq(&out, &global, exec.isa().as_str());
+    }
+}

@@ -193,3 +193,37 @@ pub fn set_active_isa(isa: Isa) -> Result<(), KernelError> {
     ACTIVE.store(isa.tag(), Ordering::Relaxed);
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn isa_names_parse_and_portable_is_always_available() {
+        assert_eq!("portable".parse::<Isa>().unwrap(), Isa::Portable);
+        assert_eq!("AVX512".parse::<Isa>().unwrap(), Isa::Avx512);
+        assert_eq!("auto".parse::<Isa>().unwrap(), Isa::best());
+        assert!(matches!(
+            "neon".parse::<Isa>(),
+            Err(KernelError::UnknownIsa(_))
+        ));
+        assert!(Isa::Portable.is_supported());
+        assert!(Isa::supported().contains(&Isa::best()));
+        for isa in Isa::ALL {
+            assert_eq!(isa.as_str().parse::<Isa>().unwrap(), isa);
+        }
+    }
+
+    #[test]
+    fn forcing_the_portable_path_switches_the_active_isa() {
+        // Results do not depend on the ISA, so flipping it under other tests is harmless.
+        let before = active_isa();
+        set_active_isa(Isa::Portable).unwrap();
+        assert_eq!(active_isa(), Isa::Portable);
+        set_active_isa(before).unwrap();
+        assert_eq!(active_isa(), before);
+        for isa in Isa::ALL.into_iter().filter(|i| !i.is_supported()) {
+            assert_eq!(set_active_isa(isa), Err(KernelError::IsaUnsupported(isa)));
+        }
+    }
+}
