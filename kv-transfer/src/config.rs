@@ -75,7 +75,10 @@ impl std::str::FromStr for UcxDataMode {
             "auto" => Ok(Self::Auto),
             "rma" => Ok(Self::Rma),
             "tag" => Ok(Self::Tag),
-            _ => Err(TransferError::invalid("ucx_data_mode", format!("`{s}` is not auto, rma or tag"))),
+            _ => Err(TransferError::invalid(
+                "ucx_data_mode",
+                format!("`{s}` is not auto, rma or tag"),
+            )),
         }
     }
 }
@@ -97,7 +100,16 @@ mod tests {
     #[test]
     fn default_config_is_valid_and_zero_limits_are_refused_by_name() {
         assert!(TransferConfig::default().validate().is_ok());
-        let c = TransferConfig { chunks_in_flight: 0, ..Default::default() };
-        assert!(matches!(c.validate(), Err(TransferError::InvalidRequest { field: "chunks_in_flight", .. })));
+        let c = TransferConfig {
+            chunks_in_flight: 0,
+            ..Default::default()
+        };
+        assert!(matches!(
+            c.validate(),
+            Err(TransferError::InvalidRequest {
+                field: "chunks_in_flight",
+                ..
+            })
+        ));
     }
 }

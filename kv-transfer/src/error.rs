@@ -94,7 +94,9 @@ pub enum TransferError {
         reservation_id: u64,
     },
     /// The reservation id was reused: the write carries an older (or newer) epoch.
-    #[error("reservation {reservation_id} is at epoch {current}, the write was for epoch {requested}")]
+    #[error(
+        "reservation {reservation_id} is at epoch {current}, the write was for epoch {requested}"
+    )]
     StaleEpoch {
         /// The reservation the write was for.
         reservation_id: u64,
@@ -351,12 +353,18 @@ impl TransferError {
 
     /// Shorthand for a protocol violation.
     pub(crate) fn protocol(what: &'static str, detail: impl Into<String>) -> Self {
-        TransferError::Protocol { what, detail: detail.into() }
+        TransferError::Protocol {
+            what,
+            detail: detail.into(),
+        }
     }
 
     /// Shorthand for an invalid request.
     pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> Self {
-        TransferError::InvalidRequest { field, reason: reason.into() }
+        TransferError::InvalidRequest {
+            field,
+            reason: reason.into(),
+        }
     }
 }
 
@@ -377,12 +385,25 @@ mod tests {
 
     #[test]
     fn garbled_bytes_are_retry_safe_but_layout_mismatch_and_fence_timeout_are_not() {
-        let garbled =
-            TransferError::ChecksumMismatch { layer: 1, block: 2, expected: 3, actual: 4 };
+        let garbled = TransferError::ChecksumMismatch {
+            layer: 1,
+            block: 2,
+            expected: 3,
+            actual: 4,
+        };
         assert!(garbled.retry_safe());
         assert!(!garbled.needs_new_reservation());
-        assert!(!TransferError::LayoutMismatch { local: 1, remote: 2 }.retry_safe());
-        let fence = TransferError::FenceTimeout { reservation_id: 1, waited: Duration::ZERO };
+        assert!(
+            !TransferError::LayoutMismatch {
+                local: 1,
+                remote: 2
+            }
+            .retry_safe()
+        );
+        let fence = TransferError::FenceTimeout {
+            reservation_id: 1,
+            waited: Duration::ZERO,
+        };
         assert!(!fence.retry_safe());
         let expired = TransferError::ReservationExpired { reservation_id: 9 };
         assert!(expired.retry_safe() && expired.needs_new_reservation());

@@ -48,14 +48,20 @@ impl std::str::FromStr for Fault {
 
     /// Parses `drop:N`, `delay-ms:N`, `corrupt:OFFSET` or `cut:BYTES`.
     fn from_str(s: &str) -> Result<Self, String> {
-        let (name, value) = s.split_once(':').ok_or_else(|| format!("fault `{s}`: expected NAME:VALUE"))?;
+        let (name, value) = s
+            .split_once(':')
+            .ok_or_else(|| format!("fault `{s}`: expected NAME:VALUE"))?;
         let n: u64 = value.parse().map_err(|e| format!("fault `{s}`: {e}"))?;
         match name {
             "drop" => Ok(Fault::DropChunk { index: n as u32 }),
-            "delay-ms" => Ok(Fault::DelayChunks { delay: Duration::from_millis(n) }),
+            "delay-ms" => Ok(Fault::DelayChunks {
+                delay: Duration::from_millis(n),
+            }),
             "corrupt" => Ok(Fault::CorruptByte { offset: n }),
             "cut" => Ok(Fault::CutAfterBytes { bytes: n }),
-            _ => Err(format!("fault `{s}`: unknown kind (drop, delay-ms, corrupt, cut)")),
+            _ => Err(format!(
+                "fault `{s}`: unknown kind (drop, delay-ms, corrupt, cut)"
+            )),
         }
     }
 }
@@ -89,10 +95,22 @@ impl FaultState {
         if let Some(f) = self.fault {
             let within = |at: u64| (at >= start && at < start + len).then(|| at - start);
             return match f {
-                Fault::DropChunk { index: i } => ChunkFaults { drop: i == index, ..Default::default() },
-                Fault::DelayChunks { delay } => ChunkFaults { delay: Some(delay), ..Default::default() },
-                Fault::CorruptByte { offset } => ChunkFaults { corrupt_at: within(offset), ..Default::default() },
-                Fault::CutAfterBytes { bytes } => ChunkFaults { cut_at: within(bytes), ..Default::default() },
+                Fault::DropChunk { index: i } => ChunkFaults {
+                    drop: i == index,
+                    ..Default::default()
+                },
+                Fault::DelayChunks { delay } => ChunkFaults {
+                    delay: Some(delay),
+                    ..Default::default()
+                },
+                Fault::CorruptByte { offset } => ChunkFaults {
+                    corrupt_at: within(offset),
+                    ..Default::default()
+                },
+                Fault::CutAfterBytes { bytes } => ChunkFaults {
+                    cut_at: within(bytes),
+                    ..Default::default()
+                },
             };
         }
         ChunkFaults::default()
@@ -109,14 +127,20 @@ mod tests {
         let st = FaultState { fault: Some(f) };
         assert_eq!(st.for_chunk(0, 0, 1000).corrupt_at, None);
         assert_eq!(st.for_chunk(1, 1000, 1000).corrupt_at, Some(500));
-        let cut = FaultState { fault: Some("cut:0".parse().unwrap()) };
+        let cut = FaultState {
+            fault: Some("cut:0".parse().unwrap()),
+        };
         assert_eq!(cut.for_chunk(0, 0, 10).cut_at, Some(0));
-        let drop = FaultState { fault: Some("drop:2".parse().unwrap()) };
+        let drop = FaultState {
+            fault: Some("drop:2".parse().unwrap()),
+        };
         assert!(!drop.for_chunk(1, 0, 1).drop && drop.for_chunk(2, 0, 1).drop);
         assert!("explode:1".parse::<Fault>().is_err());
         assert_eq!(
             "delay-ms:5".parse::<Fault>().unwrap(),
-            Fault::DelayChunks { delay: Duration::from_millis(5) }
+            Fault::DelayChunks {
+                delay: Duration::from_millis(5)
+            }
         );
     }
 }

@@ -11,14 +11,14 @@ use std::sync::{Arc, Mutex};
 
 use tokio_util::sync::CancellationToken;
 
+use crate::checksum::slab_checksum;
 use crate::error::{Phase, TransferError};
 use crate::inbound::{AbortHook, InboundRegistry, InboundSession};
 use crate::metrics::TransferMetrics;
-use crate::checksum::slab_checksum;
 use crate::pool::{block_runs, check_block_lists};
 use crate::transport::{
-    KvTransport, OutboundTransfer, PoolRegistration, PushDriver, PushRequest, TransferCapabilities, TransferReport,
-    layers_per_chunk, push_pair,
+    KvTransport, OutboundTransfer, PoolRegistration, PushDriver, PushRequest, TransferCapabilities,
+    TransferReport, layers_per_chunk, push_pair,
 };
 use crate::wire::{Begin, DataMode, WireError};
 
@@ -36,16 +36,26 @@ impl InProcNetwork {
 
     /// Makes `registry` reachable as `name` (replacing any previous one).
     pub fn attach(&self, name: impl Into<String>, registry: InboundRegistry) {
-        self.peers.lock().unwrap_or_else(|p| p.into_inner()).insert(name.into(), registry);
+        self.peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(name.into(), registry);
     }
 
     /// Makes `name` unreachable; pushes already running keep their receiver.
     pub fn detach(&self, name: &str) {
-        self.peers.lock().unwrap_or_else(|p| p.into_inner()).remove(name);
+        self.peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(name);
     }
 
     fn get(&self, name: &str) -> Option<InboundRegistry> {
-        self.peers.lock().unwrap_or_else(|p| p.into_inner()).get(name).cloned()
+        self.peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(name)
+            .cloned()
     }
 }
 
@@ -61,7 +71,12 @@ impl InProcKvTransport {
     /// A transport on `network`, copying at most `max_chunk_bytes` per chunk between checks for
     /// cancellation.
     pub fn new(network: InProcNetwork, max_chunk_bytes: usize) -> Self {
-        Self { network, metrics: TransferMetrics::new(), max_chunk_bytes, next_transfer: AtomicU64::new(1) }
+        Self {
+            network,
+            metrics: TransferMetrics::new(),
+            max_chunk_bytes,
+            next_transfer: AtomicU64::new(1),
+        }
     }
 
     /// This transport's counters.
@@ -88,7 +103,12 @@ impl AbortHook for InProcHook {
 
 impl KvTransport for InProcKvTransport {
     fn capabilities(&self) -> TransferCapabilities {
-        TransferCapabilities { name: "inproc", one_sided_writes: true, cross_process: false, layer_streaming: true }
+        TransferCapabilities {
+            name: "inproc",
+            one_sided_writes: true,
+            cross_process: false,
+            layer_streaming: true,
+        }
     }
 
     fn register(&self, pool: Arc<crate::pool::KvPool>) -> Result<PoolRegistration, TransferError> {
@@ -101,12 +121,23 @@ impl KvTransport for InProcKvTransport {
         req: PushRequest,
         cancel: CancellationToken,
     ) -> Result<OutboundTransfer, TransferError> {
-        let registry = self.network.get(&req.peer).ok_or_else(|| TransferError::Connect {
-            peer: req.peer.clone(),
-            source: std::io::Error::new(std::io::ErrorKind::NotFound, "no in-process receiver by that name"),
-        })?;
+        let registry = self
+            .network
+            .get(&req.peer)
+            .ok_or_else(|| TransferError::Connect {
+                peer: req.peer.clone(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "no in-process receiver by that name",
+                ),
+            })?;
         let dst_blocks = registry.registration().pool().num_blocks();
-        check_block_lists(&req.src_blocks, src.pool().num_blocks(), &req.dst_blocks, dst_blocks)?;
+        check_block_lists(
+            &req.src_blocks,
+            src.pool().num_blocks(),
+            &req.dst_blocks,
+            dst_blocks,
+        )?;
         let layers = src.pool().layout().num_layers as u32;
         let (handle, driver) = push_pair(req, layers, &cancel, &self.metrics);
         let transfer_id = self.next_transfer.fetch_add(1, Ordering::Relaxed);
@@ -142,20 +173,42 @@ async fn run(
         layer_end: layers,
         mode: DataMode::Inline,
     };
-    let hook = Arc::new(InProcHook { abort: CancellationToken::new(), reason: Mutex::new(None) });
+    let hook = Arc::new(InProcHook {
+        abort: CancellationToken::new(),
+        reason: Mutex::new(None),
+    });
     let session = registry.claim(&begin, Arc::clone(&hook) as Arc<dyn AbortHook>)?;
     let mut session = Some(session);
-    let result = fill(d, src, session.as_mut().expect("set above"), &hook, layers, max_chunk_bytes).await;
+    let result = fill(
+        d,
+        src,
+        session.as_mut().expect("set above"),
+        &hook,
+        layers,
+        max_chunk_bytes,
+    )
+    .await;
     let session = session.take().expect("set above");
     match result {
         Ok(bytes) => {
             let block_checksums = session.block_checksums();
             if session.finish(Ok(())) {
-                Ok(TransferReport { bytes, elapsed: d.started.elapsed(), block_checksums, data_mode: "memcpy" })
+                Ok(TransferReport {
+                    bytes,
+                    elapsed: d.started.elapsed(),
+                    block_checksums,
+                    data_mode: "memcpy",
+                })
             } else {
                 // The receiver gave up (expiry, cancel) in the same instant the last layer verified.
-                let reason = hook.reason.lock().unwrap_or_else(|p| p.into_inner()).clone();
-                Err(reason.unwrap_or(WireError::Cancelled).into_error(&d.req.peer, Phase::Completion))
+                let reason = hook
+                    .reason
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone();
+                Err(reason
+                    .unwrap_or(WireError::Cancelled)
+                    .into_error(&d.req.peer, Phase::Completion))
             }
         }
         Err(e) => {
@@ -184,8 +237,14 @@ async fn fill(
     let per_chunk = layers_per_chunk(slab, n, max_chunk_bytes);
     let peer = d.req.peer.clone();
     let receiver_abort = || {
-        let reason = hook.reason.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        reason.unwrap_or(WireError::Cancelled).into_error(&peer, Phase::Data)
+        let reason = hook
+            .reason
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        reason
+            .unwrap_or(WireError::Cancelled)
+            .into_error(&peer, Phase::Data)
     };
     let (mut sent, mut seq, mut offset) = (0u32, 0u32, 0u64);
     let mut checksums = Vec::new();
@@ -225,8 +284,16 @@ async fn fill(
             }
             for run in &runs {
                 let len = run.len as usize * slab;
-                let s_off = layout.slab_offset(src_pool.num_blocks(), layer as usize, run.src_start as usize);
-                let d_off = layout.slab_offset(dst_pool.num_blocks(), layer as usize, run.dst_start as usize);
+                let s_off = layout.slab_offset(
+                    src_pool.num_blocks(),
+                    layer as usize,
+                    run.src_start as usize,
+                );
+                let d_off = layout.slab_offset(
+                    dst_pool.num_blocks(),
+                    layer as usize,
+                    run.dst_start as usize,
+                );
                 let mut len_now = len;
                 if let Some(cut) = faults.cut_at {
                     len_now = len.min(cut.saturating_sub(copied) as usize);
@@ -245,7 +312,10 @@ async fn fill(
                         reason: std::io::ErrorKind::ConnectionReset,
                     });
                 }
-                if let Some(at) = faults.corrupt_at.filter(|&at| at >= copied - len as u64 && at < copied) {
+                if let Some(at) = faults
+                    .corrupt_at
+                    .filter(|&at| at >= copied - len as u64 && at < copied)
+                {
                     let at = at - (copied - len as u64);
                     // SAFETY: `at < len`, inside the destination range written just above.
                     unsafe { *dp.add(at as usize) ^= 0xFF };

@@ -15,10 +15,14 @@ use crate::inbound::InboundRegistry;
 use crate::metrics::TransferMetrics;
 use crate::pool::KvPool;
 use crate::tcp::TcpKvTransport;
-use crate::transport::{KvTransport, OutboundTransfer, PoolRegistration, PushRequest, TransferCapabilities};
+use crate::transport::{
+    KvTransport, OutboundTransfer, PoolRegistration, PushRequest, TransferCapabilities,
+};
 
 /// Which network transport to use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum TransportKind {
     /// UCX (shared memory, tcp or RDMA, as UCX chooses).
@@ -38,7 +42,9 @@ impl TransportKind {
 }
 
 /// A named KV layout for tools and tests.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum LayoutName {
     /// SmolLM2-135M: 30 layers × 3 KV heads × 64 dims, bf16.
@@ -73,14 +79,21 @@ pub enum NetTransport {
 
 impl NetTransport {
     /// Builds the transport `kind` names. `ucx` is ignored for TCP.
-    pub fn new(kind: TransportKind, config: TransferConfig, ucx: UcxConfig) -> Result<Self, TransferError> {
+    pub fn new(
+        kind: TransportKind,
+        config: TransferConfig,
+        ucx: UcxConfig,
+    ) -> Result<Self, TransferError> {
         match kind {
             TransportKind::Tcp => Ok(NetTransport::Tcp(TcpKvTransport::new(config)?)),
             #[cfg(feature = "ucx")]
-            TransportKind::Ucx => Ok(NetTransport::Ucx(crate::ucx::UcxKvTransport::new(config, ucx)?)),
+            TransportKind::Ucx => Ok(NetTransport::Ucx(crate::ucx::UcxKvTransport::new(
+                config, ucx,
+            )?)),
             #[cfg(not(feature = "ucx"))]
             TransportKind::Ucx => Err({
-                let _ = ucx;TransferError::invalid("transport", "this build has no UCX (feature `ucx`)")
+                let _ = ucx;
+                TransferError::invalid("transport", "this build has no UCX (feature `ucx`)")
             }),
         }
     }
@@ -126,7 +139,11 @@ impl KvTransport for NetTransport {
         self.inner().register(pool)
     }
 
-    fn allocate(&self, layout: KvLayout, num_blocks: usize) -> Result<PoolRegistration, TransferError> {
+    fn allocate(
+        &self,
+        layout: KvLayout,
+        num_blocks: usize,
+    ) -> Result<PoolRegistration, TransferError> {
         self.inner().allocate(layout, num_blocks)
     }
 

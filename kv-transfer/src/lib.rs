@@ -13,7 +13,7 @@
 //! - [`wire`]: rkyv descriptors and framing (checked access on everything received).
 //! - [`tcp`]: [`TcpKvTransport`] (tokio) and the stream protocol UCX reuses for control.
 //! - `ucx` (feature `ucx`, default): [`UcxKvTransport`] over our `tandem-ucx-sys` bindings.
-//! - [`inproc`]: [`InProcKvTransport`].
+//! - [`inproc`]: the in-process transport, [`InProcKvTransport`].
 //! - [`fault`]: fault injection (feature `fault-injection`, never on by default).
 //! - [`metrics`]: atomic counters, a latency histogram and leak gauges.
 //! - [`bench`]: `tandem bench-transfer`; [`peer`]: the two-process peer protocol.
@@ -56,7 +56,8 @@ pub use metrics::{Live, MetricsSnapshot, TransferMetrics};
 pub use pool::{BlockId, KvPool};
 pub use tcp::TcpKvTransport;
 pub use transport::{
-    KvTransport, OutboundTransfer, PoolRegistration, PushRequest, TransferCapabilities, TransferReport,
+    KvTransport, OutboundTransfer, PoolRegistration, PushRequest, TransferCapabilities,
+    TransferReport,
 };
 #[cfg(feature = "ucx")]
 pub use ucx::UcxKvTransport;

@@ -17,8 +17,9 @@ use serde::Serialize;
 use crate::error::{FailureKind, TransferError};
 
 /// Upper bounds (seconds) of the transfer-duration histogram buckets; a final bucket is +Inf.
-pub const SECONDS_BUCKETS: [f64; 14] =
-    [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+pub const SECONDS_BUCKETS: [f64; 14] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
 
 /// Counters shared by one transport (and the receivers it serves).
 #[derive(Debug, Default)]
@@ -69,7 +70,10 @@ impl TransferMetrics {
     /// Raises a live gauge until the returned guard drops.
     pub fn live_guard(self: &Arc<Self>, which: Live) -> LiveGuard {
         self.live[which as usize].fetch_add(1, Ordering::Relaxed);
-        LiveGuard { metrics: Arc::clone(self), which }
+        LiveGuard {
+            metrics: Arc::clone(self),
+            which,
+        }
     }
 
     /// Current value of a live gauge.
@@ -98,9 +102,15 @@ impl TransferMetrics {
             Err(e) => self.failed(e),
         }
         let secs = elapsed.as_secs_f64();
-        let bucket = SECONDS_BUCKETS.iter().position(|&b| secs <= b).unwrap_or(SECONDS_BUCKETS.len());
+        let bucket = SECONDS_BUCKETS
+            .iter()
+            .position(|&b| secs <= b)
+            .unwrap_or(SECONDS_BUCKETS.len());
         self.seconds_buckets[bucket].fetch_add(1, Ordering::Relaxed);
-        self.seconds_sum_ns.fetch_add(elapsed.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
+        self.seconds_sum_ns.fetch_add(
+            elapsed.as_nanos().min(u64::MAX as u128) as u64,
+            Ordering::Relaxed,
+        );
     }
 
     /// Records how an inbound transfer (a reservation) ended.
@@ -189,7 +199,10 @@ impl MetricsSnapshot {
 
     /// The failure count for one kind (0 when absent).
     pub fn failures_of(&self, kind: FailureKind) -> u64 {
-        self.failures.iter().find(|(k, _)| k == kind.as_str()).map_or(0, |(_, n)| *n)
+        self.failures
+            .iter()
+            .find(|(k, _)| k == kind.as_str())
+            .map_or(0, |(_, n)| *n)
     }
 }
 
@@ -213,11 +226,21 @@ mod tests {
     fn finished_transfers_land_in_their_bucket_and_failures_by_kind() {
         let m = TransferMetrics::new();
         m.transfer_finished(Ok(()), Duration::from_millis(3));
-        m.transfer_finished(Err(&TransferError::Cancelled { by: Side::Local }), Duration::from_secs(60));
+        m.transfer_finished(
+            Err(&TransferError::Cancelled { by: Side::Local }),
+            Duration::from_secs(60),
+        );
         let s = m.snapshot();
         assert_eq!(s.transfers_succeeded, 1);
-        assert_eq!(s.seconds_bucket_counts[3], 1, "3 ms is in the <= 5 ms bucket");
-        assert_eq!(*s.seconds_bucket_counts.last().unwrap(), 1, "60 s is in +Inf");
+        assert_eq!(
+            s.seconds_bucket_counts[3], 1,
+            "3 ms is in the <= 5 ms bucket"
+        );
+        assert_eq!(
+            *s.seconds_bucket_counts.last().unwrap(),
+            1,
+            "60 s is in +Inf"
+        );
         assert_eq!(s.failures_of(FailureKind::Cancelled), 1);
         assert!((s.seconds_sum - 60.003).abs() < 1e-6);
     }

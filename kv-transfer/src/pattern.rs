@@ -59,7 +59,11 @@ pub fn fill_blocks(pool: &mut KvPool, seed: u64, blocks: &[BlockId]) -> Result<(
 ///
 /// # Safety
 /// Nothing else reads or writes these blocks meanwhile (no transfer covers them).
-pub unsafe fn fill_blocks_shared(pool: &KvPool, seed: u64, blocks: &[BlockId]) -> Result<(), TransferError> {
+pub unsafe fn fill_blocks_shared(
+    pool: &KvPool,
+    seed: u64,
+    blocks: &[BlockId],
+) -> Result<(), TransferError> {
     for layer in 0..pool.layout().num_layers {
         for &b in blocks {
             // SAFETY: the caller guarantees exclusive access to these blocks.

@@ -60,8 +60,14 @@ pub struct TransportArgs {
 impl TransportArgs {
     /// Builds the transport these flags describe.
     pub fn build(&self) -> anyhow::Result<NetTransport> {
-        let config = TransferConfig { max_chunk_bytes: self.max_chunk_bytes, ..Default::default() };
-        let ucx = UcxConfig { tls: self.ucx_tls.clone(), data_mode: self.ucx_data_mode };
+        let config = TransferConfig {
+            max_chunk_bytes: self.max_chunk_bytes,
+            ..Default::default()
+        };
+        let ucx = UcxConfig {
+            tls: self.ucx_tls.clone(),
+            data_mode: self.ucx_data_mode,
+        };
         Ok(NetTransport::new(self.transport, config, ucx)?)
     }
 
@@ -162,7 +168,10 @@ pub struct PushArgs {
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let transport = args.transport.build()?;
     let layout = args.pool.layout.layout(args.pool.block_tokens)?;
-    let registry = InboundRegistry::new(transport.allocate(layout, args.pool.blocks)?, TransferConfig::default().fence_timeout);
+    let registry = InboundRegistry::new(
+        transport.allocate(layout, args.pool.blocks)?,
+        TransferConfig::default().fence_timeout,
+    );
     let listener = TcpListener::bind("127.0.0.1:0").await.context("bind")?;
     say(&format!("LISTEN {}", listener.local_addr()?));
     let shutdown = CancellationToken::new();
@@ -192,8 +201,15 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                                 Ok(rep) => {
                                     // SAFETY: the reservation resolved, so nothing writes these blocks.
                                     let bad = if verify {
-                                        unsafe { pattern::mismatched_slabs(&pool, seed, &rep.src_blocks, &rep.dst_blocks) }
-                                            .unwrap_or(usize::MAX)
+                                        unsafe {
+                                            pattern::mismatched_slabs(
+                                                &pool,
+                                                seed,
+                                                &rep.src_blocks,
+                                                &rep.dst_blocks,
+                                            )
+                                        }
+                                        .unwrap_or(usize::MAX)
                                     } else {
                                         0
                                     };
@@ -207,7 +223,10 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                     Err(e) => say(&format!("REFUSED {id} {}", e.kind().as_str())),
                 }
             }
-            ["metrics"] => say(&format!("METRICS {}", serde_json::to_string(&transport.metrics().snapshot())?)),
+            ["metrics"] => say(&format!(
+                "METRICS {}",
+                serde_json::to_string(&transport.metrics().snapshot())?
+            )),
             ["quit"] => break,
             _ => bail!("unknown command `{line}`"),
         }
@@ -227,8 +246,14 @@ pub async fn push(args: PushArgs) -> anyhow::Result<()> {
     }
     // SAFETY: the pool was just allocated; no transfer touches it yet.
     unsafe { pattern::fill_blocks_shared(src.pool(), args.pool.seed, &args.src) }?;
-    let mut req = PushRequest::new(&args.connect, args.reservation, args.epoch, args.src.clone(), args.dst.clone())
-        .deadline(Duration::from_millis(args.deadline_ms));
+    let mut req = PushRequest::new(
+        &args.connect,
+        args.reservation,
+        args.epoch,
+        args.src.clone(),
+        args.dst.clone(),
+    )
+    .deadline(Duration::from_millis(args.deadline_ms));
     if args.layer_delay_ms > 0 {
         req = req.streamed();
     }
@@ -260,7 +285,10 @@ pub async fn push(args: PushArgs) -> anyhow::Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    say(&format!("METRICS {}", serde_json::to_string(&metrics.snapshot())?));
+    say(&format!(
+        "METRICS {}",
+        serde_json::to_string(&metrics.snapshot())?
+    ));
     Ok(())
 }
 
@@ -286,7 +314,9 @@ pub async fn sink() -> anyhow::Result<()> {
 }
 
 fn parse_blocks(s: &str) -> anyhow::Result<Vec<BlockId>> {
-    s.split(',').map(|b| b.parse::<BlockId>().map_err(Into::into)).collect()
+    s.split(',')
+        .map(|b| b.parse::<BlockId>().map_err(Into::into))
+        .collect()
 }
 
 fn say(line: &str) {
@@ -320,7 +350,10 @@ impl PeerProcess {
         let mut child = Command::new(bin)
             .args(args)
             // Keep UCX's own log off the line protocol (unless the caller chose a log file).
-            .env("UCX_LOG_FILE", std::env::var("UCX_LOG_FILE").unwrap_or_else(|_| "stderr".into()))
+            .env(
+                "UCX_LOG_FILE",
+                std::env::var("UCX_LOG_FILE").unwrap_or_else(|_| "stderr".into()),
+            )
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .kill_on_drop(true)
@@ -328,10 +361,19 @@ impl PeerProcess {
             .with_context(|| format!("spawn {}", bin.display()))?;
         let stdin = child.stdin.take().context("child stdin")?;
         let lines = BufReader::new(child.stdout.take().context("child stdout")?).lines();
-        let mut p = Self { child, stdin, lines, addr: None };
+        let mut p = Self {
+            child,
+            stdin,
+            lines,
+            addr: None,
+        };
         if matches!(args.first().map(String::as_str), Some("serve" | "sink")) {
             let line = p.line().await?;
-            p.addr = Some(line.strip_prefix("LISTEN ").context("expected LISTEN")?.to_string());
+            p.addr = Some(
+                line.strip_prefix("LISTEN ")
+                    .context("expected LISTEN")?
+                    .to_string(),
+            );
         }
         Ok(p)
     }
@@ -360,10 +402,22 @@ impl PeerProcess {
     }
 
     /// `reserve` and wait for `RESERVED`.
-    pub async fn reserve(&mut self, id: u64, epoch: u64, ttl: Duration, verify: bool, dst: &[BlockId]) -> anyhow::Result<()> {
+    pub async fn reserve(
+        &mut self,
+        id: u64,
+        epoch: u64,
+        ttl: Duration,
+        verify: bool,
+        dst: &[BlockId],
+    ) -> anyhow::Result<()> {
         let blocks: Vec<String> = dst.iter().map(|b| b.to_string()).collect();
         let v = if verify { 1 } else { 0 };
-        self.send(&format!("reserve {id} {epoch} {} {v} {}", ttl.as_millis(), blocks.join(","))).await?;
+        self.send(&format!(
+            "reserve {id} {epoch} {} {v} {}",
+            ttl.as_millis(),
+            blocks.join(",")
+        ))
+        .await?;
         let line = self.line().await?;
         if line != format!("RESERVED {id}") {
             bail!("peer answered `{line}` to reserve {id}");

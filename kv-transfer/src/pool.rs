@@ -44,7 +44,9 @@ enum Backing {
     Heap,
     /// Memory a transport allocated (UCX: `ucp_mem_map(ALLOCATE)`, shared-memory segments peers
     /// can map); `release` frees it.
-    External { release: Option<Box<dyn FnOnce() + Send + Sync>> },
+    External {
+        release: Option<Box<dyn FnOnce() + Send + Sync>>,
+    },
 }
 
 /// One node's KV pool: an owned, aligned, zeroed byte region of `num_blocks` blocks.
@@ -66,17 +68,28 @@ impl KvPool {
     /// Allocates a zeroed pool of `num_blocks` blocks of `layout`.
     pub fn new(layout: KvLayout, num_blocks: usize) -> Result<Self, TransferError> {
         if num_blocks == 0 || num_blocks > BlockId::MAX as usize {
-            return Err(TransferError::invalid("num_blocks", format!("{num_blocks} is not in 1..=u32::MAX")));
+            return Err(TransferError::invalid(
+                "num_blocks",
+                format!("{num_blocks} is not in 1..=u32::MAX"),
+            ));
         }
         let len_bytes = layout.pool_bytes(num_blocks);
-        let alloc = AllocLayout::from_size_align(len_bytes, POOL_ALIGN_BYTES)
-            .map_err(|e| TransferError::invalid("num_blocks", format!("pool of {len_bytes} bytes: {e}")))?;
+        let alloc = AllocLayout::from_size_align(len_bytes, POOL_ALIGN_BYTES).map_err(|e| {
+            TransferError::invalid("num_blocks", format!("pool of {len_bytes} bytes: {e}"))
+        })?;
         // SAFETY: `alloc` has a non-zero size (num_blocks > 0 and every layout dimension is > 0).
         let raw = unsafe { alloc_zeroed(alloc) };
-        let ptr = NonNull::new(raw).ok_or_else(|| {
-            TransferError::Io { op: "allocate KV pool", source: std::io::Error::from(std::io::ErrorKind::OutOfMemory) }
+        let ptr = NonNull::new(raw).ok_or_else(|| TransferError::Io {
+            op: "allocate KV pool",
+            source: std::io::Error::from(std::io::ErrorKind::OutOfMemory),
         })?;
-        Ok(Self { layout, num_blocks, ptr, len_bytes, backing: Backing::Heap })
+        Ok(Self {
+            layout,
+            num_blocks,
+            ptr,
+            len_bytes,
+            backing: Backing::Heap,
+        })
     }
 
     /// Wraps memory a transport allocated: `ptr` must be 64-byte aligned, zeroed, and valid for
@@ -91,12 +104,26 @@ impl KvPool {
         release: Box<dyn FnOnce() + Send + Sync>,
     ) -> Result<Self, TransferError> {
         let ptr = NonNull::new(ptr).ok_or_else(|| TransferError::invalid("ptr", "is null"))?;
-        if ptr.as_ptr() as usize % POOL_ALIGN_BYTES != 0 || num_blocks == 0 || num_blocks > BlockId::MAX as usize {
+        if !(ptr.as_ptr() as usize).is_multiple_of(POOL_ALIGN_BYTES)
+            || num_blocks == 0
+            || num_blocks > BlockId::MAX as usize
+        {
             release();
-            return Err(TransferError::invalid("ptr", "external pool memory is misaligned or empty"));
+            return Err(TransferError::invalid(
+                "ptr",
+                "external pool memory is misaligned or empty",
+            ));
         }
         let len_bytes = layout.pool_bytes(num_blocks);
-        Ok(Self { layout, num_blocks, ptr, len_bytes, backing: Backing::External { release: Some(release) } })
+        Ok(Self {
+            layout,
+            num_blocks,
+            ptr,
+            len_bytes,
+            backing: Backing::External {
+                release: Some(release),
+            },
+        })
     }
 
     /// The layout every slab of this pool follows.
@@ -122,10 +149,15 @@ impl KvPool {
     /// Byte offset of a (layer, block) slab, checked against the pool's bounds.
     pub fn slab_offset(&self, layer: usize, block: BlockId) -> Result<usize, TransferError> {
         if layer >= self.layout.num_layers {
-            return Err(TransferError::invalid("layer", format!("{layer} >= {} layers", self.layout.num_layers)));
+            return Err(TransferError::invalid(
+                "layer",
+                format!("{layer} >= {} layers", self.layout.num_layers),
+            ));
         }
         self.check_block(block)?;
-        Ok(self.layout.slab_offset(self.num_blocks, layer, block as usize))
+        Ok(self
+            .layout
+            .slab_offset(self.num_blocks, layer, block as usize))
     }
 
     /// Fails unless `block` is inside the pool.
@@ -133,7 +165,10 @@ impl KvPool {
         if (block as usize) < self.num_blocks {
             Ok(())
         } else {
-            Err(TransferError::invalid("block", format!("{block} >= {} blocks", self.num_blocks)))
+            Err(TransferError::invalid(
+                "block",
+                format!("{block} >= {} blocks", self.num_blocks),
+            ))
         }
     }
 
@@ -145,7 +180,9 @@ impl KvPool {
         let off = self.slab_offset(layer, block)?;
         // SAFETY: off + slab_bytes <= len_bytes (checked offset of an in-range slab); the caller
         // guarantees there is no concurrent writer.
-        Ok(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(off), self.layout.slab_bytes()) })
+        Ok(unsafe {
+            std::slice::from_raw_parts(self.ptr.as_ptr().add(off), self.layout.slab_bytes())
+        })
     }
 
     /// The bytes of one (layer, block) slab, writable.
@@ -153,14 +190,24 @@ impl KvPool {
     /// # Safety
     /// No one else reads or writes this slab while the returned slice lives.
     #[allow(clippy::mut_from_ref)]
-    pub unsafe fn slab_mut(&self, layer: usize, block: BlockId) -> Result<&mut [u8], TransferError> {
+    pub unsafe fn slab_mut(
+        &self,
+        layer: usize,
+        block: BlockId,
+    ) -> Result<&mut [u8], TransferError> {
         let off = self.slab_offset(layer, block)?;
         // SAFETY: in bounds as above; the caller guarantees exclusive access to this slab.
-        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(off), self.layout.slab_bytes()) })
+        Ok(unsafe {
+            std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(off), self.layout.slab_bytes())
+        })
     }
 
     /// A writable slab through exclusive access (safe: nobody else can hold the pool).
-    pub fn slab_mut_exclusive(&mut self, layer: usize, block: BlockId) -> Result<&mut [u8], TransferError> {
+    pub fn slab_mut_exclusive(
+        &mut self,
+        layer: usize,
+        block: BlockId,
+    ) -> Result<&mut [u8], TransferError> {
         // SAFETY: `&mut self` proves no other reference to any slab exists.
         unsafe { self.slab_mut(layer, block) }
     }
@@ -172,7 +219,10 @@ impl KvPool {
                 // SAFETY: offset <= len_bytes, so the result stays inside (or one past) the allocation.
                 Ok(unsafe { self.ptr.as_ptr().add(offset) })
             }
-            _ => Err(TransferError::invalid("range", format!("{offset}+{len} beyond {} bytes", self.len_bytes))),
+            _ => Err(TransferError::invalid(
+                "range",
+                format!("{offset}+{len} beyond {} bytes", self.len_bytes),
+            )),
         }
     }
 }
@@ -225,10 +275,18 @@ pub fn block_runs(src: &[BlockId], dst: &[BlockId]) -> Vec<BlockRun> {
     let mut runs: Vec<BlockRun> = Vec::new();
     for (i, (&s, &d)) in src.iter().zip(dst).enumerate() {
         match runs.last_mut() {
-            Some(r) if r.src_start.checked_add(r.len) == Some(s) && r.dst_start.checked_add(r.len) == Some(d) => {
+            Some(r)
+                if r.src_start.checked_add(r.len) == Some(s)
+                    && r.dst_start.checked_add(r.len) == Some(d) =>
+            {
                 r.len += 1;
             }
-            _ => runs.push(BlockRun { index: i as u32, src_start: s, dst_start: d, len: 1 }),
+            _ => runs.push(BlockRun {
+                index: i as u32,
+                src_start: s,
+                dst_start: d,
+                len: 1,
+            }),
         }
     }
     runs
@@ -245,18 +303,30 @@ pub fn check_block_lists(
         return Err(TransferError::invalid("src_blocks", "is empty"));
     }
     if src.len() != dst.len() {
-        return Err(TransferError::invalid("dst_blocks", format!("has {} blocks, src_blocks {}", dst.len(), src.len())));
+        return Err(TransferError::invalid(
+            "dst_blocks",
+            format!("has {} blocks, src_blocks {}", dst.len(), src.len()),
+        ));
     }
     if let Some(b) = src.iter().find(|&&b| b as usize >= src_pool_blocks) {
-        return Err(TransferError::invalid("src_blocks", format!("block {b} >= {src_pool_blocks}")));
+        return Err(TransferError::invalid(
+            "src_blocks",
+            format!("block {b} >= {src_pool_blocks}"),
+        ));
     }
     if let Some(b) = dst.iter().find(|&&b| b as usize >= dst_pool_blocks) {
-        return Err(TransferError::invalid("dst_blocks", format!("block {b} >= {dst_pool_blocks}")));
+        return Err(TransferError::invalid(
+            "dst_blocks",
+            format!("block {b} >= {dst_pool_blocks}"),
+        ));
     }
     let mut sorted = dst.to_vec();
     sorted.sort_unstable();
     if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
-        return Err(TransferError::invalid("dst_blocks", format!("block {} appears twice", w[0])));
+        return Err(TransferError::invalid(
+            "dst_blocks",
+            format!("block {} appears twice", w[0]),
+        ));
     }
     Ok(())
 }
@@ -278,8 +348,14 @@ mod tests {
         // SAFETY: no one else holds this pool.
         let s = unsafe { pool.slab(2, 4) }.unwrap();
         assert!(s.iter().all(|&b| b == 0));
-        assert!(matches!(pool.slab_offset(3, 0), Err(TransferError::InvalidRequest { field: "layer", .. })));
-        assert!(matches!(pool.slab_offset(0, 5), Err(TransferError::InvalidRequest { field: "block", .. })));
+        assert!(matches!(
+            pool.slab_offset(3, 0),
+            Err(TransferError::InvalidRequest { field: "layer", .. })
+        ));
+        assert!(matches!(
+            pool.slab_offset(0, 5),
+            Err(TransferError::InvalidRequest { field: "block", .. })
+        ));
         assert!(KvPool::new(small(), 0).is_err());
     }
 
@@ -289,12 +365,31 @@ mod tests {
         assert_eq!(
             runs,
             vec![
-                BlockRun { index: 0, src_start: 4, dst_start: 0, len: 3 },
-                BlockRun { index: 3, src_start: 9, dst_start: 3, len: 1 },
-                BlockRun { index: 4, src_start: 10, dst_start: 5, len: 2 },
+                BlockRun {
+                    index: 0,
+                    src_start: 4,
+                    dst_start: 0,
+                    len: 3
+                },
+                BlockRun {
+                    index: 3,
+                    src_start: 9,
+                    dst_start: 3,
+                    len: 1
+                },
+                BlockRun {
+                    index: 4,
+                    src_start: 10,
+                    dst_start: 5,
+                    len: 2
+                },
             ]
         );
-        assert_eq!(block_runs(&[u32::MAX, 0], &[1, 2]).len(), 2, "no wrap-around run");
+        assert_eq!(
+            block_runs(&[u32::MAX, 0], &[1, 2]).len(),
+            2,
+            "no wrap-around run"
+        );
     }
 
     #[test]

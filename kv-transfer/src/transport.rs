@@ -54,7 +54,11 @@ pub trait KvTransport: Send + Sync + 'static {
 
     /// Allocates a zeroed pool where this transport moves bytes fastest, registered. The default
     /// is a heap pool; UCX allocates memory peers can map (see [`KvPool`]).
-    fn allocate(&self, layout: KvLayout, num_blocks: usize) -> Result<PoolRegistration, TransferError> {
+    fn allocate(
+        &self,
+        layout: KvLayout,
+        num_blocks: usize,
+    ) -> Result<PoolRegistration, TransferError> {
         self.register(Arc::new(KvPool::new(layout, num_blocks)?))
     }
 
@@ -96,11 +100,17 @@ impl Drop for RegistrationInner {
 
 impl PoolRegistration {
     pub(crate) fn new(inner: RegistrationInner) -> Self {
-        Self { inner: Arc::new(inner) }
+        Self {
+            inner: Arc::new(inner),
+        }
     }
 
     /// A registration with nothing to map (TCP, in-process).
-    pub(crate) fn plain(pool: Arc<KvPool>, metrics: &Arc<TransferMetrics>, transport: &'static str) -> Self {
+    pub(crate) fn plain(
+        pool: Arc<KvPool>,
+        metrics: &Arc<TransferMetrics>,
+        transport: &'static str,
+    ) -> Self {
         Self::new(RegistrationInner {
             pool,
             metrics: Arc::clone(metrics),
@@ -297,7 +307,14 @@ pub(crate) fn push_pair(
         metrics: Arc::clone(metrics),
         _live: metrics.live_guard(Live::Transfers),
     };
-    (OutboundTransfer { ready_tx, done_rx, cancel: token }, driver)
+    (
+        OutboundTransfer {
+            ready_tx,
+            done_rx,
+            cancel: token,
+        },
+        driver,
+    )
 }
 
 impl PushDriver {
@@ -332,7 +349,8 @@ impl PushDriver {
 
     /// Records and delivers the result (once).
     pub fn finish(&mut self, result: Result<TransferReport, TransferError>) {
-        self.metrics.transfer_finished(result.as_ref().map(|_| ()), self.started.elapsed());
+        self.metrics
+            .transfer_finished(result.as_ref().map(|_| ()), self.started.elapsed());
         if let Ok(r) = &result {
             self.metrics.add_sent(r.bytes);
         }

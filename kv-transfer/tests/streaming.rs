@@ -9,7 +9,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tandem_kv_layout::{KvDtype, KvLayout};
-use tandem_kv_transfer::{InboundRegistry, KvTransport, NetTransport, PushRequest, Reservation, TransferConfig, TransportKind, UcxConfig};
+use tandem_kv_transfer::{
+    InboundRegistry, KvTransport, NetTransport, PushRequest, Reservation, TransferConfig,
+    TransportKind, UcxConfig,
+};
 use tokio_util::sync::CancellationToken;
 
 const BLOCKS: usize = 16;
@@ -26,12 +29,21 @@ fn median(mut v: Vec<Duration>) -> Duration {
 }
 
 async fn overlap(kind: TransportKind, tls: Option<&str>) {
-    let config = TransferConfig { max_chunk_bytes: 1 << 20, ..Default::default() };
-    let ucx = UcxConfig { tls: tls.map(str::to_string), ..Default::default() };
+    let config = TransferConfig {
+        max_chunk_bytes: 1 << 20,
+        ..Default::default()
+    };
+    let ucx = UcxConfig {
+        tls: tls.map(str::to_string),
+        ..Default::default()
+    };
     let sender = NetTransport::new(kind, config.clone(), ucx.clone()).unwrap();
     let receiver = Arc::new(NetTransport::new(kind, config, ucx).unwrap());
     let src = sender.allocate(layout(), BLOCKS).unwrap();
-    let registry = InboundRegistry::new(receiver.allocate(layout(), BLOCKS).unwrap(), Duration::from_secs(1));
+    let registry = InboundRegistry::new(
+        receiver.allocate(layout(), BLOCKS).unwrap(),
+        Duration::from_secs(1),
+    );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let peer = listener.local_addr().unwrap().to_string();
     let shutdown = CancellationToken::new();
@@ -45,7 +57,12 @@ async fn overlap(kind: TransportKind, tls: Option<&str>) {
         let (sender, src) = (&sender, &src);
         async move {
             let inbound = registry
-                .expect(Reservation { reservation_id: id, epoch: 1, dst_blocks: blocks.clone(), ttl: Duration::from_secs(30) })
+                .expect(Reservation {
+                    reservation_id: id,
+                    epoch: 1,
+                    dst_blocks: blocks.clone(),
+                    ttl: Duration::from_secs(30),
+                })
                 .unwrap();
             let mut req = PushRequest::new(peer, id, 1, blocks.clone(), blocks);
             if per_layer.is_some() {
@@ -80,8 +97,13 @@ async fn overlap(kind: TransportKind, tls: Option<&str>) {
     }
     let streamed = median(streamed);
     let sum = compute + transfer;
-    eprintln!("{kind:?}: transfer {transfer:?}, compute {compute:?}, streamed total {streamed:?} (sum {sum:?})");
-    assert!(streamed >= compute, "cannot finish before the last layer is computed");
+    eprintln!(
+        "{kind:?}: transfer {transfer:?}, compute {compute:?}, streamed total {streamed:?} (sum {sum:?})"
+    );
+    assert!(
+        streamed >= compute,
+        "cannot finish before the last layer is computed"
+    );
     assert!(
         streamed.as_secs_f64() < 0.8 * sum.as_secs_f64(),
         "streamed {streamed:?} is not well below compute + transfer = {sum:?}"

@@ -22,8 +22,14 @@ async fn streamed_layers_complete_only_when_the_last_layer_lands() {
 
 #[tokio::test]
 async fn layout_mismatch_is_refused_before_any_byte_is_written() {
-    let other = KvLayout { model_fingerprint: 1, ..small_layout() };
-    s::layout_mismatch_is_refused_before_any_byte_is_written(&tcp_pair(small_layout(), other).await).await;
+    let other = KvLayout {
+        model_fingerprint: 1,
+        ..small_layout()
+    };
+    s::layout_mismatch_is_refused_before_any_byte_is_written(
+        &tcp_pair(small_layout(), other).await,
+    )
+    .await;
 }
 
 #[tokio::test]

@@ -13,8 +13,8 @@ use std::time::Duration;
 use common::{SEED, wait_for};
 use tandem_kv_transfer::peer::{PeerProcess, PoolArgs, TransportArgs};
 use tandem_kv_transfer::{
-    FailureKind, InboundRegistry, KvPool, KvTransport, LayoutName, MetricsSnapshot, NetTransport, PushRequest,
-    Reservation, TransferError, TransportKind, UcxDataMode, pattern,
+    FailureKind, InboundRegistry, KvPool, KvTransport, LayoutName, MetricsSnapshot, NetTransport,
+    PushRequest, Reservation, TransferError, TransportKind, UcxDataMode, pattern,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -37,18 +37,36 @@ fn transport(kind: TransportKind, tls: Option<&str>) -> TransportArgs {
 }
 
 fn pool_args() -> PoolArgs {
-    PoolArgs { layout: LayoutName::Small, block_tokens: 4, blocks: BLOCKS, seed: SEED }
+    PoolArgs {
+        layout: LayoutName::Small,
+        block_tokens: 4,
+        blocks: BLOCKS,
+        seed: SEED,
+    }
 }
 
 fn csv(blocks: &[u32]) -> String {
-    blocks.iter().map(|b| b.to_string()).collect::<Vec<_>>().join(",")
+    blocks
+        .iter()
+        .map(|b| b.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// A receiver in this process: (transport, registry, address, shutdown).
-async fn local_receiver(t: &TransportArgs) -> (Arc<NetTransport>, InboundRegistry, String, CancellationToken) {
+async fn local_receiver(
+    t: &TransportArgs,
+) -> (
+    Arc<NetTransport>,
+    InboundRegistry,
+    String,
+    CancellationToken,
+) {
     let transport = Arc::new(t.build().unwrap());
     let layout = LayoutName::Small.layout(4).unwrap();
-    let reg = transport.register(Arc::new(KvPool::new(layout, BLOCKS).unwrap())).unwrap();
+    let reg = transport
+        .register(Arc::new(KvPool::new(layout, BLOCKS).unwrap()))
+        .unwrap();
     let registry = InboundRegistry::new(reg, Duration::from_millis(500));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
@@ -58,11 +76,21 @@ async fn local_receiver(t: &TransportArgs) -> (Arc<NetTransport>, InboundRegistr
     (transport, registry, addr, shutdown)
 }
 
-async fn spawn_pusher(t: &TransportArgs, addr: &str, reservation: u64, extra: &[&str]) -> PeerProcess {
+async fn spawn_pusher(
+    t: &TransportArgs,
+    addr: &str,
+    reservation: u64,
+    extra: &[&str],
+) -> PeerProcess {
     let mut args: Vec<String> = vec!["push".into()];
     args.extend(t.to_args());
     args.extend(pool_args().to_args());
-    args.extend(["--connect".into(), addr.into(), "--reservation".into(), reservation.to_string()]);
+    args.extend([
+        "--connect".into(),
+        addr.into(),
+        "--reservation".into(),
+        reservation.to_string(),
+    ]);
     args.extend(["--src".into(), csv(&SRC), "--dst".into(), csv(&DST)]);
     args.extend(extra.iter().map(|s| s.to_string()));
     PeerProcess::spawn(&peer_bin(), &args).await.unwrap()
@@ -91,16 +119,34 @@ async fn push_to_child_receiver(t: TransportArgs, expect_mode: &str) {
     pattern::fill_blocks(&mut pool, SEED, &SRC).unwrap();
     let src = sender.register(Arc::new(pool)).unwrap();
     for id in 1..=3u64 {
-        child.reserve(id, 1, Duration::from_secs(30), true, &DST).await.unwrap();
+        child
+            .reserve(id, 1, Duration::from_secs(30), true, &DST)
+            .await
+            .unwrap();
         let req = PushRequest::new(&addr, id, 1, SRC.to_vec(), DST.to_vec());
-        let report = sender.push(&src, req, CancellationToken::new()).unwrap().await.unwrap();
+        let report = sender
+            .push(&src, req, CancellationToken::new())
+            .unwrap()
+            .await
+            .unwrap();
         assert_eq!(report.data_mode, expect_mode);
         let line = child.line().await.unwrap();
-        assert_eq!(line, format!("RESULT {id} ok {} 0", report.bytes), "0 = no slab differs from its source");
+        assert_eq!(
+            line,
+            format!("RESULT {id} ok {} 0", report.bytes),
+            "0 = no slab differs from its source"
+        );
     }
     child.send("metrics").await.unwrap();
-    let m: MetricsSnapshot =
-        serde_json::from_str(child.line().await.unwrap().strip_prefix("METRICS ").unwrap()).unwrap();
+    let m: MetricsSnapshot = serde_json::from_str(
+        child
+            .line()
+            .await
+            .unwrap()
+            .strip_prefix("METRICS ")
+            .unwrap(),
+    )
+    .unwrap();
     assert_eq!((m.inbound_succeeded, m.live_reservations), (3, 0));
     assert!(child.quit().await.unwrap().success());
 }
@@ -127,15 +173,32 @@ async fn child_pushes_into_local_receiver(t: TransportArgs) {
     let (rx_transport, registry, addr, _shutdown) = local_receiver(&t).await;
     let cases: [(&[&str], Result<(), FailureKind>, FailureKind); 5] = [
         (&[], Ok(()), FailureKind::Io),
-        (&["--fault", "corrupt:5000"], Err(FailureKind::ChecksumMismatch), FailureKind::ChecksumMismatch),
-        (&["--fault", "cut:9000"], Err(FailureKind::PeerGone), FailureKind::PeerGone),
-        (&["--fault", "drop:1", "--deadline-ms", "300"], Err(FailureKind::DeadlineExceeded), FailureKind::DeadlineExceeded),
+        (
+            &["--fault", "corrupt:5000"],
+            Err(FailureKind::ChecksumMismatch),
+            FailureKind::ChecksumMismatch,
+        ),
+        (
+            &["--fault", "cut:9000"],
+            Err(FailureKind::PeerGone),
+            FailureKind::PeerGone,
+        ),
+        (
+            &["--fault", "drop:1", "--deadline-ms", "300"],
+            Err(FailureKind::DeadlineExceeded),
+            FailureKind::DeadlineExceeded,
+        ),
         (&["--fault", "delay-ms:3"], Ok(()), FailureKind::Io),
     ];
     for (i, (extra, want, sender_kind)) in cases.into_iter().enumerate() {
         let id = 10 + i as u64;
         let inbound = registry
-            .expect(Reservation { reservation_id: id, epoch: 1, dst_blocks: DST.to_vec(), ttl: Duration::from_secs(20) })
+            .expect(Reservation {
+                reservation_id: id,
+                epoch: 1,
+                dst_blocks: DST.to_vec(),
+                ttl: Duration::from_secs(20),
+            })
             .unwrap();
         let mut child = spawn_pusher(&t, &addr, id, extra).await;
         let got = inbound.await;
@@ -145,19 +208,32 @@ async fn child_pushes_into_local_receiver(t: TransportArgs) {
                 let r = got.unwrap_or_else(|e| panic!("case {extra:?}: {e}"));
                 assert_eq!(line, format!("RESULT ok {}", r.bytes));
                 // SAFETY: the reservation resolved; nothing writes these blocks now.
-                let bad = unsafe { pattern::mismatched_slabs(registry.registration().pool(), SEED, &SRC, &DST) };
+                let bad = unsafe {
+                    pattern::mismatched_slabs(registry.registration().pool(), SEED, &SRC, &DST)
+                };
                 assert_eq!(bad.unwrap(), 0, "destination bytes equal source bytes");
             }
             Err(kind) => {
                 let e = got.expect_err("fault must fail the reservation");
                 assert_eq!(e.kind(), kind, "case {extra:?}: receiver got {e}");
-                assert_eq!(line, format!("RESULT err {}", sender_kind.as_str()), "case {extra:?}");
+                assert_eq!(
+                    line,
+                    format!("RESULT err {}", sender_kind.as_str()),
+                    "case {extra:?}"
+                );
             }
         }
-        assert_eq!((m.live_transfers, m.live_registrations), (0, 0), "child leaked: {m:?}");
+        assert_eq!(
+            (m.live_transfers, m.live_registrations),
+            (0, 0),
+            "child leaked: {m:?}"
+        );
         assert_eq!(registry.live_reservations(), 0);
     }
-    wait_for("receiver to release its connections", || rx_transport.metrics().snapshot().live_connections == 0).await;
+    wait_for("receiver to release its connections", || {
+        rx_transport.metrics().snapshot().live_connections == 0
+    })
+    .await;
     assert_eq!(rx_transport.metrics().snapshot().live_reservations, 0);
 }
 
@@ -183,7 +259,12 @@ async fn every_fault_mode_across_processes_over_ucx_tcp_yields_its_typed_error_a
 async fn sender_death_releases_the_reservation(t: TransportArgs) {
     let (rx_transport, registry, addr, _shutdown) = local_receiver(&t).await;
     let inbound = registry
-        .expect(Reservation { reservation_id: 1, epoch: 1, dst_blocks: DST.to_vec(), ttl: Duration::from_secs(60) })
+        .expect(Reservation {
+            reservation_id: 1,
+            epoch: 1,
+            dst_blocks: DST.to_vec(),
+            ttl: Duration::from_secs(60),
+        })
         .unwrap();
     let mut child = spawn_pusher(&t, &addr, 1, &["--layer-delay-ms", "300"]).await;
     assert_eq!(child.line().await.unwrap(), "FIRST_LAYER_READY");
@@ -195,7 +276,10 @@ async fn sender_death_releases_the_reservation(t: TransportArgs) {
         .unwrap_err();
     assert!(matches!(e, TransferError::PeerGone { .. }), "{e}");
     assert_eq!(registry.live_reservations(), 0);
-    wait_for("receiver to drop the dead connection", || rx_transport.metrics().snapshot().live_connections == 0).await;
+    wait_for("receiver to drop the dead connection", || {
+        rx_transport.metrics().snapshot().live_connections == 0
+    })
+    .await;
 }
 
 #[tokio::test]
@@ -221,7 +305,10 @@ async fn receiver_death_fails_the_push(t: TransportArgs) {
     let mut pool = KvPool::new(LayoutName::Small.layout(4).unwrap(), BLOCKS).unwrap();
     pattern::fill_blocks(&mut pool, SEED, &SRC).unwrap();
     let src = sender.register(Arc::new(pool)).unwrap();
-    child.reserve(1, 1, Duration::from_secs(60), false, &DST).await.unwrap();
+    child
+        .reserve(1, 1, Duration::from_secs(60), false, &DST)
+        .await
+        .unwrap();
     let req = PushRequest::new(&addr, 1, 1, SRC.to_vec(), DST.to_vec()).streamed();
     let out = sender.push(&src, req, CancellationToken::new()).unwrap();
     out.layers_ready(1);

@@ -29,14 +29,22 @@ macro_rules! ucx_suite {
 
             #[tokio::test]
             async fn layout_mismatch_is_refused_before_any_byte_is_written() {
-                let other = KvLayout { model_fingerprint: 1, ..small_layout() };
-                s::layout_mismatch_is_refused_before_any_byte_is_written(&ucx_pair(small_layout(), other, $tls).await)
-                    .await;
+                let other = KvLayout {
+                    model_fingerprint: 1,
+                    ..small_layout()
+                };
+                s::layout_mismatch_is_refused_before_any_byte_is_written(
+                    &ucx_pair(small_layout(), other, $tls).await,
+                )
+                .await;
             }
 
             #[tokio::test]
             async fn unknown_stale_and_expired_reservations_are_refused_without_writing() {
-                s::unknown_stale_and_expired_reservations_are_refused_without_writing(&pair().await).await;
+                s::unknown_stale_and_expired_reservations_are_refused_without_writing(
+                    &pair().await,
+                )
+                .await;
             }
 
             #[tokio::test]
@@ -71,7 +79,8 @@ macro_rules! ucx_suite {
 
             #[tokio::test]
             async fn a_cut_connection_ends_both_sides_and_the_next_push_reconnects() {
-                s::a_cut_connection_ends_both_sides_and_the_next_push_reconnects(&pair().await).await;
+                s::a_cut_connection_ends_both_sides_and_the_next_push_reconnects(&pair().await)
+                    .await;
             }
         }
     };

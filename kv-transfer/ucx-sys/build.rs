@@ -16,7 +16,10 @@ fn main() {
     if let Ok(dir) = env::var("UCX_DIR") {
         let dir = PathBuf::from(dir);
         include_dirs.push(dir.join("include"));
-        println!("cargo:rustc-link-search=native={}", dir.join("lib").display());
+        println!(
+            "cargo:rustc-link-search=native={}",
+            dir.join("lib").display()
+        );
     } else if let Some(flags) = pkg_config(&["--cflags-only-I", "--libs-only-L", "ucx"]) {
         for flag in flags.split_whitespace() {
             if let Some(inc) = flag.strip_prefix("-I") {
@@ -52,10 +55,14 @@ fn main() {
         )
     });
     let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
-    bindings.write_to_file(out.join("bindings.rs")).expect("write bindings.rs into OUT_DIR");
+    bindings
+        .write_to_file(out.join("bindings.rs"))
+        .expect("write bindings.rs into OUT_DIR");
 }
 
 fn pkg_config(args: &[&str]) -> Option<String> {
     let out = Command::new("pkg-config").args(args).output().ok()?;
-    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
 }

@@ -15,7 +15,11 @@ use crate::pool::KvPool;
 
 /// `ucx_perftest` `ucp_put_bw` at `message_bytes`, between two processes on this host.
 /// Returns GB/s (1e9 bytes/s) from its "Final" overall bandwidth (which it prints in MiB/s).
-pub async fn perftest_put_bw(message_bytes: usize, iterations: usize, tls: Option<&str>) -> anyhow::Result<f64> {
+pub async fn perftest_put_bw(
+    message_bytes: usize,
+    iterations: usize,
+    tls: Option<&str>,
+) -> anyhow::Result<f64> {
     let port = {
         // Ask the kernel for a free port; the tiny race with another process is acceptable here.
         let l = std::net::TcpListener::bind("127.0.0.1:0")?;
@@ -35,7 +39,12 @@ pub async fn perftest_put_bw(message_bytes: usize, iterations: usize, tls: Optio
         tokio::time::sleep(Duration::from_millis(100)).await;
         let out = Command::new("ucx_perftest")
             .args(["127.0.0.1", "-p", &port.to_string(), "-t", "ucp_put_bw"])
-            .args(["-s", &message_bytes.to_string(), "-n", &iterations.to_string()])
+            .args([
+                "-s",
+                &message_bytes.to_string(),
+                "-n",
+                &iterations.to_string(),
+            ])
             .envs(env.iter().copied())
             .output()
             .await?;
@@ -49,13 +58,19 @@ pub async fn perftest_put_bw(message_bytes: usize, iterations: usize, tls: Optio
         }
     }
     let _ = server.kill().await;
-    bail!("ucx_perftest gave no result: {}", last_err.unwrap_or_default())
+    bail!(
+        "ucx_perftest gave no result: {}",
+        last_err.unwrap_or_default()
+    )
 }
 
 /// The overall bandwidth (MiB/s, perftest's "MB/s") from perftest's `Final:` line.
 pub fn parse_final_mib_per_s(out: &str) -> Option<f64> {
     let line = out.lines().find(|l| l.trim_start().starts_with("Final:"))?;
-    let nums: Vec<f64> = line.split_whitespace().filter_map(|w| w.parse().ok()).collect();
+    let nums: Vec<f64> = line
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
     // iterations, lat 50%, lat avg, lat overall, bw avg, bw overall, msg/s avg, msg/s overall
     (nums.len() >= 6).then(|| nums[5])
 }

@@ -175,7 +175,10 @@ pub struct BenchReport {
 
 /// Runs the benchmark (on its own tokio runtime), prints the report in `args.format`, returns it.
 pub fn run(args: BenchTransferArgs) -> anyhow::Result<BenchReport> {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
     let report = rt.block_on(run_async(&args))?;
     match args.format {
         OutputFormat::Json => println!("{}", serde_json::to_string(&report)?),
@@ -201,7 +204,12 @@ async fn run_async(args: &BenchTransferArgs) -> anyhow::Result<BenchReport> {
     unsafe { pattern::fill_blocks_shared(src.pool(), DEFAULT_SEED, &ids) }?;
     let pool = Arc::clone(src.pool());
 
-    let pool_args = PoolArgs { layout: args.layout, block_tokens: args.block_tokens, blocks: args.blocks, seed: DEFAULT_SEED };
+    let pool_args = PoolArgs {
+        layout: args.layout,
+        block_tokens: args.block_tokens,
+        blocks: args.blocks,
+        seed: DEFAULT_SEED,
+    };
     let mut child: Vec<String> = vec!["serve".into()];
     child.extend(args.transport.to_args());
     child.extend(pool_args.to_args());
@@ -213,7 +221,8 @@ async fn run_async(args: &BenchTransferArgs) -> anyhow::Result<BenchReport> {
     let mut data_mode = "";
     for i in 0..args.warmup + args.iterations {
         id += 1;
-        let (dt, mode) = transfer(&mut peer, &transport, &src, &addr, &ids, id, i == 0, None).await?;
+        let (dt, mode) =
+            transfer(&mut peer, &transport, &src, &addr, &ids, id, i == 0, None).await?;
         data_mode = mode;
         if i >= args.warmup {
             times.push(dt);
@@ -228,7 +237,11 @@ async fn run_async(args: &BenchTransferArgs) -> anyhow::Result<BenchReport> {
         for _ in 0..runs {
             id += 1;
             let c = Some(args.compute_ms_per_layer);
-            totals.push(transfer(&mut peer, &transport, &src, &addr, &ids, id, false, c).await?.0);
+            totals.push(
+                transfer(&mut peer, &transport, &src, &addr, &ids, id, false, c)
+                    .await?
+                    .0,
+            );
         }
         let compute_ms = args.compute_ms_per_layer * layout.num_layers as f64;
         let total_ms = median(&totals).as_secs_f64() * 1e3;
@@ -253,7 +266,10 @@ async fn run_async(args: &BenchTransferArgs) -> anyhow::Result<BenchReport> {
             TransportKind::Ucx => {
                 let total = bytes as usize * args.iterations;
                 let n = (total / message_bytes).clamp(50, 20_000);
-                perftest = Some(baseline::perftest_put_bw(message_bytes, n, args.transport.ucx_tls.as_deref()).await?);
+                perftest = Some(
+                    baseline::perftest_put_bw(message_bytes, n, args.transport.ucx_tls.as_deref())
+                        .await?,
+                );
             }
             TransportKind::Tcp => {
                 let s = baseline::socket_copy(
@@ -303,8 +319,10 @@ async fn transfer(
     verify: bool,
     compute_ms: Option<f64>,
 ) -> anyhow::Result<(Duration, &'static str)> {
-    peer.reserve(id, 1, Duration::from_secs(120), verify, blocks).await?;
-    let mut req = PushRequest::new(addr, id, 1, blocks.to_vec(), blocks.to_vec()).deadline(Duration::from_secs(60));
+    peer.reserve(id, 1, Duration::from_secs(120), verify, blocks)
+        .await?;
+    let mut req = PushRequest::new(addr, id, 1, blocks.to_vec(), blocks.to_vec())
+        .deadline(Duration::from_secs(60));
     if compute_ms.is_some() {
         req = req.streamed();
     }
@@ -334,10 +352,19 @@ fn print_text(r: &BenchReport) {
         "bench-transfer: {} ({}), layout {}, {} blocks × {} tokens, {} iterations",
         r.transport, r.data_mode, r.layout, r.blocks, r.block_tokens, r.iterations
     );
-    println!("  payload per transfer: {} bytes; message (one layer of the run): {} bytes", r.bytes, r.message_bytes);
-    println!("  rate: {:.2} GB/s (median); latency p50 {:.2} ms, p99 {:.2} ms", r.gb_per_s, r.p50_ms, r.p99_ms);
+    println!(
+        "  payload per transfer: {} bytes; message (one layer of the run): {} bytes",
+        r.bytes, r.message_bytes
+    );
+    println!(
+        "  rate: {:.2} GB/s (median); latency p50 {:.2} ms, p99 {:.2} ms",
+        r.gb_per_s, r.p50_ms, r.p99_ms
+    );
     if let Some(p) = r.perftest_gb_per_s {
-        println!("  ucx_perftest ucp_put_bw at {} bytes: {:.2} GB/s", r.message_bytes, p);
+        println!(
+            "  ucx_perftest ucp_put_bw at {} bytes: {:.2} GB/s",
+            r.message_bytes, p
+        );
     }
     if let Some(s) = r.socket_gb_per_s {
         println!("  plain loopback socket copy: {:.2} GB/s", s);
@@ -362,7 +389,10 @@ mod tests {
 
     #[test]
     fn stats_use_the_median_and_the_99th_percentile() {
-        let times: Vec<Duration> = [5u64, 1, 3, 2, 4].iter().map(|&ms| Duration::from_millis(ms)).collect();
+        let times: Vec<Duration> = [5u64, 1, 3, 2, 4]
+            .iter()
+            .map(|&ms| Duration::from_millis(ms))
+            .collect();
         let s = Stats::from_times(3_000_000, &times);
         assert_eq!(s.p50_ms, 3.0);
         assert_eq!(s.p99_ms, 5.0);

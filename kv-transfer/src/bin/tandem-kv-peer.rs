@@ -7,7 +7,10 @@ use tandem_kv_transfer::bench::{self, BenchTransferArgs};
 use tandem_kv_transfer::peer::{self, PushArgs, ServeArgs};
 
 #[derive(Parser)]
-#[command(name = "tandem-kv-peer", about = "KV transfer peer process (tests and benchmarks)")]
+#[command(
+    name = "tandem-kv-peer",
+    about = "KV transfer peer process (tests and benchmarks)"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -32,7 +35,10 @@ fn main() -> anyhow::Result<()> {
         bench::run(args)?;
         return Ok(());
     }
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
     rt.block_on(async {
         match cli.cmd {
             Cmd::Serve(a) => peer::serve(a).await,

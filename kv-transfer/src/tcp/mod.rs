@@ -18,6 +18,8 @@
 //! Receiver: `read` straight into the destination slabs, then one xxh3 pass per slab.
 
 mod client;
+mod conn;
+mod receive;
 mod server;
 
 use std::collections::HashMap;
@@ -31,9 +33,11 @@ use crate::error::TransferError;
 use crate::inbound::InboundRegistry;
 use crate::metrics::TransferMetrics;
 use crate::pool::KvPool;
-use crate::transport::{KvTransport, OutboundTransfer, PoolRegistration, PushRequest, TransferCapabilities};
+use crate::transport::{
+    KvTransport, OutboundTransfer, PoolRegistration, PushRequest, TransferCapabilities,
+};
 
-pub(crate) use client::ClientConn;
+pub(crate) use conn::ClientConn;
 
 /// State shared by a network transport's senders and servers.
 pub(crate) struct NetShared {
@@ -63,7 +67,12 @@ impl NetShared {
         req: PushRequest,
         cancel: CancellationToken,
     ) -> Result<OutboundTransfer, TransferError> {
-        crate::pool::check_block_lists(&req.src_blocks, src.pool().num_blocks(), &req.dst_blocks, u32::MAX as usize)?;
+        crate::pool::check_block_lists(
+            &req.src_blocks,
+            src.pool().num_blocks(),
+            &req.dst_blocks,
+            u32::MAX as usize,
+        )?;
         let layers = src.pool().layout().num_layers as u32;
         let (handle, driver) = crate::transport::push_pair(req, layers, &cancel, &self.metrics);
         tokio::spawn(client::run_push(Arc::clone(self), src.clone(), driver));
@@ -89,7 +98,9 @@ pub struct TcpKvTransport {
 impl TcpKvTransport {
     /// A TCP transport with `config` (validated here).
     pub fn new(config: TransferConfig) -> Result<Self, TransferError> {
-        Ok(Self { shared: Arc::new(NetShared::new(config)?) })
+        Ok(Self {
+            shared: Arc::new(NetShared::new(config)?),
+        })
     }
 
     /// This transport's counters.
@@ -111,7 +122,12 @@ impl TcpKvTransport {
 
 impl KvTransport for TcpKvTransport {
     fn capabilities(&self) -> TransferCapabilities {
-        TransferCapabilities { name: "tcp", one_sided_writes: false, cross_process: true, layer_streaming: true }
+        TransferCapabilities {
+            name: "tcp",
+            one_sided_writes: false,
+            cross_process: true,
+            layer_streaming: true,
+        }
     }
 
     fn register(&self, pool: Arc<KvPool>) -> Result<PoolRegistration, TransferError> {

@@ -14,7 +14,6 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use rkyv::util::AlignedVec;
-use tokio::io::AsyncReadExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, mpsc, oneshot};
@@ -25,8 +24,8 @@ use crate::error::{FailureKind, Phase, TransferError};
 use crate::inbound::{AbortHook, InboundRegistry, InboundSession};
 use crate::metrics::Live;
 use crate::wire::{
-    Abort, ArchivedMsg, Begin, BeginReply, DataMode, Done, FrameReader, Hello, HelloReply, Msg, PROTOCOL_VERSION,
-    ReadError, WireError, to_owned, write_frame,
+    Abort, ArchivedMsg, Begin, BeginReply, DataMode, FrameReader, Hello, HelloReply, Msg,
+    PROTOCOL_VERSION, ReadError, WireError, to_owned, write_frame,
 };
 
 pub(crate) async fn serve(
@@ -69,7 +68,11 @@ struct ServerHook {
 
 impl AbortHook for ServerHook {
     fn request_abort(&self, transfer_id: u64, error: WireError) {
-        if self.out.try_send(Msg::Abort(Abort { transfer_id, error })).is_err() {
+        if self
+            .out
+            .try_send(Msg::Abort(Abort { transfer_id, error }))
+            .is_err()
+        {
             // Cannot even say it: the connection is stuck or gone, so end it.
             self.kill.cancel();
         }
@@ -80,14 +83,25 @@ impl AbortHook for ServerHook {
     }
 }
 
-fn check_hello(net: &NetShared, registry: &InboundRegistry, hello: &Hello) -> Result<Option<crate::wire::UcxRemote>, TransferError> {
+fn check_hello(
+    net: &NetShared,
+    registry: &InboundRegistry,
+    hello: &Hello,
+) -> Result<Option<crate::wire::UcxRemote>, TransferError> {
     if hello.protocol_version != PROTOCOL_VERSION {
-        return Err(TransferError::protocol("protocol_version", format!("peer speaks {}", hello.protocol_version)));
+        return Err(TransferError::protocol(
+            "protocol_version",
+            format!("peer speaks {}", hello.protocol_version),
+        ));
     }
     let local = *registry.registration().pool().layout();
-    let same = hello.layout.to_layout().is_some_and(|l| l == local) && hello.layout_fingerprint == local.fingerprint();
+    let same = hello.layout.to_layout().is_some_and(|l| l == local)
+        && hello.layout_fingerprint == local.fingerprint();
     if !same {
-        return Err(TransferError::LayoutMismatch { local: local.fingerprint(), remote: hello.layout_fingerprint });
+        return Err(TransferError::LayoutMismatch {
+            local: local.fingerprint(),
+            remote: hello.layout_fingerprint,
+        });
     }
     if !hello.wants_ucx {
         return Ok(None);
@@ -97,7 +111,10 @@ fn check_hello(net: &NetShared, registry: &InboundRegistry, hello: &Hello) -> Re
         return Ok(Some(rt.remote_info(mapped)));
     }
     let _ = net;
-    Err(TransferError::invalid("wants_ucx", "this receiver serves TCP only"))
+    Err(TransferError::invalid(
+        "wants_ucx",
+        "this receiver serves TCP only",
+    ))
 }
 
 async fn handle(
@@ -121,20 +138,35 @@ async fn handle(
     };
     let mut buf = AlignedVec::new();
     let reply = match check_hello(&net, &registry, &hello) {
-        Ok(ucx) => HelloReply::Accepted { conn_id, pool_blocks: registry.registration().pool().num_blocks() as u32, ucx },
+        Ok(ucx) => HelloReply::Accepted {
+            conn_id,
+            pool_blocks: registry.registration().pool().num_blocks() as u32,
+            ucx,
+        },
         Err(e) => {
             tracing::warn!(peer, error = %e, "refusing connection");
             net.metrics.failed(&e);
-            let _ = write_frame(&mut wr, &Msg::HelloReply(HelloReply::Refused(WireError::from_error(&e))), &mut buf).await;
+            let _ = write_frame(
+                &mut wr,
+                &Msg::HelloReply(HelloReply::Refused(WireError::from_error(&e))),
+                &mut buf,
+            )
+            .await;
             return;
         }
     };
-    if write_frame(&mut wr, &Msg::HelloReply(reply), &mut buf).await.is_err() {
+    if write_frame(&mut wr, &Msg::HelloReply(reply), &mut buf)
+        .await
+        .is_err()
+    {
         return;
     }
     let (out, out_rx) = mpsc::channel(64);
     tokio::spawn(writer_task(wr, out_rx, kill.clone()));
-    let hook: Arc<dyn AbortHook> = Arc::new(ServerHook { out: out.clone(), kill: kill.clone() });
+    let hook: Arc<dyn AbortHook> = Arc::new(ServerHook {
+        out: out.clone(),
+        kill: kill.clone(),
+    });
     let mut conn = ServerConn {
         net,
         registry,
@@ -169,25 +201,25 @@ async fn writer_task(mut wr: OwnedWriteHalf, mut rx: mpsc::Receiver<Msg>, kill: 
 }
 
 /// A claimed transfer on this connection.
-struct Active {
-    session: InboundSession,
+pub(super) struct Active {
+    pub(super) session: InboundSession,
     /// UCX tag index of the next range (tag mode).
-    tag_index: u64,
+    pub(super) tag_index: u64,
 }
 
 /// Tagged receives posted for one chunk, still landing.
-struct Landing {
-    transfer_id: u64,
-    layer_start: u32,
-    layer_end: u32,
-    checksums: Vec<u64>,
+pub(super) struct Landing {
+    pub(super) transfer_id: u64,
+    pub(super) layer_start: u32,
+    pub(super) layer_end: u32,
+    pub(super) checksums: Vec<u64>,
     /// Into scratch memory (a transfer being drained), not into destination blocks.
-    discard: bool,
-    done: oneshot::Receiver<Result<(), TransferError>>,
+    pub(super) discard: bool,
+    pub(super) done: oneshot::Receiver<Result<(), TransferError>>,
 }
 
 /// Why a connection's loop ended.
-enum End {
+pub(super) enum End {
     /// Peer closed or reset, or the kill token fired.
     Gone(std::io::ErrorKind),
     /// The peer broke the protocol.
@@ -197,9 +229,20 @@ enum End {
 /// A decoded frame (owned, so the reader's buffer is free for the inline payload).
 enum In {
     Begin(Begin),
-    Chunk { transfer_id: u64, layer_start: u32, layer_end: u32, payload_bytes: u64, checksums: Vec<u64> },
-    Abort { transfer_id: u64, error: WireError },
-    AbortAck { transfer_id: u64 },
+    Chunk {
+        transfer_id: u64,
+        layer_start: u32,
+        layer_end: u32,
+        payload_bytes: u64,
+        checksums: Vec<u64>,
+    },
+    Abort {
+        transfer_id: u64,
+        error: WireError,
+    },
+    AbortAck {
+        transfer_id: u64,
+    },
 }
 
 fn decode(m: &ArchivedMsg) -> Result<In, TransferError> {
@@ -212,26 +255,36 @@ fn decode(m: &ArchivedMsg) -> Result<In, TransferError> {
             payload_bytes: c.payload_bytes.to_native(),
             checksums: c.checksums.iter().map(|x| x.to_native()).collect(),
         },
-        ArchivedMsg::Abort(a) => In::Abort { transfer_id: a.transfer_id.to_native(), error: to_owned(&a.error)? },
-        ArchivedMsg::AbortAck { transfer_id } => In::AbortAck { transfer_id: transfer_id.to_native() },
-        _ => return Err(TransferError::protocol("unexpected_frame", "sender sent a receiver-only frame")),
+        ArchivedMsg::Abort(a) => In::Abort {
+            transfer_id: a.transfer_id.to_native(),
+            error: to_owned(&a.error)?,
+        },
+        ArchivedMsg::AbortAck { transfer_id } => In::AbortAck {
+            transfer_id: transfer_id.to_native(),
+        },
+        _ => {
+            return Err(TransferError::protocol(
+                "unexpected_frame",
+                "sender sent a receiver-only frame",
+            ));
+        }
     })
 }
 
-struct ServerConn {
-    net: Arc<NetShared>,
-    registry: InboundRegistry,
-    peer: String,
-    conn_id: u32,
-    ucx_allowed: bool,
+pub(super) struct ServerConn {
+    pub(super) net: Arc<NetShared>,
+    pub(super) registry: InboundRegistry,
+    pub(super) peer: String,
+    pub(super) conn_id: u32,
+    pub(super) ucx_allowed: bool,
     /// The data mode of this connection's transfers (fixed by its first `Begin`).
-    mode: Option<DataMode>,
-    hook: Arc<dyn AbortHook>,
-    out: mpsc::Sender<Msg>,
-    kill: CancellationToken,
-    sessions: HashMap<u64, Active>,
-    landing: VecDeque<Landing>,
-    scratch: Vec<u8>,
+    pub(super) mode: Option<DataMode>,
+    pub(super) hook: Arc<dyn AbortHook>,
+    pub(super) out: mpsc::Sender<Msg>,
+    pub(super) kill: CancellationToken,
+    pub(super) sessions: HashMap<u64, Active>,
+    pub(super) landing: VecDeque<Landing>,
+    pub(super) scratch: Vec<u8>,
 }
 
 impl ServerConn {
@@ -254,8 +307,22 @@ impl ServerConn {
             };
             let step = match msg {
                 In::Begin(b) => self.begin(b).await,
-                In::Chunk { transfer_id, layer_start, layer_end, payload_bytes, checksums } => {
-                    self.chunk(reader, transfer_id, layer_start, layer_end, payload_bytes, checksums).await
+                In::Chunk {
+                    transfer_id,
+                    layer_start,
+                    layer_end,
+                    payload_bytes,
+                    checksums,
+                } => {
+                    self.chunk(
+                        reader,
+                        transfer_id,
+                        layer_start,
+                        layer_end,
+                        payload_bytes,
+                        checksums,
+                    )
+                    .await
                 }
                 In::Abort { transfer_id, error } => {
                     let e = error.into_error(&self.peer, Phase::Data);
@@ -264,7 +331,13 @@ impl ServerConn {
                 }
                 In::AbortAck { transfer_id } => {
                     // The abort's own reason (pending in the registry) is what the reservation reports.
-                    self.end_session(transfer_id, TransferError::Cancelled { by: crate::Side::Peer }).await;
+                    self.end_session(
+                        transfer_id,
+                        TransferError::Cancelled {
+                            by: crate::Side::Peer,
+                        },
+                    )
+                    .await;
                     Ok(())
                 }
             };
@@ -274,8 +347,11 @@ impl ServerConn {
         }
     }
 
-    async fn reply(&self, msg: Msg) -> Result<(), End> {
-        self.out.send(msg).await.map_err(|_| End::Gone(std::io::ErrorKind::BrokenPipe))
+    pub(super) async fn reply(&self, msg: Msg) -> Result<(), End> {
+        self.out
+            .send(msg)
+            .await
+            .map_err(|_| End::Gone(std::io::ErrorKind::BrokenPipe))
     }
 
     async fn begin(&mut self, b: Begin) -> Result<(), End> {
@@ -285,162 +361,35 @@ impl ServerConn {
             DataMode::Rma | DataMode::Tag => self.ucx_allowed,
         } && self.mode.is_none_or(|m| m == b.mode);
         if !mode_ok || self.sessions.contains_key(&id) {
-            return Err(End::Protocol(TransferError::protocol("begin", format!("transfer {id} mode {:?}", b.mode))));
+            return Err(End::Protocol(TransferError::protocol(
+                "begin",
+                format!("transfer {id} mode {:?}", b.mode),
+            )));
         }
         self.mode = Some(b.mode);
         match self.registry.claim(&b, Arc::clone(&self.hook)) {
             Ok(session) => {
-                self.sessions.insert(id, Active { session, tag_index: 0 });
-                self.reply(Msg::BeginReply(BeginReply { transfer_id: id, refusal: None })).await
+                self.sessions.insert(
+                    id,
+                    Active {
+                        session,
+                        tag_index: 0,
+                    },
+                );
+                self.reply(Msg::BeginReply(BeginReply {
+                    transfer_id: id,
+                    refusal: None,
+                }))
+                .await
             }
             Err(e) => {
                 tracing::debug!(peer = self.peer, reservation = b.reservation_id, error = %e, "refused transfer");
                 let refusal = Some(WireError::from_error(&e));
-                self.reply(Msg::BeginReply(BeginReply { transfer_id: id, refusal })).await
-            }
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn chunk(
-        &mut self,
-        reader: &mut FrameReader<OwnedReadHalf>,
-        id: u64,
-        layer_start: u32,
-        layer_end: u32,
-        payload_bytes: u64,
-        checksums: Vec<u64>,
-    ) -> Result<(), End> {
-        let mode = self.mode.unwrap_or(DataMode::Inline);
-        let live = self.sessions.get_mut(&id).filter(|a| !a.session.aborting());
-        let Some(active) = live else {
-            // Ended or aborting: consume its bytes so the stream (or UCX) stays in step.
-            return self.discard(reader, id, mode, layer_start, layer_end, payload_bytes).await;
-        };
-        if let Err(e) = active.session.check_chunk(layer_start, layer_end, checksums.len(), payload_bytes) {
-            return Err(End::Protocol(e));
-        }
-        match mode {
-            DataMode::Inline => {
-                let read = read_inline(reader.stream(), &active.session, layer_start, layer_end);
-                let r = tokio::select! {
-                    r = read => r,
-                    _ = self.kill.cancelled() => Err(std::io::ErrorKind::ConnectionAborted.into()),
-                };
-                r.map_err(|e| End::Gone(e.kind()))?;
-                self.verify(id, layer_start, layer_end, &checksums).await
-            }
-            DataMode::Rma => self.verify(id, layer_start, layer_end, &checksums).await,
-            DataMode::Tag => {
-                let done = self.post_tag_recvs(id, layer_start, layer_end, false)?;
-                self.landing.push_back(Landing { transfer_id: id, layer_start, layer_end, checksums, discard: false, done });
-                Ok(())
-            }
-        }
-    }
-
-    async fn discard(
-        &mut self,
-        reader: &mut FrameReader<OwnedReadHalf>,
-        id: u64,
-        mode: DataMode,
-        layer_start: u32,
-        layer_end: u32,
-        payload_bytes: u64,
-    ) -> Result<(), End> {
-        match mode {
-            DataMode::Inline => {
-                self.scratch.resize(64 << 10, 0);
-                let mut left = payload_bytes;
-                while left > 0 {
-                    let n = left.min(self.scratch.len() as u64) as usize;
-                    let r = tokio::select! {
-                        r = reader.stream().read_exact(&mut self.scratch[..n]) => r,
-                        _ = self.kill.cancelled() => Err(std::io::ErrorKind::ConnectionAborted.into()),
-                    };
-                    r.map_err(|e| End::Gone(e.kind()))?;
-                    left -= n as u64;
-                }
-                Ok(())
-            }
-            DataMode::Rma => Ok(()),
-            DataMode::Tag => {
-                if self.sessions.contains_key(&id) {
-                    let done = self.post_tag_recvs(id, layer_start, layer_end, true)?;
-                    self.landing.push_back(Landing { transfer_id: id, layer_start, layer_end, checksums: Vec::new(), discard: true, done });
-                }
-                // A transfer that already ended sends no more tagged data: its sender fenced.
-                Ok(())
-            }
-        }
-    }
-
-    #[cfg(feature = "ucx")]
-    fn post_tag_recvs(&mut self, id: u64, layer_start: u32, layer_end: u32, discard: bool) -> Result<oneshot::Receiver<Result<(), TransferError>>, End> {
-        let rt = self.net.ucx.as_ref().ok_or_else(|| End::Protocol(TransferError::protocol("tag", "no UCX")))?;
-        let active = self.sessions.get_mut(&id).expect("caller checked");
-        let pool = Arc::clone(active.session.pool());
-        let mut ops = Vec::new();
-        for layer in layer_start..layer_end {
-            for run in active.session.runs() {
-                let (off, len) = active.session.dst_run_range(layer, run);
-                let ptr = pool.range_ptr(off, len).map_err(End::Protocol)?;
-                let tag = crate::ucx::tag_for(self.conn_id, id, active.tag_index);
-                active.tag_index += 1;
-                ops.push(crate::ucx::TagOp { addr: ptr as usize, len, tag });
-            }
-        }
-        if !discard {
-            return Ok(rt.tag_recv(ops, Box::new(pool)));
-        }
-        // Draining an aborted transfer: receive into a throwaway buffer, never into its blocks.
-        let mut sink = vec![0u8; ops.iter().map(|o| o.len).max().unwrap_or(0)];
-        for op in &mut ops {
-            op.addr = sink.as_mut_ptr() as usize;
-        }
-        Ok(rt.tag_recv(ops, Box::new(sink)))
-    }
-
-    #[cfg(not(feature = "ucx"))]
-    fn post_tag_recvs(&mut self, _: u64, _: u32, _: u32, _: bool) -> Result<oneshot::Receiver<Result<(), TransferError>>, End> {
-        Err(End::Protocol(TransferError::protocol("tag", "built without UCX")))
-    }
-
-    async fn landed(&mut self, l: Landing, result: Result<(), TransferError>) {
-        if l.discard {
-            return;
-        }
-        match result {
-            Ok(()) => {
-                if let Err(End::Gone(_) | End::Protocol(_)) = self.verify(l.transfer_id, l.layer_start, l.layer_end, &l.checksums).await {
-                    self.kill.cancel();
-                }
-            }
-            Err(e) => {
-                if let Some(a) = self.sessions.get(&l.transfer_id) {
-                    a.session.abort(e);
-                }
-            }
-        }
-    }
-
-    /// Verifies landed layers; completes the session or asks its writer to abort.
-    async fn verify(&mut self, id: u64, layer_start: u32, layer_end: u32, checksums: &[u64]) -> Result<(), End> {
-        let Some(active) = self.sessions.get_mut(&id) else { return Ok(()) };
-        match active.session.verify_chunk(layer_start, layer_end, |i| checksums[i]) {
-            Ok(false) => Ok(()),
-            Ok(true) => {
-                let active = self.sessions.remove(&id).expect("present");
-                let block_checksums = active.session.block_checksums();
-                if active.session.finish(Ok(())) {
-                    self.reply(Msg::Done(Done { transfer_id: id, block_checksums })).await?;
-                }
-                Ok(())
-            }
-            Err(e) => {
-                tracing::warn!(peer = self.peer, error = %e, "chunk failed verification; aborting transfer");
-                active.session.abort(e);
-                Ok(())
+                self.reply(Msg::BeginReply(BeginReply {
+                    transfer_id: id,
+                    refusal,
+                }))
+                .await
             }
         }
     }
@@ -455,14 +404,24 @@ impl ServerConn {
 
     /// Cancels and waits out tagged receives of one transfer (or all).
     async fn release_landings(&mut self, id: Option<u64>) {
-        if !self.landing.iter().any(|l| id.is_none_or(|id| l.transfer_id == id)) {
+        if !self
+            .landing
+            .iter()
+            .any(|l| id.is_none_or(|id| l.transfer_id == id))
+        {
             return;
         }
         #[cfg(feature = "ucx")]
         if let Some(rt) = &self.net.ucx {
             match id {
-                Some(id) => rt.cancel_tag_recvs(crate::ucx::tag_for(self.conn_id, id, 0), crate::ucx::TRANSFER_TAG_MASK),
-                None => rt.cancel_tag_recvs(crate::ucx::tag_for(self.conn_id, 0, 0), crate::ucx::CONN_TAG_MASK),
+                Some(id) => rt.cancel_tag_recvs(
+                    crate::ucx::tag_for(self.conn_id, id, 0),
+                    crate::ucx::TRANSFER_TAG_MASK,
+                ),
+                None => rt.cancel_tag_recvs(
+                    crate::ucx::tag_for(self.conn_id, 0, 0),
+                    crate::ucx::CONN_TAG_MASK,
+                ),
             }
         }
         let fence = self.net.config.fence_timeout;
@@ -470,7 +429,11 @@ impl ServerConn {
         for l in self.landing.drain(..) {
             if id.is_none_or(|id| l.transfer_id == id) {
                 if tokio::time::timeout(fence, l.done).await.is_err() {
-                    tracing::error!(peer = self.peer, transfer = l.transfer_id, "tagged receive did not cancel in time");
+                    tracing::error!(
+                        peer = self.peer,
+                        transfer = l.transfer_id,
+                        "tagged receive did not cancel in time"
+                    );
                 }
             } else {
                 keep.push_back(l);
@@ -488,7 +451,11 @@ impl ServerConn {
         }
         let peer = self.peer.clone();
         let reason = |end: &End| match end {
-            End::Gone(kind) => TransferError::PeerGone { peer: peer.clone(), phase: Phase::Data, reason: *kind },
+            End::Gone(kind) => TransferError::PeerGone {
+                peer: peer.clone(),
+                phase: Phase::Data,
+                reason: *kind,
+            },
             End::Protocol(e) => TransferError::protocol("peer", e.to_string()),
         };
         if let End::Protocol(e) = &end {
@@ -501,25 +468,4 @@ impl ServerConn {
             let _ = a.session.finish(Err(reason(&end)));
         }
     }
-}
-
-/// Reads one chunk's inline payload straight into the destination slabs, in payload order.
-async fn read_inline(
-    stream: &mut OwnedReadHalf,
-    session: &InboundSession,
-    layer_start: u32,
-    layer_end: u32,
-) -> std::io::Result<()> {
-    let pool = Arc::clone(session.pool());
-    for layer in layer_start..layer_end {
-        for run in session.runs() {
-            let (off, len) = session.dst_run_range(layer, run);
-            let ptr = pool.range_ptr(off, len).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))?;
-            // SAFETY: in bounds (range_ptr); these slabs belong to the reservation this session
-            // claimed, which nobody else reads or writes until the session finishes.
-            let dst = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
-            stream.read_exact(dst).await?;
-        }
-    }
-    Ok(())
 }

@@ -47,7 +47,8 @@ use crate::metrics::{Live, LiveGuard, TransferMetrics};
 use crate::pool::KvPool;
 use crate::tcp::NetShared;
 use crate::transport::{
-    KvTransport, OutboundTransfer, PoolRegistration, PushRequest, RegistrationInner, TransferCapabilities,
+    KvTransport, OutboundTransfer, PoolRegistration, PushRequest, RegistrationInner,
+    TransferCapabilities,
 };
 use crate::wire::{DataMode, UcxRemote};
 
@@ -85,11 +86,20 @@ pub(crate) struct TagOp {
 /// Reads which transport serves each lane out of `ucp_ep_print_info`; true when some `rma_bw`
 /// lane is not `tcp` (so puts are native, not emulated).
 pub(crate) fn rma_is_native(ep_info: &str) -> bool {
-    ep_info.lines().filter(|l| l.contains("lane[") && l.contains("rma_bw")).any(|l| {
-        let after = l.split("]:").nth(1).unwrap_or("").trim_start();
-        let tl = after.split(':').nth(1).unwrap_or("").split('/').next().unwrap_or("");
-        !tl.is_empty() && tl != "tcp"
-    })
+    ep_info
+        .lines()
+        .filter(|l| l.contains("lane[") && l.contains("rma_bw"))
+        .any(|l| {
+            let after = l.split("]:").nth(1).unwrap_or("").trim_start();
+            let tl = after
+                .split(':')
+                .nth(1)
+                .unwrap_or("")
+                .split('/')
+                .next()
+                .unwrap_or("");
+            !tl.is_empty() && tl != "tcp"
+        })
 }
 
 /// True unless the transport list (`UCX_TLS` syntax) rules out every shared-memory transport.
@@ -159,7 +169,11 @@ impl UcxNet {
     }
 
     /// Posts tagged receives (into memory `keep` holds alive).
-    pub fn tag_recv(&self, ops: Vec<TagOp>, keep: Keep) -> oneshot::Receiver<Result<(), TransferError>> {
+    pub fn tag_recv(
+        &self,
+        ops: Vec<TagOp>,
+        keep: Keep,
+    ) -> oneshot::Receiver<Result<(), TransferError>> {
         self.rt.request(|reply| Cmd::TagRecv { ops, keep, reply })
     }
 
@@ -170,7 +184,10 @@ impl UcxNet {
 
     /// Discards tagged messages of a closed connection that arrived with no receive posted.
     pub fn drain_unexpected(&self, conn_id: u32) {
-        let _ = self.rt.send(Cmd::DrainUnexpected { tag: tag_for(conn_id, 0, 0), mask: CONN_TAG_MASK });
+        let _ = self.rt.send(Cmd::DrainUnexpected {
+            tag: tag_for(conn_id, 0, 0),
+            mask: CONN_TAG_MASK,
+        });
     }
 }
 
@@ -190,7 +207,10 @@ impl MappedPool {
     /// falls only when done). An allocated pool's memory goes when the pool itself drops.
     pub fn unmap(self, guard: Option<LiveGuard>) {
         if !self.allocated {
-            let _ = self.rt.send(Cmd::Unmap { mem: self.mem, guard });
+            let _ = self.rt.send(Cmd::Unmap {
+                mem: self.mem,
+                guard,
+            });
         }
     }
 }
@@ -251,29 +271,54 @@ impl UcxPeer {
             .collect();
         for &(_, t, len, _) in &kept {
             if (t + len) as u64 > self.remote_len {
-                return Err(TransferError::invalid("dst_blocks", "range beyond the receiver's pool"));
+                return Err(TransferError::invalid(
+                    "dst_blocks",
+                    "range beyond the receiver's pool",
+                ));
             }
         }
         match self.mode {
             DataMode::Rma => {
                 let ops = kept
                     .iter()
-                    .map(|&(s, t, len, _)| PutOp { local: base + s, len, remote: self.remote_base + t as u64 })
+                    .map(|&(s, t, len, _)| PutOp {
+                        local: base + s,
+                        len,
+                        remote: self.remote_base + t as u64,
+                    })
                     .collect();
                 let keep: Keep = Box::new(Arc::clone(pool));
-                let rx = self.rt.request(|reply| Cmd::Put { ep: self.ep, ops, keep, reply });
-                let Some(at) = faults.corrupt_at else { return Ok(rx) };
+                let rx = self.rt.request(|reply| Cmd::Put {
+                    ep: self.ep,
+                    ops,
+                    keep,
+                    reply,
+                });
+                let Some(at) = faults.corrupt_at else {
+                    return Ok(rx);
+                };
                 // Fault: after the honest bytes land, overwrite one of them with its complement.
                 rx.await.map_err(|_| TransferError::Shutdown)??;
                 let &(s, t, _, start) = kept
                     .iter()
                     .find(|&&(_, _, len, start)| at >= start && at < start + len as u64)
-                    .ok_or_else(|| TransferError::invalid("fault", "corrupt offset outside the chunk"))?;
+                    .ok_or_else(|| {
+                        TransferError::invalid("fault", "corrupt offset outside the chunk")
+                    })?;
                 let k = (at - start) as usize;
                 // SAFETY: s + k is inside the source pool (k < that range's length).
                 let flipped = Box::new([!unsafe { *pool.as_ptr().add(s + k) }]);
-                let op = PutOp { local: flipped.as_ptr() as usize, len: 1, remote: self.remote_base + (t + k) as u64 };
-                Ok(self.rt.request(|reply| Cmd::Put { ep: self.ep, ops: vec![op], keep: Box::new(flipped), reply }))
+                let op = PutOp {
+                    local: flipped.as_ptr() as usize,
+                    len: 1,
+                    remote: self.remote_base + (t + k) as u64,
+                };
+                Ok(self.rt.request(|reply| Cmd::Put {
+                    ep: self.ep,
+                    ops: vec![op],
+                    keep: Box::new(flipped),
+                    reply,
+                }))
             }
             DataMode::Tag | DataMode::Inline => {
                 let mut copy: Option<Vec<u8>> = None;
@@ -286,18 +331,28 @@ impl UcxPeer {
                         tag: tag_for(self.conn_id, transfer_id, tag_base + k as u64),
                     })
                     .collect();
-                if let Some(at) = faults.corrupt_at {
-                    if let Some(k) = kept.iter().position(|&(_, _, len, start)| at >= start && at < start + len as u64) {
-                        let (s, _, len, start) = kept[k];
-                        // SAFETY: (s, len) is a checked range of the source pool.
-                        let mut bytes = unsafe { std::slice::from_raw_parts(pool.as_ptr().add(s), len) }.to_vec();
-                        bytes[(at - start) as usize] ^= 0xFF;
-                        ops[k].addr = bytes.as_ptr() as usize;
-                        copy = Some(bytes);
-                    }
+                let target = faults.corrupt_at.and_then(|at| {
+                    let k = kept
+                        .iter()
+                        .position(|&(_, _, len, start)| at >= start && at < start + len as u64)?;
+                    Some((at, k))
+                });
+                if let Some((at, k)) = target {
+                    let (s, _, len, start) = kept[k];
+                    // SAFETY: (s, len) is a checked range of the source pool.
+                    let mut bytes =
+                        unsafe { std::slice::from_raw_parts(pool.as_ptr().add(s), len) }.to_vec();
+                    bytes[(at - start) as usize] ^= 0xFF;
+                    ops[k].addr = bytes.as_ptr() as usize;
+                    copy = Some(bytes);
                 }
                 let keep: Keep = Box::new((Arc::clone(pool), copy));
-                Ok(self.rt.request(|reply| Cmd::TagSend { ep: self.ep, ops, keep, reply }))
+                Ok(self.rt.request(|reply| Cmd::TagSend {
+                    ep: self.ep,
+                    ops,
+                    keep,
+                    reply,
+                }))
             }
         }
     }
@@ -320,8 +375,14 @@ impl UcxKvTransport {
         let mut shared = NetShared::new(config)?;
         let rt = UcxRuntime::start(ucx.tls.clone())?;
         let tls = ucx.tls.clone().or_else(|| std::env::var("UCX_TLS").ok());
-        shared.ucx = Some(UcxNet { rt, data_mode: ucx.data_mode, shm_allowed: shm_allowed(tls.as_deref()) });
-        Ok(Self { shared: Arc::new(shared) })
+        shared.ucx = Some(UcxNet {
+            rt,
+            data_mode: ucx.data_mode,
+            shm_allowed: shm_allowed(tls.as_deref()),
+        });
+        Ok(Self {
+            shared: Arc::new(shared),
+        })
     }
 
     /// This transport's counters.
@@ -338,7 +399,10 @@ impl UcxKvTransport {
         shutdown: CancellationToken,
     ) -> Result<(), TransferError> {
         if registry.registration().ucx().is_none() {
-            return Err(TransferError::invalid("registry", "pool is not registered with a UCX transport"));
+            return Err(TransferError::invalid(
+                "registry",
+                "pool is not registered with a UCX transport",
+            ));
         }
         self.shared.serve(listener, registry, shutdown).await
     }
@@ -350,12 +414,20 @@ impl UcxKvTransport {
 
 impl KvTransport for UcxKvTransport {
     fn capabilities(&self) -> TransferCapabilities {
-        TransferCapabilities { name: "ucx", one_sided_writes: true, cross_process: true, layer_streaming: true }
+        TransferCapabilities {
+            name: "ucx",
+            one_sided_writes: true,
+            cross_process: true,
+            layer_streaming: true,
+        }
     }
 
     fn register(&self, pool: Arc<KvPool>) -> Result<PoolRegistration, TransferError> {
         let (tx, rx) = std::sync::mpsc::channel();
-        self.net().rt.send(Cmd::Map { pool: Arc::clone(&pool), reply: tx })?;
+        self.net().rt.send(Cmd::Map {
+            pool: Arc::clone(&pool),
+            reply: tx,
+        })?;
         let (mem, rkey) = rx.recv().map_err(|_| TransferError::Shutdown)??;
         let mapped = MappedPool {
             rt: self.net().rt.clone(),
@@ -368,7 +440,11 @@ impl KvTransport for UcxKvTransport {
         Ok(self.registration(pool, mapped))
     }
 
-    fn allocate(&self, layout: KvLayout, num_blocks: usize) -> Result<PoolRegistration, TransferError> {
+    fn allocate(
+        &self,
+        layout: KvLayout,
+        num_blocks: usize,
+    ) -> Result<PoolRegistration, TransferError> {
         let len = layout.pool_bytes(num_blocks);
         let (tx, rx) = std::sync::mpsc::channel();
         self.net().rt.send(Cmd::Alloc { len, reply: tx })?;
@@ -379,9 +455,17 @@ impl KvTransport for UcxKvTransport {
         });
         // SAFETY: UCX allocated `len` zeroed, page-aligned bytes at `addr` (checked on the
         // progress thread) and frees them only on the Unmap that `release` sends.
-        let pool = Arc::new(unsafe { KvPool::from_external(layout, num_blocks, addr as *mut u8, release) }?);
-        let mapped =
-            MappedPool { rt: self.net().rt.clone(), mem, rkey, base: addr as u64, len: len as u64, allocated: true };
+        let pool = Arc::new(unsafe {
+            KvPool::from_external(layout, num_blocks, addr as *mut u8, release)
+        }?);
+        let mapped = MappedPool {
+            rt: self.net().rt.clone(),
+            mem,
+            rkey,
+            base: addr as u64,
+            len: len as u64,
+            allocated: true,
+        };
         Ok(self.registration(pool, mapped))
     }
 

@@ -27,12 +27,18 @@ impl Status {
     pub fn message(self) -> String {
         // SAFETY: ucs_status_string returns a pointer to a static, NUL-terminated string for any
         // status value (unknown ones included).
-        unsafe { CStr::from_ptr(sys::ucs_status_string(self.0)) }.to_string_lossy().into_owned()
+        unsafe { CStr::from_ptr(sys::ucs_status_string(self.0)) }
+            .to_string_lossy()
+            .into_owned()
     }
 
     /// The crate error for a failed call.
     pub fn error(self, op: &'static str) -> TransferError {
-        TransferError::Ucx { op, status: self.0 as i32, message: self.message() }
+        TransferError::Ucx {
+            op,
+            status: self.0 as i32,
+            message: self.message(),
+        }
     }
 
     /// The peer reset or vanished (as opposed to a local failure).
@@ -44,13 +50,18 @@ impl Status {
                 | sys::UCS_ERR_UNREACHABLE
                 | sys::UCS_ERR_REJECTED
                 | sys::UCS_ERR_CANCELED
-        ) || (sys::UCS_ERR_LAST_ENDPOINT_FAILURE..=sys::UCS_ERR_FIRST_ENDPOINT_FAILURE).contains(&self.0)
+        ) || (sys::UCS_ERR_LAST_ENDPOINT_FAILURE..=sys::UCS_ERR_FIRST_ENDPOINT_FAILURE)
+            .contains(&self.0)
             || (sys::UCS_ERR_LAST_LINK_FAILURE..=sys::UCS_ERR_FIRST_LINK_FAILURE).contains(&self.0)
     }
 }
 
 fn check(status: sys::ucs_status_t) -> Result<(), Status> {
-    if status == sys::UCS_OK { Ok(()) } else { Err(Status(status)) }
+    if status == sys::UCS_OK {
+        Ok(())
+    } else {
+        Err(Status(status))
+    }
 }
 
 /// A UCP context with the RMA, TAG and WAKEUP features.
@@ -68,7 +79,8 @@ impl Context {
             .map_err(|s| s.error("ucp_config_read"))?;
         let result = (|| {
             if let Some(tls) = tls {
-                let value = CString::new(tls).map_err(|_| TransferError::invalid("ucx_tls", "contains NUL"))?;
+                let value = CString::new(tls)
+                    .map_err(|_| TransferError::invalid("ucx_tls", "contains NUL"))?;
                 // SAFETY: `config` came from ucp_config_read; both strings are NUL-terminated and
                 // outlive the call.
                 check(unsafe { sys::ucp_config_modify(config, c"TLS".as_ptr(), value.as_ptr()) })
@@ -85,7 +97,8 @@ impl Context {
             let mut h: sys::ucp_context_h = ptr::null_mut();
             // SAFETY: params is fully initialised (zeroed + the fields its mask names), config is
             // valid, `h` is a valid out-pointer.
-            check(unsafe { sys::ucp_init(&params, config, &mut h) }).map_err(|s| s.error("ucp_init"))?;
+            check(unsafe { sys::ucp_init(&params, config, &mut h) })
+                .map_err(|s| s.error("ucp_init"))?;
             Ok(Rc::new(Self { h }))
         })();
         // SAFETY: `config` is released exactly once, after its last use.
@@ -117,8 +130,12 @@ impl Worker {
         };
         let mut h: sys::ucp_worker_h = ptr::null_mut();
         // SAFETY: ctx is a live context; params initialised as its mask says; `h` is an out-pointer.
-        check(unsafe { sys::ucp_worker_create(ctx.h, &params, &mut h) }).map_err(|s| s.error("ucp_worker_create"))?;
-        Ok(Rc::new(Self { h, _ctx: Rc::clone(ctx) }))
+        check(unsafe { sys::ucp_worker_create(ctx.h, &params, &mut h) })
+            .map_err(|s| s.error("ucp_worker_create"))?;
+        Ok(Rc::new(Self {
+            h,
+            _ctx: Rc::clone(ctx),
+        }))
     }
 
     /// This worker's address, to hand to peers.
@@ -149,7 +166,12 @@ impl Worker {
 
     /// Takes the next unexpected message matching `tag` under `mask` out of the worker and
     /// receives it into `sink` (grown to fit); `None` when there is none.
-    pub fn drain_unexpected(&self, tag: u64, mask: u64, sink: &mut Vec<u8>) -> Option<Result<Started, TransferError>> {
+    pub fn drain_unexpected(
+        &self,
+        tag: u64,
+        mask: u64,
+        sink: &mut Vec<u8>,
+    ) -> Option<Result<Started, TransferError>> {
         let mut info = sys::ucp_tag_recv_info_t::default();
         // SAFETY: own thread, live worker; `info` is a valid out-parameter; remove=1 hands the
         // message to us, and we receive it right below.
@@ -163,7 +185,9 @@ impl Worker {
         let param = sys::ucp_request_param_t::default();
         // SAFETY: `sink` holds `info.length` bytes; the caller keeps it alive and unmoved until
         // the returned request completes.
-        let p = unsafe { sys::ucp_tag_msg_recv_nbx(self.h, sink.as_mut_ptr().cast(), info.length, msg, &param) };
+        let p = unsafe {
+            sys::ucp_tag_msg_recv_nbx(self.h, sink.as_mut_ptr().cast(), info.length, msg, &param)
+        };
         Some(Started::from_ptr(p, "ucp_tag_msg_recv_nbx"))
     }
 
@@ -171,7 +195,12 @@ impl Worker {
     ///
     /// # Safety
     /// `addr..addr+len` stays valid and untouched by anyone else until the request completes.
-    pub unsafe fn tag_recv(&self, addr: *mut u8, len: usize, tag: u64) -> Result<Started, TransferError> {
+    pub unsafe fn tag_recv(
+        &self,
+        addr: *mut u8,
+        len: usize,
+        tag: u64,
+    ) -> Result<Started, TransferError> {
         let param = sys::ucp_request_param_t::default();
         // SAFETY: buffer validity is the caller's contract; full tag mask (exact match).
         let p = unsafe { sys::ucp_tag_recv_nbx(self.h, addr.cast(), len, tag, u64::MAX, &param) };
@@ -243,36 +272,50 @@ impl MemHandle {
     /// The region stays allocated until this handle is dropped.
     pub unsafe fn map(ctx: &Rc<Context>, addr: *mut u8, len: usize) -> Result<Self, TransferError> {
         let params = sys::ucp_mem_map_params_t {
-            field_mask: (sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH) as u64,
+            field_mask: (sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH)
+                as u64,
             address: addr.cast(),
             length: len,
             ..Default::default()
         };
         let mut h: sys::ucp_mem_h = ptr::null_mut();
         // SAFETY: live context; the region's validity is the caller's contract.
-        check(unsafe { sys::ucp_mem_map(ctx.h, &params, &mut h) }).map_err(|s| s.error("ucp_mem_map"))?;
-        Ok(Self { h, ctx: Rc::clone(ctx) })
+        check(unsafe { sys::ucp_mem_map(ctx.h, &params, &mut h) })
+            .map_err(|s| s.error("ucp_mem_map"))?;
+        Ok(Self {
+            h,
+            ctx: Rc::clone(ctx),
+        })
     }
 
     /// Lets UCX allocate `len` bytes where peers can reach them best (on one host: a
     /// shared-memory segment they map). Returns the handle and the region's address and length.
-    pub fn allocate(ctx: &Rc<Context>, len: usize) -> Result<(Self, *mut u8, usize), TransferError> {
+    pub fn allocate(
+        ctx: &Rc<Context>,
+        len: usize,
+    ) -> Result<(Self, *mut u8, usize), TransferError> {
         let params = sys::ucp_mem_map_params_t {
-            field_mask: (sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH | sys::UCP_MEM_MAP_PARAM_FIELD_FLAGS) as u64,
+            field_mask: (sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH | sys::UCP_MEM_MAP_PARAM_FIELD_FLAGS)
+                as u64,
             length: len,
             flags: sys::UCP_MEM_MAP_ALLOCATE,
             ..Default::default()
         };
         let mut h: sys::ucp_mem_h = ptr::null_mut();
         // SAFETY: live context; with ALLOCATE and no address UCX owns the region until unmap.
-        check(unsafe { sys::ucp_mem_map(ctx.h, &params, &mut h) }).map_err(|s| s.error("ucp_mem_map(ALLOCATE)"))?;
-        let memh = Self { h, ctx: Rc::clone(ctx) };
+        check(unsafe { sys::ucp_mem_map(ctx.h, &params, &mut h) })
+            .map_err(|s| s.error("ucp_mem_map(ALLOCATE)"))?;
+        let memh = Self {
+            h,
+            ctx: Rc::clone(ctx),
+        };
         let mut attr = sys::ucp_mem_attr_t {
             field_mask: (sys::UCP_MEM_ATTR_FIELD_ADDRESS | sys::UCP_MEM_ATTR_FIELD_LENGTH) as u64,
             ..Default::default()
         };
         // SAFETY: live memh; `attr` is a valid out-parameter with its mask set.
-        check(unsafe { sys::ucp_mem_query(memh.h, &mut attr) }).map_err(|s| s.error("ucp_mem_query"))?;
+        check(unsafe { sys::ucp_mem_query(memh.h, &mut attr) })
+            .map_err(|s| s.error("ucp_mem_query"))?;
         Ok((memh, attr.address.cast(), attr.length))
     }
 
@@ -332,22 +375,40 @@ pub struct Endpoint {
 impl Endpoint {
     /// Connects to a worker address. With `peer_failure`, UCX reports a dead peer by failing
     /// the endpoint's requests (UCX 1.13's shared-memory transports cannot, and refuse it).
-    pub fn connect(worker: &Rc<Worker>, address: &[u8], peer_failure: bool) -> Result<Self, TransferError> {
+    pub fn connect(
+        worker: &Rc<Worker>,
+        address: &[u8],
+        peer_failure: bool,
+    ) -> Result<Self, TransferError> {
         let failed = Box::new(Cell::new(sys::UCS_OK));
         let params = sys::ucp_ep_params_t {
             field_mask: (sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
                 | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
                 | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER) as u64,
             address: address.as_ptr().cast(),
-            err_mode: if peer_failure { sys::UCP_ERR_HANDLING_MODE_PEER } else { sys::UCP_ERR_HANDLING_MODE_NONE },
-            err_handler: sys::ucp_err_handler { cb: Some(on_ep_error), arg: (&*failed as *const Cell<_>).cast_mut().cast() },
+            err_mode: if peer_failure {
+                sys::UCP_ERR_HANDLING_MODE_PEER
+            } else {
+                sys::UCP_ERR_HANDLING_MODE_NONE
+            },
+            err_handler: sys::ucp_err_handler {
+                cb: Some(on_ep_error),
+                arg: (&*failed as *const Cell<_>).cast_mut().cast(),
+            },
             ..Default::default()
         };
         let mut h: sys::ucp_ep_h = ptr::null_mut();
         // SAFETY: live worker; `address` outlives the call (UCX copies what it needs); the error
         // callback's argument (the boxed cell) lives as long as the endpoint.
-        check(unsafe { sys::ucp_ep_create(worker.h, &params, &mut h) }).map_err(|s| s.error("ucp_ep_create"))?;
-        Ok(Self { h, rkey: None, failed, closed: false, _worker: Rc::clone(worker) })
+        check(unsafe { sys::ucp_ep_create(worker.h, &params, &mut h) })
+            .map_err(|s| s.error("ucp_ep_create"))?;
+        Ok(Self {
+            h,
+            rkey: None,
+            failed,
+            closed: false,
+            _worker: Rc::clone(worker),
+        })
     }
 
     /// Unpacks the peer's packed remote key onto this endpoint.
@@ -383,7 +444,8 @@ impl Endpoint {
         let text = if buf.is_null() {
             String::new()
         } else {
-            String::from_utf8_lossy(unsafe { std::slice::from_raw_parts(buf as *const u8, len) }).into_owned()
+            String::from_utf8_lossy(unsafe { std::slice::from_raw_parts(buf as *const u8, len) })
+                .into_owned()
         };
         // SAFETY: buf was malloc'ed by open_memstream; freed once.
         unsafe { libc::free(buf.cast()) };
@@ -395,8 +457,16 @@ impl Endpoint {
     /// # Safety
     /// `local..local+len` stays valid and unchanged until the request completes, and
     /// `remote..remote+len` lies inside the region the unpacked key covers.
-    pub unsafe fn put(&self, local: *const u8, len: usize, remote: u64) -> Result<Started, TransferError> {
-        let rkey = self.rkey.as_ref().ok_or_else(|| TransferError::protocol("ucx_put", "no remote key"))?;
+    pub unsafe fn put(
+        &self,
+        local: *const u8,
+        len: usize,
+        remote: u64,
+    ) -> Result<Started, TransferError> {
+        let rkey = self
+            .rkey
+            .as_ref()
+            .ok_or_else(|| TransferError::protocol("ucx_put", "no remote key"))?;
         let param = sys::ucp_request_param_t::default();
         // SAFETY: buffer contract is the caller's; ep and rkey live.
         let p = unsafe { sys::ucp_put_nbx(self.h, local.cast(), len, remote, rkey.h, &param) };
@@ -407,7 +477,12 @@ impl Endpoint {
     ///
     /// # Safety
     /// `addr..addr+len` stays valid and unchanged until the request completes.
-    pub unsafe fn tag_send(&self, addr: *const u8, len: usize, tag: u64) -> Result<Started, TransferError> {
+    pub unsafe fn tag_send(
+        &self,
+        addr: *const u8,
+        len: usize,
+        tag: u64,
+    ) -> Result<Started, TransferError> {
         let param = sys::ucp_request_param_t::default();
         // SAFETY: buffer contract is the caller's; live endpoint.
         let p = unsafe { sys::ucp_tag_send_nbx(self.h, addr.cast(), len, tag, &param) };
@@ -418,7 +493,10 @@ impl Endpoint {
     pub fn flush(&self) -> Result<Started, TransferError> {
         let param = sys::ucp_request_param_t::default();
         // SAFETY: live endpoint; the param needs no buffers.
-        Started::from_ptr(unsafe { sys::ucp_ep_flush_nbx(self.h, &param) }, "ucp_ep_flush_nbx")
+        Started::from_ptr(
+            unsafe { sys::ucp_ep_flush_nbx(self.h, &param) },
+            "ucp_ep_flush_nbx",
+        )
     }
 
     /// Closes the endpoint (forcibly when the peer failed or `force`): the remote key first.
@@ -427,7 +505,11 @@ impl Endpoint {
         let force = force || self.failure().is_some();
         let param = sys::ucp_request_param_t {
             op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS,
-            flags: if force { sys::UCP_EP_CLOSE_FLAG_FORCE } else { 0 },
+            flags: if force {
+                sys::UCP_EP_CLOSE_FLAG_FORCE
+            } else {
+                0
+            },
             ..Default::default()
         };
         // SAFETY: live endpoint closed once (`closed` stops Drop from closing it again); its
@@ -439,6 +521,9 @@ impl Endpoint {
 }
 
 thread_local! {
+    /// The boxes are the point: each error callback holds the address of its cell, which must
+    /// not move when the list grows.
+    #[allow(clippy::vec_box)]
     /// Error cells of closed endpoints: UCX may call an endpoint's error handler until its close
     /// completes, so they are kept until the progress thread exits (a few bytes per endpoint).
     static CLOSED_EP_CELLS: std::cell::RefCell<Vec<Box<Cell<sys::ucs_status_t>>>> = const { std::cell::RefCell::new(Vec::new()) };

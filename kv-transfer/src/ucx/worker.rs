@@ -54,21 +54,59 @@ const DRAIN_FOR: Duration = Duration::from_secs(2);
 pub(crate) type Keep = Box<dyn Any + Send>;
 
 type Reply<T> = oneshot::Sender<Result<T, TransferError>>;
+/// A reply from a blocking caller (registration happens outside any runtime's async context).
+type SyncReply<T> = std::sync::mpsc::Sender<Result<T, TransferError>>;
 
 pub(crate) enum Cmd {
-    Map { pool: Arc<KvPool>, reply: std::sync::mpsc::Sender<Result<(u64, Vec<u8>), TransferError>> },
+    Map {
+        pool: Arc<KvPool>,
+        reply: SyncReply<(u64, Vec<u8>)>,
+    },
     /// Allocate and map `len` bytes: replies (mem id, address, rkey).
-    Alloc { len: usize, reply: std::sync::mpsc::Sender<Result<(u64, usize, Vec<u8>), TransferError>> },
-    Unmap { mem: u64, guard: Option<LiveGuard> },
-    Connect { address: Vec<u8>, rkey: Vec<u8>, peer_failure: bool, reply: Reply<(u64, String)> },
-    Close { ep: u64 },
-    Put { ep: u64, ops: Vec<PutOp>, keep: Keep, reply: Reply<()> },
-    TagSend { ep: u64, ops: Vec<TagOp>, keep: Keep, reply: Reply<()> },
-    TagRecv { ops: Vec<TagOp>, keep: Keep, reply: Reply<()> },
-    CancelRecvs { tag: u64, mask: u64 },
+    Alloc {
+        len: usize,
+        reply: SyncReply<(u64, usize, Vec<u8>)>,
+    },
+    Unmap {
+        mem: u64,
+        guard: Option<LiveGuard>,
+    },
+    Connect {
+        address: Vec<u8>,
+        rkey: Vec<u8>,
+        peer_failure: bool,
+        reply: Reply<(u64, String)>,
+    },
+    Close {
+        ep: u64,
+    },
+    Put {
+        ep: u64,
+        ops: Vec<PutOp>,
+        keep: Keep,
+        reply: Reply<()>,
+    },
+    TagSend {
+        ep: u64,
+        ops: Vec<TagOp>,
+        keep: Keep,
+        reply: Reply<()>,
+    },
+    TagRecv {
+        ops: Vec<TagOp>,
+        keep: Keep,
+        reply: Reply<()>,
+    },
+    CancelRecvs {
+        tag: u64,
+        mask: u64,
+    },
     /// Receive-and-discard every unexpected message matching `tag` under `mask` (a dead
     /// connection's tagged data that no receive was posted for).
-    DrainUnexpected { tag: u64, mask: u64 },
+    DrainUnexpected {
+        tag: u64,
+        mask: u64,
+    },
     Shutdown,
 }
 
@@ -119,7 +157,10 @@ impl UcxRuntime {
                     }
                 }
             })
-            .map_err(|source| TransferError::Io { op: "spawn UCX progress thread", source })?;
+            .map_err(|source| TransferError::Io {
+                op: "spawn UCX progress thread",
+                source,
+            })?;
         let worker_address = ready_rx.recv().map_err(|_| TransferError::Shutdown)??;
         Ok(Self {
             inner: Arc::new(RtInner {
@@ -138,14 +179,20 @@ impl UcxRuntime {
 
     /// Sends a command and wakes the thread.
     pub fn send(&self, cmd: Cmd) -> Result<(), TransferError> {
-        self.inner.tx.send(cmd).map_err(|_| TransferError::Shutdown)?;
+        self.inner
+            .tx
+            .send(cmd)
+            .map_err(|_| TransferError::Shutdown)?;
         self.inner.thread.unpark();
         Ok(())
     }
 
     /// Sends a command carrying a oneshot reply and returns the receiver (already failed if the
     /// thread is gone).
-    pub fn request<T>(&self, make: impl FnOnce(Reply<T>) -> Cmd) -> oneshot::Receiver<Result<T, TransferError>> {
+    pub fn request<T>(
+        &self,
+        make: impl FnOnce(Reply<T>) -> Cmd,
+    ) -> oneshot::Receiver<Result<T, TransferError>> {
         let (tx, rx) = oneshot::channel();
         if let Err(e) = self.send(make(tx)) {
             let (tx, rx) = oneshot::channel();
@@ -192,7 +239,11 @@ struct Progress {
 
 fn request_error(s: Status, op: &'static str) -> TransferError {
     if s.is_peer_failure() {
-        TransferError::PeerGone { peer: "ucx".into(), phase: Phase::Data, reason: std::io::ErrorKind::ConnectionReset }
+        TransferError::PeerGone {
+            peer: "ucx".into(),
+            phase: Phase::Data,
+            reason: std::io::ErrorKind::ConnectionReset,
+        }
     } else {
         s.error(op)
     }
@@ -236,7 +287,11 @@ impl Progress {
                 continue;
             }
             let busy = !self.batches.is_empty() || !self.closing.is_empty();
-            let (spin, park) = if busy { (BUSY_SPIN, BUSY_PARK) } else { (IDLE_SPIN, IDLE_PARK) };
+            let (spin, park) = if busy {
+                (BUSY_SPIN, BUSY_PARK)
+            } else {
+                (IDLE_SPIN, IDLE_PARK)
+            };
             if last_activity.elapsed() < spin {
                 continue;
             }
@@ -251,7 +306,8 @@ impl Progress {
             Cmd::Map { pool, reply } => {
                 let r = (|| {
                     // SAFETY: the pool's Arc is stored next to the handle and dropped after it.
-                    let memh = unsafe { MemHandle::map(&self.ctx, pool.as_ptr(), pool.len_bytes()) }?;
+                    let memh =
+                        unsafe { MemHandle::map(&self.ctx, pool.as_ptr(), pool.len_bytes()) }?;
                     let rkey = memh.pack_rkey()?;
                     let id = self.id();
                     self.mems.insert(id, (memh, Some(pool)));
@@ -262,8 +318,11 @@ impl Progress {
             Cmd::Alloc { len, reply } => {
                 let r = (|| {
                     let (memh, addr, got) = MemHandle::allocate(&self.ctx, len)?;
-                    if got < len || addr as usize % crate::pool::POOL_ALIGN_BYTES != 0 {
-                        return Err(TransferError::invalid("ucx_alloc", format!("got {got} bytes at {addr:p}")));
+                    if got < len || !(addr as usize).is_multiple_of(crate::pool::POOL_ALIGN_BYTES) {
+                        return Err(TransferError::invalid(
+                            "ucx_alloc",
+                            format!("got {got} bytes at {addr:p}"),
+                        ));
                     }
                     let rkey = memh.pack_rkey()?;
                     let id = self.id();
@@ -276,11 +335,20 @@ impl Progress {
                 self.mems.remove(&mem);
                 drop(guard);
             }
-            Cmd::Connect { address, rkey, peer_failure, reply } => {
+            Cmd::Connect {
+                address,
+                rkey,
+                peer_failure,
+                reply,
+            } => {
                 let r = (|| {
                     let mut ep = match Endpoint::connect(&self.worker, &address, peer_failure) {
-                        Err(TransferError::Ucx { status, .. }) if peer_failure && status == sys::UCS_ERR_UNREACHABLE as i32 => {
-                            tracing::info!("no UCX transport to this peer detects peer failure; the control connection will");
+                        Err(TransferError::Ucx { status, .. })
+                            if peer_failure && status == sys::UCS_ERR_UNREACHABLE as i32 =>
+                        {
+                            tracing::info!(
+                                "no UCX transport to this peer detects peer failure; the control connection will"
+                            );
                             Endpoint::connect(&self.worker, &address, false)?
                         }
                         r => r?,
@@ -302,8 +370,20 @@ impl Progress {
                     }
                 }
             }
-            Cmd::Put { ep, ops, keep, reply } => {
-                let mut b = Batch { started: Instant::now(), pending: Vec::new(), next: Next::Flush(ep), error: None, _keep: keep, reply: Some(reply) };
+            Cmd::Put {
+                ep,
+                ops,
+                keep,
+                reply,
+            } => {
+                let mut b = Batch {
+                    started: Instant::now(),
+                    pending: Vec::new(),
+                    next: Next::Flush(ep),
+                    error: None,
+                    _keep: keep,
+                    reply: Some(reply),
+                };
                 match self.eps.get(&ep) {
                     None => b.error = Some(closed_ep()),
                     Some(e) => {
@@ -319,8 +399,20 @@ impl Progress {
                 }
                 self.batches.push(b);
             }
-            Cmd::TagSend { ep, ops, keep, reply } => {
-                let mut b = Batch { started: Instant::now(), pending: Vec::new(), next: Next::Reply, error: None, _keep: keep, reply: Some(reply) };
+            Cmd::TagSend {
+                ep,
+                ops,
+                keep,
+                reply,
+            } => {
+                let mut b = Batch {
+                    started: Instant::now(),
+                    pending: Vec::new(),
+                    next: Next::Reply,
+                    error: None,
+                    _keep: keep,
+                    reply: Some(reply),
+                };
                 match self.eps.get(&ep) {
                     None => b.error = Some(closed_ep()),
                     Some(e) => {
@@ -336,7 +428,14 @@ impl Progress {
                 self.batches.push(b);
             }
             Cmd::TagRecv { ops, keep, reply } => {
-                let mut b = Batch { started: Instant::now(), pending: Vec::new(), next: Next::Reply, error: None, _keep: keep, reply: Some(reply) };
+                let mut b = Batch {
+                    started: Instant::now(),
+                    pending: Vec::new(),
+                    next: Next::Reply,
+                    error: None,
+                    _keep: keep,
+                    reply: Some(reply),
+                };
                 for op in &ops {
                     // SAFETY: `keep` holds the memory until this batch replies; the caller owns
                     // the destination range exclusively until then (a claimed reservation).
@@ -349,7 +448,11 @@ impl Progress {
             }
             Cmd::CancelRecvs { tag, mask } => {
                 for b in &self.batches {
-                    for p in b.pending.iter().filter(|p| p.tag != 0 && p.tag & mask == tag & mask) {
+                    for p in b
+                        .pending
+                        .iter()
+                        .filter(|p| p.tag != 0 && p.tag & mask == tag & mask)
+                    {
                         self.worker.cancel(&p.req);
                     }
                 }
@@ -371,8 +474,17 @@ impl Progress {
             let (tag, mask, _) = self.drains[i];
             loop {
                 let mut sink = Vec::new();
-                let Some(r) = self.worker.drain_unexpected(tag, mask, &mut sink) else { break };
-                let mut b = Batch { started: Instant::now(), pending: Vec::new(), next: Next::Reply, error: None, _keep: Box::new(sink), reply: None };
+                let Some(r) = self.worker.drain_unexpected(tag, mask, &mut sink) else {
+                    break;
+                };
+                let mut b = Batch {
+                    started: Instant::now(),
+                    pending: Vec::new(),
+                    next: Next::Reply,
+                    error: None,
+                    _keep: Box::new(sink),
+                    reply: None,
+                };
                 b.absorb(r, 0);
                 if !b.pending.is_empty() {
                     self.batches.push(b);
@@ -396,7 +508,8 @@ impl Progress {
                 None => true,
                 Some(Ok(())) => false,
                 Some(Err(s)) => {
-                    b.error.get_or_insert_with(|| request_error(s, "ucx request"));
+                    b.error
+                        .get_or_insert_with(|| request_error(s, "ucx request"));
                     false
                 }
             });
@@ -446,7 +559,10 @@ impl Progress {
         }
         self.drain();
         if !self.batches.is_empty() {
-            tracing::error!(batches = self.batches.len(), "UCX requests still pending at shutdown; leaking them");
+            tracing::error!(
+                batches = self.batches.len(),
+                "UCX requests still pending at shutdown; leaking them"
+            );
             for b in &mut self.batches {
                 std::mem::forget(std::mem::take(&mut b.pending));
             }
@@ -473,5 +589,9 @@ impl Batch {
 }
 
 fn closed_ep() -> TransferError {
-    TransferError::PeerGone { peer: "ucx".into(), phase: Phase::Data, reason: std::io::ErrorKind::NotConnected }
+    TransferError::PeerGone {
+        peer: "ucx".into(),
+        phase: Phase::Data,
+        reason: std::io::ErrorKind::NotConnected,
+    }
 }

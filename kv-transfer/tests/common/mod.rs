@@ -8,8 +8,8 @@ use std::time::Duration;
 use tandem_kv_layout::{KvDtype, KvLayout};
 use tandem_kv_transfer::pattern;
 use tandem_kv_transfer::{
-    InProcKvTransport, InProcNetwork, InboundRegistry, KvPool, KvTransport, PoolRegistration, TcpKvTransport,
-    TransferConfig, TransferMetrics,
+    InProcKvTransport, InProcNetwork, InboundRegistry, KvPool, KvTransport, PoolRegistration,
+    TcpKvTransport, TransferConfig, TransferMetrics,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -50,7 +50,11 @@ impl Pair {
         for layer in 0..pool.layout().num_layers {
             for b in 0..pool.num_blocks() as u32 {
                 // SAFETY: tests call this only when no transfer is in flight.
-                n += unsafe { pool.slab(layer, b) }.unwrap().iter().filter(|&&x| x != 0).count();
+                n += unsafe { pool.slab(layer, b) }
+                    .unwrap()
+                    .iter()
+                    .filter(|&&x| x != 0)
+                    .count();
             }
         }
         n
@@ -59,16 +63,22 @@ impl Pair {
     /// Slabs of `dst` that do not hold `src`'s pattern.
     pub fn mismatched(&self, src: &[u32], dst: &[u32]) -> usize {
         // SAFETY: called after the reservation resolved.
-        unsafe { pattern::mismatched_slabs(self.registry.registration().pool(), SEED, src, dst) }.unwrap()
+        unsafe { pattern::mismatched_slabs(self.registry.registration().pool(), SEED, src, dst) }
+            .unwrap()
     }
 
     /// Waits until neither side holds anything (registrations aside), or panics.
     pub async fn assert_released(&self) {
-        wait_for("sender and receiver to release transfers and reservations", || {
-            let s = self.sender_metrics.snapshot();
-            let r = self.receiver_metrics.snapshot();
-            s.live_transfers == 0 && r.live_reservations == 0 && self.registry.live_reservations() == 0
-        })
+        wait_for(
+            "sender and receiver to release transfers and reservations",
+            || {
+                let s = self.sender_metrics.snapshot();
+                let r = self.receiver_metrics.snapshot();
+                s.live_transfers == 0
+                    && r.live_reservations == 0
+                    && self.registry.live_reservations() == 0
+            },
+        )
         .await;
     }
 }
@@ -82,7 +92,10 @@ impl Drop for Pair {
 pub async fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while !cond() {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
 }
@@ -96,7 +109,9 @@ pub fn inproc_pair(src_layout: KvLayout, dst_layout: KvLayout) -> Pair {
     let sender = InProcKvTransport::new(net.clone(), 1 << 20);
     let receiver = InProcKvTransport::new(net.clone(), 1 << 20);
     let src = sender.register(source_pool(src_layout, BLOCKS)).unwrap();
-    let dst = receiver.register(Arc::new(KvPool::new(dst_layout, BLOCKS).unwrap())).unwrap();
+    let dst = receiver
+        .register(Arc::new(KvPool::new(dst_layout, BLOCKS).unwrap()))
+        .unwrap();
     let registry = InboundRegistry::new(dst, fence());
     net.attach("decode-0", registry.clone());
     Pair {
@@ -113,14 +128,20 @@ pub fn inproc_pair(src_layout: KvLayout, dst_layout: KvLayout) -> Pair {
 
 pub fn small_chunks() -> TransferConfig {
     // One layer per chunk for the small layout (16 blocks × 512 B = 8 KiB per layer).
-    TransferConfig { max_chunk_bytes: 8 << 10, fence_timeout: fence(), ..Default::default() }
+    TransferConfig {
+        max_chunk_bytes: 8 << 10,
+        fence_timeout: fence(),
+        ..Default::default()
+    }
 }
 
 pub async fn tcp_pair(src_layout: KvLayout, dst_layout: KvLayout) -> Pair {
     let sender = TcpKvTransport::new(small_chunks()).unwrap();
     let receiver = Arc::new(TcpKvTransport::new(small_chunks()).unwrap());
     let src = sender.register(source_pool(src_layout, BLOCKS)).unwrap();
-    let dst = receiver.register(Arc::new(KvPool::new(dst_layout, BLOCKS).unwrap())).unwrap();
+    let dst = receiver
+        .register(Arc::new(KvPool::new(dst_layout, BLOCKS).unwrap()))
+        .unwrap();
     let registry = InboundRegistry::new(dst, fence());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let peer = listener.local_addr().unwrap().to_string();
@@ -142,11 +163,16 @@ pub async fn tcp_pair(src_layout: KvLayout, dst_layout: KvLayout) -> Pair {
 #[cfg(feature = "ucx")]
 pub async fn ucx_pair(src_layout: KvLayout, dst_layout: KvLayout, tls: &str) -> Pair {
     use tandem_kv_transfer::{UcxConfig, UcxKvTransport};
-    let cfg = UcxConfig { tls: Some(tls.to_string()), ..Default::default() };
+    let cfg = UcxConfig {
+        tls: Some(tls.to_string()),
+        ..Default::default()
+    };
     let sender = UcxKvTransport::new(small_chunks(), cfg.clone()).unwrap();
     let receiver = Arc::new(UcxKvTransport::new(small_chunks(), cfg).unwrap());
     let src = sender.register(source_pool(src_layout, BLOCKS)).unwrap();
-    let dst = receiver.register(Arc::new(KvPool::new(dst_layout, BLOCKS).unwrap())).unwrap();
+    let dst = receiver
+        .register(Arc::new(KvPool::new(dst_layout, BLOCKS).unwrap()))
+        .unwrap();
     let registry = InboundRegistry::new(dst, fence());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let peer = listener.local_addr().unwrap().to_string();

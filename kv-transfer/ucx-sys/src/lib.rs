@@ -16,7 +16,12 @@
 //! Build needs: `libucx-dev` (headers and `libucp.so`), `libclang-dev` (for bindgen) and
 //! `pkg-config`. Set `UCX_DIR` to use a UCX installed elsewhere.
 
-#![allow(non_upper_case_globals, non_camel_case_types, non_snake_case, missing_docs)]
+#![allow(
+    non_upper_case_globals,
+    non_camel_case_types,
+    non_snake_case,
+    missing_docs
+)]
 #![allow(clippy::all)]
 
 include!(concat!(env!("OUT_DIR"), "/bindings.rs"));
@@ -52,7 +57,11 @@ pub fn UCS_PTR_IS_PTR(ptr: ucs_status_ptr_t) -> bool {
 /// `UCS_PTR_STATUS`: the status a `ucs_status_ptr_t` encodes (`UCS_INPROGRESS` for a request).
 #[inline]
 pub fn UCS_PTR_STATUS(ptr: ucs_status_ptr_t) -> ucs_status_t {
-    if UCS_PTR_IS_PTR(ptr) { UCS_INPROGRESS } else { ptr as isize as ucs_status_t }
+    if UCS_PTR_IS_PTR(ptr) {
+        UCS_INPROGRESS
+    } else {
+        ptr as isize as ucs_status_t
+    }
 }
 
 #[cfg(test)]
@@ -83,6 +92,9 @@ mod tests {
         let (mut major, mut minor, mut release) = (0u32, 0u32, 0u32);
         // SAFETY: ucp_get_version only writes the three out-parameters, all valid locals.
         unsafe { ucp_get_version(&mut major, &mut minor, &mut release) };
-        assert!((major, minor) >= (1, 13), "linked UCX {major}.{minor}.{release}");
+        assert!(
+            (major, minor) >= (1, 13),
+            "linked UCX {major}.{minor}.{release}"
+        );
     }
 }

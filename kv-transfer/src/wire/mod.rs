@@ -1,4 +1,4 @@
-//! Wire descriptors (rkyv, zero-copy) and their framing on a byte stream.
+//! Wire descriptors (rkyv, zero-copy); their framing is in [`frame`].
 //!
 //! Every control message is one [`Msg`], archived with rkyv and sent as a frame:
 //!
@@ -23,13 +23,14 @@
 //! AbortAck                               ->  (sender confirms it writes no more)
 //! ```
 
-use rkyv::rancor;
-use rkyv::util::AlignedVec;
 use rkyv::{Archive, Deserialize, Serialize};
 use tandem_kv_layout::KvLayout;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::error::{Phase, Side, TransferError};
+
+mod frame;
+
+pub use frame::{FrameReader, ReadError, encode_frame, frame_bytes, to_owned, write_frame};
 
 /// Protocol version carried in [`Hello`]; a peer with another version is refused.
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -249,37 +250,51 @@ impl WireError {
     /// The wire form of a local error.
     pub fn from_error(e: &TransferError) -> Self {
         match e {
-            TransferError::LayoutMismatch { local, remote } => {
-                WireError::LayoutMismatch { local: *local, remote: *remote }
-            }
-            TransferError::UnknownReservation { reservation_id } => {
-                WireError::UnknownReservation { reservation_id: *reservation_id }
-            }
-            TransferError::StaleEpoch { reservation_id, current, requested } => WireError::StaleEpoch {
+            TransferError::LayoutMismatch { local, remote } => WireError::LayoutMismatch {
+                local: *local,
+                remote: *remote,
+            },
+            TransferError::UnknownReservation { reservation_id } => WireError::UnknownReservation {
+                reservation_id: *reservation_id,
+            },
+            TransferError::StaleEpoch {
+                reservation_id,
+                current,
+                requested,
+            } => WireError::StaleEpoch {
                 reservation_id: *reservation_id,
                 current: *current,
                 requested: *requested,
             },
-            TransferError::ReservationExpired { reservation_id } => {
-                WireError::ReservationExpired { reservation_id: *reservation_id }
-            }
-            TransferError::ReservationBusy { reservation_id } => {
-                WireError::ReservationBusy { reservation_id: *reservation_id }
-            }
-            TransferError::ChecksumMismatch { layer, block, expected, actual } => WireError::ChecksumMismatch {
+            TransferError::ReservationExpired { reservation_id } => WireError::ReservationExpired {
+                reservation_id: *reservation_id,
+            },
+            TransferError::ReservationBusy { reservation_id } => WireError::ReservationBusy {
+                reservation_id: *reservation_id,
+            },
+            TransferError::ChecksumMismatch {
+                layer,
+                block,
+                expected,
+                actual,
+            } => WireError::ChecksumMismatch {
                 layer: *layer,
                 block: *block,
                 expected: *expected,
                 actual: *actual,
             },
             TransferError::Cancelled { .. } => WireError::Cancelled,
-            TransferError::DeadlineExceeded { deadline, .. } => {
-                WireError::DeadlineExceeded { deadline_ms: deadline.as_millis() as u64 }
-            }
-            TransferError::InvalidRequest { field, reason } => {
-                WireError::InvalidRequest { field: field.to_string(), reason: reason.clone() }
-            }
-            other => WireError::Failed { kind: other.kind().as_str().to_string(), detail: other.to_string() },
+            TransferError::DeadlineExceeded { deadline, .. } => WireError::DeadlineExceeded {
+                deadline_ms: deadline.as_millis() as u64,
+            },
+            TransferError::InvalidRequest { field, reason } => WireError::InvalidRequest {
+                field: field.to_string(),
+                reason: reason.clone(),
+            },
+            other => WireError::Failed {
+                kind: other.kind().as_str().to_string(),
+                detail: other.to_string(),
+            },
         }
     }
 
@@ -287,30 +302,65 @@ impl WireError {
     pub fn into_error(self, peer: &str, phase: Phase) -> TransferError {
         match self {
             // The peer's "local" is our "remote".
-            WireError::LayoutMismatch { local, remote } => TransferError::LayoutMismatch { local: remote, remote: local },
-            WireError::UnknownReservation { reservation_id } => TransferError::UnknownReservation { reservation_id },
-            WireError::StaleEpoch { reservation_id, current, requested } => {
-                TransferError::StaleEpoch { reservation_id, current, requested }
+            WireError::LayoutMismatch { local, remote } => TransferError::LayoutMismatch {
+                local: remote,
+                remote: local,
+            },
+            WireError::UnknownReservation { reservation_id } => {
+                TransferError::UnknownReservation { reservation_id }
             }
-            WireError::ReservationExpired { reservation_id } => TransferError::ReservationExpired { reservation_id },
-            WireError::ReservationBusy { reservation_id } => TransferError::ReservationBusy { reservation_id },
-            WireError::ChecksumMismatch { layer, block, expected, actual } => {
-                TransferError::ChecksumMismatch { layer, block, expected, actual }
+            WireError::StaleEpoch {
+                reservation_id,
+                current,
+                requested,
+            } => TransferError::StaleEpoch {
+                reservation_id,
+                current,
+                requested,
+            },
+            WireError::ReservationExpired { reservation_id } => {
+                TransferError::ReservationExpired { reservation_id }
             }
+            WireError::ReservationBusy { reservation_id } => {
+                TransferError::ReservationBusy { reservation_id }
+            }
+            WireError::ChecksumMismatch {
+                layer,
+                block,
+                expected,
+                actual,
+            } => TransferError::ChecksumMismatch {
+                layer,
+                block,
+                expected,
+                actual,
+            },
             WireError::Cancelled => TransferError::Cancelled { by: Side::Peer },
-            WireError::DeadlineExceeded { deadline_ms } => {
-                TransferError::DeadlineExceeded { phase, deadline: std::time::Duration::from_millis(deadline_ms) }
-            }
+            WireError::DeadlineExceeded { deadline_ms } => TransferError::DeadlineExceeded {
+                phase,
+                deadline: std::time::Duration::from_millis(deadline_ms),
+            },
             WireError::InvalidRequest { field, reason } => {
                 TransferError::invalid("peer_refused", format!("{field}: {reason}"))
             }
-            WireError::Failed { kind, detail } if kind == crate::error::FailureKind::Protocol.as_str() => {
+            WireError::Failed { kind, detail }
+                if kind == crate::error::FailureKind::Protocol.as_str() =>
+            {
                 TransferError::protocol("peer_refused", detail)
             }
             // The peer failed on its own side and has stopped touching the transfer.
             WireError::Failed { kind, detail } => {
-                tracing::debug!(peer, kind, detail, "peer aborted the transfer after a local failure");
-                TransferError::PeerGone { peer: peer.to_string(), phase, reason: std::io::ErrorKind::Other }
+                tracing::debug!(
+                    peer,
+                    kind,
+                    detail,
+                    "peer aborted the transfer after a local failure"
+                );
+                TransferError::PeerGone {
+                    peer: peer.to_string(),
+                    phase,
+                    reason: std::io::ErrorKind::Other,
+                }
             }
         }
     }
@@ -367,189 +417,43 @@ pub enum Msg {
     },
 }
 
-/// Encodes `msg` as a frame (length prefix + rkyv body) into `buf`, replacing its contents.
-pub fn encode_frame(msg: &Msg, buf: &mut AlignedVec) -> Result<(), TransferError> {
-    let mut out = std::mem::take(buf);
-    out.clear();
-    out.extend_from_slice(&[0u8; 16]); // length prefix, padded to keep the body 16-aligned
-    let mut out = rkyv::api::high::to_bytes_in::<_, rancor::Error>(msg, out)
-        .map_err(|e| TransferError::protocol("encode", e.to_string()))?;
-    let body = out.len() - 16;
-    if body > MAX_FRAME_BYTES {
-        return Err(TransferError::protocol("frame_too_large", format!("{body} bytes")));
-    }
-    out.as_mut_slice()[12..16].copy_from_slice(&(body as u32).to_le_bytes());
-    *buf = out;
-    Ok(())
-}
-
-/// The bytes of an encoded frame to put on the wire (skips the alignment padding).
-pub fn frame_bytes(buf: &AlignedVec) -> &[u8] {
-    &buf.as_slice()[12..]
-}
-
-/// Writes one control frame.
-pub async fn write_frame<W: AsyncWrite + Unpin>(
-    w: &mut W,
-    msg: &Msg,
-    buf: &mut AlignedVec,
-) -> Result<(), std::io::Error> {
-    encode_frame(msg, buf).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))?;
-    w.write_all(frame_bytes(buf)).await
-}
-
-/// Reads frames from a stream into one reused, aligned buffer.
-///
-/// Cancel-safe: [`FrameReader::next`] keeps its progress in `self` and awaits only single
-/// `read` calls, so it can sit in a `select!` beside other work. It never reads past the end of
-/// the current frame, so a chunk's inline payload is still in the stream for
-/// [`FrameReader::stream`] to read straight into the destination blocks.
-pub struct FrameReader<R> {
-    inner: R,
-    buf: AlignedVec,
-    header: [u8; 4],
-    header_filled: usize,
-    body_len: Option<usize>,
-    body_filled: usize,
-}
-
-/// Why reading a frame failed.
-#[derive(Debug)]
-pub enum ReadError {
-    /// The stream failed or ended.
-    Io(std::io::Error),
-    /// The bytes are not a valid frame.
-    Invalid(TransferError),
-}
-
-impl<R: AsyncRead + Unpin> FrameReader<R> {
-    /// Wraps a stream.
-    pub fn new(inner: R) -> Self {
-        Self { inner, buf: AlignedVec::new(), header: [0; 4], header_filled: 0, body_len: None, body_filled: 0 }
-    }
-
-    /// Reads the next frame and checks it; the result borrows the reader's buffer.
-    pub async fn next(&mut self) -> Result<&ArchivedMsg, ReadError> {
-        let eof = || ReadError::Io(std::io::ErrorKind::UnexpectedEof.into());
-        while self.header_filled < 4 {
-            let n = self.inner.read(&mut self.header[self.header_filled..]).await.map_err(ReadError::Io)?;
-            if n == 0 {
-                return Err(eof());
-            }
-            self.header_filled += n;
-        }
-        let len = match self.body_len {
-            Some(len) => len,
-            None => {
-                let len = u32::from_le_bytes(self.header) as usize;
-                if len > MAX_FRAME_BYTES {
-                    return Err(ReadError::Invalid(TransferError::protocol("frame_too_large", format!("{len} bytes"))));
-                }
-                self.buf.clear();
-                self.buf.resize(len, 0);
-                self.body_len = Some(len);
-                self.body_filled = 0;
-                len
-            }
-        };
-        while self.body_filled < len {
-            let n = self.inner.read(&mut self.buf.as_mut_slice()[self.body_filled..len]).await.map_err(ReadError::Io)?;
-            if n == 0 {
-                return Err(eof());
-            }
-            self.body_filled += n;
-        }
-        self.header_filled = 0;
-        self.body_len = None;
-        rkyv::access::<ArchivedMsg, rancor::Error>(self.buf.as_slice())
-            .map_err(|e| ReadError::Invalid(TransferError::protocol("invalid_frame", e.to_string())))
-    }
-
-    /// The underlying stream (for reading a chunk's inline payload right after its frame).
-    pub fn stream(&mut self) -> &mut R {
-        &mut self.inner
-    }
-}
-
-/// Deserialises an archived message into its owned form (for cold-path messages).
-pub fn to_owned<T, A>(archived: &A) -> Result<T, TransferError>
-where
-    A: rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<rancor::Error>>,
-{
-    rkyv::deserialize::<T, rancor::Error>(archived).map_err(|e| TransferError::protocol("decode", e.to_string()))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use tandem_kv_layout::KvDtype;
 
-    fn begin() -> Msg {
-        Msg::Begin(Begin {
-            transfer_id: 7,
-            request_id: u128::MAX - 3,
-            reservation_id: 11,
-            epoch: 2,
-            layout_fingerprint: 0xfeed,
-            src_blocks: vec![1, 2, 3],
-            dst_blocks: vec![9, 8, 7],
-            layer_start: 0,
-            layer_end: 30,
-            mode: DataMode::Rma,
-        })
-    }
-
-    #[tokio::test]
-    async fn frames_round_trip_through_a_stream_with_checked_access() {
-        let (mut a, b) = tokio::io::duplex(1 << 16);
-        let mut buf = AlignedVec::new();
-        let chunk = Msg::Chunk(Chunk {
-            transfer_id: 7,
-            seq: 1,
-            layer_start: 2,
-            layer_end: 4,
-            payload_bytes: 4096,
-            checksums: vec![1, 2, 3, 4],
-        });
-        write_frame(&mut a, &begin(), &mut buf).await.unwrap();
-        write_frame(&mut a, &chunk, &mut buf).await.unwrap();
-        let mut r = FrameReader::new(b);
-        let got: Msg = to_owned(r.next().await.unwrap()).unwrap();
-        assert_eq!(got, begin());
-        match r.next().await.unwrap() {
-            ArchivedMsg::Chunk(c) => {
-                assert_eq!(c.checksums.iter().map(|x| x.to_native()).collect::<Vec<_>>(), vec![1, 2, 3, 4]);
-                assert_eq!(c.payload_bytes.to_native(), 4096);
-            }
-            _ => panic!("expected a chunk frame"),
-        }
-    }
-
-    #[tokio::test]
-    async fn garbage_and_oversized_frames_are_refused_by_checked_access() {
-        let (mut a, b) = tokio::io::duplex(1 << 16);
-        // A frame whose body is random bytes: checked access must refuse it.
-        let body: Vec<u8> = (0..64u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
-        a.write_all(&(body.len() as u32).to_le_bytes()).await.unwrap();
-        a.write_all(&body).await.unwrap();
-        a.write_all(&((MAX_FRAME_BYTES + 1) as u32).to_le_bytes()).await.unwrap();
-        let mut r = FrameReader::new(b);
-        assert!(matches!(r.next().await, Err(ReadError::Invalid(TransferError::Protocol { .. }))));
-        assert!(matches!(
-            r.next().await,
-            Err(ReadError::Invalid(TransferError::Protocol { what: "frame_too_large", .. }))
-        ));
-    }
-
     #[test]
     fn wire_errors_keep_their_class_across_the_wire() {
-        let e = TransferError::StaleEpoch { reservation_id: 1, current: 3, requested: 2 };
+        let e = TransferError::StaleEpoch {
+            reservation_id: 1,
+            current: 3,
+            requested: 2,
+        };
         let back = WireError::from_error(&e).into_error("peer", Phase::Begin);
-        assert!(matches!(back, TransferError::StaleEpoch { reservation_id: 1, current: 3, requested: 2 }));
-        let mism = WireError::from_error(&TransferError::LayoutMismatch { local: 1, remote: 2 });
-        assert!(matches!(mism.into_error("p", Phase::Connect), TransferError::LayoutMismatch { local: 2, remote: 1 }));
+        assert!(matches!(
+            back,
+            TransferError::StaleEpoch {
+                reservation_id: 1,
+                current: 3,
+                requested: 2
+            }
+        ));
+        let mism = WireError::from_error(&TransferError::LayoutMismatch {
+            local: 1,
+            remote: 2,
+        });
+        assert!(matches!(
+            mism.into_error("p", Phase::Connect),
+            TransferError::LayoutMismatch {
+                local: 2,
+                remote: 1
+            }
+        ));
         let cancelled = WireError::from_error(&TransferError::Cancelled { by: Side::Local });
-        assert!(matches!(cancelled.into_error("p", Phase::Data), TransferError::Cancelled { by: Side::Peer }));
+        assert!(matches!(
+            cancelled.into_error("p", Phase::Data),
+            TransferError::Cancelled { by: Side::Peer }
+        ));
     }
 
     #[test]
