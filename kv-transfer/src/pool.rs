@@ -39,6 +39,7 @@ pub type BlockId = u32;
 pub const POOL_ALIGN_BYTES: usize = 64;
 
 /// Who frees a pool's memory.
+#[cfg_attr(not(feature = "ucx"), allow(dead_code))]
 enum Backing {
     /// `std::alloc`, freed with the same layout.
     Heap,
@@ -97,6 +98,7 @@ impl KvPool {
     ///
     /// # Safety
     /// The caller guarantees the above, and that nothing else frees or reuses the memory.
+    #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
     pub(crate) unsafe fn from_external(
         layout: KvLayout,
         num_blocks: usize,

@@ -204,6 +204,7 @@ async fn writer_task(mut wr: OwnedWriteHalf, mut rx: mpsc::Receiver<Msg>, kill: 
 pub(super) struct Active {
     pub(super) session: InboundSession,
     /// UCX tag index of the next range (tag mode).
+    #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
     pub(super) tag_index: u64,
 }
 
@@ -275,6 +276,7 @@ pub(super) struct ServerConn {
     pub(super) net: Arc<NetShared>,
     pub(super) registry: InboundRegistry,
     pub(super) peer: String,
+    #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
     pub(super) conn_id: u32,
     pub(super) ucx_allowed: bool,
     /// The data mode of this connection's transfers (fixed by its first `Begin`).
