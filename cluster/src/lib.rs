@@ -1,3 +1,40 @@
-//! tandem's control plane: etcd membership and NATS load signals
+//! tandem's control plane: who is in the cluster (etcd membership) and how busy each node is
+//! (NATS load signals).
 //!
-//! Not built yet: see README.md in this folder for what this crate will own.
+//! ```text
+//! keys        every etcd key and NATS subject, percent-encoded segments, parse-back
+//! node        Role, NodeInfo (the JSON record in etcd), ClusterLayout
+//! discovery   Discovery trait; EtcdDiscovery (leases, keep-alive, re-register, watch with
+//!             re-list); MemoryDiscovery (= StaticDiscovery, in-process, same semantics)
+//! load        LoadReport, LoadSignals trait; NatsLoadSignals, MemoryLoadSignals;
+//!             LoadPublisher (latest value every period); LoadView with received-at times
+//! testing     TestEtcd, TestNats: the real servers on free ports, for tests
+//! error       ClusterError (one enum, structured variants, is_retryable, kind)
+//! ```
+//!
+//! The control plane is not on the data path: if etcd or NATS goes away, views keep their
+//! last value, publishers keep ticking, registrations keep retrying, and everything resumes
+//! when the server returns ("degrade, don't die", DESIGN.md). Nothing here blocks a thread;
+//! all waits on the network carry a timeout.
+//!
+//! Background tasks are spawned on the caller's tokio runtime (`tokio::spawn`), so every
+//! constructor and trait method must be called from within one.
+
+pub mod discovery;
+pub mod error;
+pub mod keys;
+pub mod load;
+pub mod node;
+pub mod testing;
+
+pub use discovery::{
+    Discovery, EtcdConfig, EtcdDiscovery, MemoryDiscovery, Registration, RegistrationState,
+    StaticDiscovery,
+};
+pub use error::ClusterError;
+pub use keys::ClusterKeys;
+pub use load::{
+    DEFAULT_LOAD_PERIOD, LoadPublisher, LoadReport, LoadSignals, LoadSignalsStatus, LoadView,
+    MemoryLoadSignals, NatsConfig, NatsLoadSignals, ReceivedReport,
+};
+pub use node::{ClusterLayout, NodeInfo, NodeView, Role};

@@ -1,0 +1,339 @@
+//! [`EtcdDiscovery`]: membership in etcd (v3 API, tested against etcd 3.4).
+//!
+//! Node records live at `/tandem/{cluster}/nodes/{role}/{node_id}` under a lease (see
+//! [`etcd_lease`](super::etcd_lease) for registration and keep-alive). A watch is one
+//! background task per [`Discovery::watch`] call:
+//!
+//! ```text
+//! list(prefix) ─▶ view, revision R ─▶ watch(prefix, from R+1) ─▶ apply put/delete ─▶ send view
+//!      ▲                                      │ stream error / compaction / etcd restart
+//!      └──────── backoff (100 ms .. retry_max) ◀┘   (the view keeps its last value meanwhile)
+//! ```
+//!
+//! Always re-listing after a break (never resuming at an old revision) is what makes a wiped
+//! or restored etcd safe: its revisions may have gone backwards.
+//!
+//! Every unary request runs under `request_timeout`, so nothing here waits forever on a dead
+//! server. Cost: one etcd range read per (re)start of a watch; then one event per change.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use etcd_client::{Client, ConnectOptions, EventType, GetOptions, KeyValue, WatchOptions};
+use tokio::sync::watch;
+
+use super::{Backoff, Discovery, Registration, etcd_lease};
+use crate::error::ClusterError;
+use crate::keys::ClusterKeys;
+use crate::node::{NodeInfo, NodeView, Role};
+
+/// How to reach etcd and how to use it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EtcdConfig {
+    /// etcd client URLs, e.g. `http://127.0.0.1:2379`.
+    pub endpoints: Vec<String>,
+    /// The cluster name (the `{cluster}` level of every key).
+    pub cluster: String,
+    /// Lease TTL of a node record (rounded up to whole seconds; etcd's minimum is about 2 s
+    /// with default server timings). A dead node disappears within about this long.
+    pub lease_ttl: Duration,
+    /// Limit on each unary etcd request.
+    pub request_timeout: Duration,
+    /// Limit on establishing a connection.
+    pub connect_timeout: Duration,
+    /// Longest wait between retries while etcd is unreachable.
+    pub retry_max: Duration,
+}
+
+impl EtcdConfig {
+    /// Defaults: lease TTL 10 s, request timeout 3 s, connect timeout 2 s, retries up to 2 s.
+    pub fn new(endpoints: Vec<String>, cluster: impl Into<String>) -> Self {
+        Self {
+            endpoints,
+            cluster: cluster.into(),
+            lease_ttl: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(3),
+            connect_timeout: Duration::from_secs(2),
+            retry_max: Duration::from_secs(2),
+        }
+    }
+
+    /// Sets [`EtcdConfig::lease_ttl`].
+    pub fn with_lease_ttl(mut self, ttl: Duration) -> Self {
+        self.lease_ttl = ttl;
+        self
+    }
+
+    /// The TTL sent to etcd, in whole seconds (at least 1).
+    pub fn lease_ttl_secs(&self) -> i64 {
+        let ms = self.lease_ttl.as_millis().max(1);
+        ms.div_ceil(1000).min(i64::MAX as u128) as i64
+    }
+
+    /// How often a registration renews its lease: a third of the TTL, so two renewals can be
+    /// lost before the lease expires.
+    pub fn keep_alive_period(&self) -> Duration {
+        (Duration::from_secs(self.lease_ttl_secs() as u64) / 3).max(Duration::from_millis(100))
+    }
+}
+
+/// A [`Discovery`] backed by etcd. Cheap to clone (one shared gRPC channel).
+#[derive(Clone)]
+pub struct EtcdDiscovery {
+    inner: Arc<Inner>,
+}
+
+pub(super) struct Inner {
+    pub client: Client,
+    pub keys: ClusterKeys,
+    pub config: EtcdConfig,
+}
+
+impl std::fmt::Debug for EtcdDiscovery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdDiscovery").field("config", &self.inner.config).finish_non_exhaustive()
+    }
+}
+
+impl EtcdDiscovery {
+    /// Builds a client for `config.endpoints`. The connection is made lazily: this succeeds
+    /// while etcd is down, and requests fail (retryably) until it is up.
+    pub async fn connect(config: EtcdConfig) -> Result<Self, ClusterError> {
+        let keys = ClusterKeys::new(&config.cluster)?;
+        let options = ConnectOptions::new()
+            .with_connect_timeout(config.connect_timeout)
+            // HTTP/2 pings find a silently dead server (a partition sends no reset).
+            .with_keep_alive(config.request_timeout, config.request_timeout)
+            .with_keep_alive_while_idle(true);
+        let client = Client::connect(&config.endpoints, Some(options))
+            .await
+            .map_err(|e| ClusterError::etcd("connect", e))?;
+        Ok(Self { inner: Arc::new(Inner { client, keys, config }) })
+    }
+
+    /// The configuration this client was built with.
+    pub fn config(&self) -> &EtcdConfig {
+        &self.inner.config
+    }
+
+    /// The key and subject builder of this cluster.
+    pub fn keys(&self) -> &ClusterKeys {
+        &self.inner.keys
+    }
+}
+
+#[async_trait]
+impl Discovery for EtcdDiscovery {
+    fn cluster(&self) -> &str {
+        self.inner.keys.cluster()
+    }
+
+    async fn register(&self, info: NodeInfo) -> Result<Registration, ClusterError> {
+        etcd_lease::register(Arc::clone(&self.inner), info).await
+    }
+
+    async fn list(&self, role: Role) -> Result<NodeView, ClusterError> {
+        Ok(list_role(&self.inner, role).await?.0)
+    }
+
+    async fn watch(&self, role: Role) -> Result<watch::Receiver<NodeView>, ClusterError> {
+        let (view, revision) = list_role(&self.inner, role).await?;
+        let (tx, rx) = watch::channel(view);
+        tokio::spawn(follow(Arc::clone(&self.inner), role, tx, revision));
+        Ok(rx)
+    }
+}
+
+/// Runs one etcd request under a time limit, naming the operation in any error.
+pub(super) async fn timed<T>(
+    op: &'static str,
+    limit: Duration,
+    request: impl Future<Output = Result<T, etcd_client::Error>>,
+) -> Result<T, ClusterError> {
+    match tokio::time::timeout(limit, request).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(ClusterError::etcd(op, e)),
+        Err(_) => Err(ClusterError::EtcdTimeout { op, after: limit }),
+    }
+}
+
+/// Decodes one node record and checks it against its key.
+fn decode_node(keys: &ClusterKeys, role: Role, kv: &KeyValue) -> Result<NodeInfo, ClusterError> {
+    let key = String::from_utf8_lossy(kv.key());
+    let (key_role, node_id) = keys.parse_node_key(&key)?;
+    let info: NodeInfo = serde_json::from_slice(kv.value()).map_err(|source| ClusterError::Serde {
+        op: "decode",
+        at: key.to_string(),
+        source,
+    })?;
+    if key_role != role || info.role != role || info.node_id != node_id {
+        return Err(ClusterError::InvalidNodeInfo {
+            node_id: info.node_id,
+            field: "node_id",
+            reason: format!("record does not match its key {key}"),
+        });
+    }
+    Ok(info)
+}
+
+/// Lists one role; returns the view and the revision it was read at. Records that do not
+/// decode are skipped with a warning (one bad writer must not hide the other nodes).
+async fn list_role(inner: &Inner, role: Role) -> Result<(NodeView, i64), ClusterError> {
+    let mut kv = inner.client.kv_client();
+    let prefix = inner.keys.role_prefix(role);
+    let response = timed(
+        "list",
+        inner.config.request_timeout,
+        kv.get(prefix, Some(GetOptions::new().with_prefix())),
+    )
+    .await?;
+    let revision = response.header().map(|h| h.revision()).unwrap_or(0);
+    let mut view = NodeView::new();
+    for kv in response.kvs() {
+        match decode_node(&inner.keys, role, kv) {
+            Ok(info) => {
+                view.insert(info.node_id.clone(), info);
+            }
+            Err(e) => tracing::warn!(error = %e, "skipping an unreadable node record"),
+        }
+    }
+    Ok((view, revision))
+}
+
+/// The watch task: keeps `tx` current until every receiver is dropped.
+async fn follow(inner: Arc<Inner>, role: Role, tx: watch::Sender<NodeView>, mut revision: i64) {
+    let cluster = inner.keys.cluster().to_string();
+    let mut backoff = Backoff::new(Duration::from_millis(100), inner.config.retry_max);
+    loop {
+        let broke = tokio::select! {
+            _ = tx.closed() => return,
+            broke = stream_events(&inner, role, &tx, revision) => broke,
+        };
+        tracing::warn!(
+            cluster = %cluster,
+            role = role.as_str(),
+            error = %broke,
+            "etcd watch broke; serving the last view until etcd answers"
+        );
+        // Re-list until etcd answers; the view keeps its last value meanwhile.
+        let mut failures = 0u32;
+        loop {
+            tokio::select! {
+                _ = tx.closed() => return,
+                _ = tokio::time::sleep(backoff.next_delay()) => {}
+            }
+            match list_role(&inner, role).await {
+                Ok((view, listed_at)) => {
+                    revision = listed_at;
+                    tx.send_if_modified(|current| replace_if_different(current, view));
+                    backoff.reset();
+                    tracing::info!(
+                        cluster = %cluster,
+                        role = role.as_str(),
+                        failures,
+                        "etcd watch resumed; view re-listed"
+                    );
+                    break;
+                }
+                Err(e) => {
+                    failures += 1;
+                    tracing::debug!(cluster = %cluster, role = role.as_str(), error = %e, "re-list failed");
+                }
+            }
+        }
+    }
+}
+
+fn replace_if_different(current: &mut NodeView, new: NodeView) -> bool {
+    if *current == new {
+        false
+    } else {
+        *current = new;
+        true
+    }
+}
+
+/// Applies watch events from `revision + 1` on until the stream breaks; returns why it broke.
+async fn stream_events(
+    inner: &Inner,
+    role: Role,
+    tx: &watch::Sender<NodeView>,
+    revision: i64,
+) -> ClusterError {
+    let mut client = inner.client.watch_client();
+    let options = WatchOptions::new().with_prefix().with_start_revision(revision + 1);
+    let opened = timed(
+        "watch",
+        inner.config.request_timeout,
+        client.watch(inner.keys.role_prefix(role), Some(options)),
+    )
+    .await;
+    let mut stream = match opened {
+        Ok(stream) => stream,
+        Err(e) => return e,
+    };
+    loop {
+        let response = match stream.message().await {
+            Ok(Some(response)) => response,
+            Ok(None) => {
+                return ClusterError::etcd(
+                    "watch stream",
+                    etcd_client::Error::WatchError("stream ended".into()),
+                );
+            }
+            Err(e) => return ClusterError::etcd("watch stream", e),
+        };
+        if response.canceled() {
+            // Compaction passed our revision (or the server cancelled): re-list.
+            return ClusterError::etcd(
+                "watch stream",
+                etcd_client::Error::WatchError(format!(
+                    "watch cancelled (compact revision {}): {}",
+                    response.compact_revision(),
+                    response.cancel_reason()
+                )),
+            );
+        }
+        tx.send_if_modified(|view| {
+            let mut changed = false;
+            for event in response.events() {
+                let Some(kv) = event.kv() else { continue };
+                match event.event_type() {
+                    EventType::Put => match decode_node(&inner.keys, role, kv) {
+                        Ok(info) => {
+                            if view.get(&info.node_id) != Some(&info) {
+                                view.insert(info.node_id.clone(), info);
+                                changed = true;
+                            }
+                        }
+                        Err(e) => tracing::warn!(error = %e, "ignoring an unreadable node record"),
+                    },
+                    EventType::Delete => {
+                        match inner.keys.parse_node_key(&String::from_utf8_lossy(kv.key())) {
+                            Ok((_, node_id)) => changed |= view.remove(&node_id).is_some(),
+                            Err(e) => tracing::warn!(error = %e, "ignoring a foreign key"),
+                        }
+                    }
+                }
+            }
+            changed
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lease_ttl_rounds_up_to_whole_seconds_and_keep_alive_runs_at_a_third() {
+        let config = EtcdConfig::new(vec![], "c").with_lease_ttl(Duration::from_millis(1500));
+        assert_eq!(config.lease_ttl_secs(), 2);
+        assert_eq!(config.keep_alive_period(), Duration::from_secs(2) / 3);
+        let zero = EtcdConfig::new(vec![], "c").with_lease_ttl(Duration::ZERO);
+        assert_eq!(zero.lease_ttl_secs(), 1);
+        assert_eq!(zero.keep_alive_period(), Duration::from_secs(1) / 3);
+    }
+}

@@ -1,0 +1,184 @@
+//! [`MemoryDiscovery`]: an in-process registry with etcd's semantics, for tests and for
+//! `tandem up --coordination embedded`.
+//!
+//! Clones share one registry (an `Arc<Mutex<..>>`), so every component of one process sees the
+//! same cluster. The layout rule and `NodeExists` are the etcd ones; the "lease" is the
+//! [`Registration`] handle itself, so a dropped handle (a dead holder) disappears at once,
+//! which is within any TTL.
+//!
+//! Cost: register/deregister/draining take one mutex and publish one `watch` value; views are
+//! `BTreeMap` clones, so O(nodes) per change. No I/O.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use async_trait::async_trait;
+use tokio::sync::watch;
+
+use super::{Command, Discovery, Registration, RegistrationState, RegistrationTask};
+use crate::error::ClusterError;
+use crate::keys::ClusterKeys;
+use crate::node::{ClusterLayout, NodeInfo, NodeView, Role};
+
+/// An in-process [`Discovery`]: clone it to share the registry.
+#[derive(Clone, Debug)]
+pub struct MemoryDiscovery {
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    keys: ClusterKeys,
+    registry: Mutex<Registry>,
+}
+
+#[derive(Debug)]
+struct Registry {
+    layout: Option<ClusterLayout>,
+    /// One sender per role (index: [`role_index`]); its value *is* the role's node table.
+    views: [watch::Sender<NodeView>; 2],
+}
+
+fn role_index(role: Role) -> usize {
+    match role {
+        Role::Prefill => 0,
+        Role::Decode => 1,
+    }
+}
+
+impl MemoryDiscovery {
+    /// An empty registry for the cluster named `cluster`.
+    pub fn new(cluster: &str) -> Result<Self, ClusterError> {
+        let keys = ClusterKeys::new(cluster)?;
+        let registry = Registry {
+            layout: None,
+            views: [watch::Sender::new(BTreeMap::new()), watch::Sender::new(BTreeMap::new())],
+        };
+        Ok(Self { shared: Arc::new(Shared { keys, registry: Mutex::new(registry) }) })
+    }
+
+    /// The cluster's layout record, if a node has set one.
+    pub fn cluster_layout(&self) -> Option<ClusterLayout> {
+        self.shared.lock().layout.clone()
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Registry> {
+        // A panic while holding this lock leaves the maps consistent (every change is one
+        // insert or remove), so a poisoned lock is still safe to use.
+        self.registry.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn remove(&self, role: Role, node_id: &str) -> bool {
+        self.lock().views[role_index(role)].send_if_modified(|view| view.remove(node_id).is_some())
+    }
+
+    fn set_draining(&self, role: Role, node_id: &str, draining: bool) {
+        self.lock().views[role_index(role)].send_if_modified(|view| match view.get_mut(node_id) {
+            Some(info) if info.draining != draining => {
+                info.draining = draining;
+                true
+            }
+            _ => false,
+        });
+    }
+}
+
+#[async_trait]
+impl Discovery for MemoryDiscovery {
+    fn cluster(&self) -> &str {
+        self.shared.keys.cluster()
+    }
+
+    async fn register(&self, info: NodeInfo) -> Result<Registration, ClusterError> {
+        info.validate()?;
+        {
+            let mut registry = self.shared.lock();
+            let cluster = self.cluster().to_string();
+            if let Some(layout) = &registry.layout
+                && layout.fingerprint != info.layout_fingerprint
+            {
+                let registered: usize = registry.views.iter().map(|v| v.borrow().len()).sum();
+                if registered > 0 {
+                    tracing::error!(
+                        cluster = %cluster,
+                        node_id = %info.node_id,
+                        expected = %format!("{:016x}", layout.fingerprint),
+                        got = %format!("{:016x}", info.layout_fingerprint),
+                        cluster_layout = %layout.layout,
+                        node_layout = %info.layout,
+                        "node refused: its KV layout differs from the cluster's"
+                    );
+                    return Err(ClusterError::LayoutMismatch {
+                        cluster,
+                        node_id: info.node_id.clone(),
+                        expected: layout.fingerprint,
+                        got: info.layout_fingerprint,
+                    });
+                }
+                tracing::warn!(
+                    cluster = %cluster,
+                    node_id = %info.node_id,
+                    old = %format!("{:016x}", layout.fingerprint),
+                    new = %format!("{:016x}", info.layout_fingerprint),
+                    "no node is registered: the cluster's KV layout is replaced"
+                );
+            }
+            let view = &registry.views[role_index(info.role)];
+            if view.borrow().contains_key(&info.node_id) {
+                return Err(ClusterError::NodeExists {
+                    cluster,
+                    role: info.role,
+                    node_id: info.node_id.clone(),
+                });
+            }
+            view.send_modify(|v| {
+                v.insert(info.node_id.clone(), info.clone());
+            });
+            registry.layout = Some(ClusterLayout::of(&info));
+        }
+        let shared = Arc::clone(&self.shared);
+        let (role, node_id) = (info.role, info.node_id.clone());
+        Ok(Registration::spawn(&info, RegistrationState::Live { lease_id: 0 }, move |task| {
+            hold(shared, role, node_id, task)
+        }))
+    }
+
+    async fn list(&self, role: Role) -> Result<NodeView, ClusterError> {
+        Ok(self.shared.lock().views[role_index(role)].borrow().clone())
+    }
+
+    async fn watch(&self, role: Role) -> Result<watch::Receiver<NodeView>, ClusterError> {
+        Ok(self.shared.lock().views[role_index(role)].subscribe())
+    }
+}
+
+/// The registration task: serves commands until deregistered; removes the node when the
+/// handle is dropped (the holder died).
+async fn hold(shared: Arc<Shared>, role: Role, node_id: String, mut task: RegistrationTask) {
+    loop {
+        tokio::select! {
+            _ = task.dropped.cancelled() => {
+                shared.remove(role, &node_id);
+                break;
+            }
+            command = task.commands.recv() => match command {
+                Some(Command::SetDraining { draining, reply }) => {
+                    shared.set_draining(role, &node_id, draining);
+                    let _ = reply.send(Ok(()));
+                }
+                Some(Command::Deregister { reply }) => {
+                    shared.remove(role, &node_id);
+                    let _ = reply.send(Ok(()));
+                    break;
+                }
+                None => {
+                    shared.remove(role, &node_id);
+                    break;
+                }
+            },
+        }
+    }
+    task.state.send_replace(RegistrationState::Closed);
+}
