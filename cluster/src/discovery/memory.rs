@@ -3,8 +3,8 @@
 //!
 //! Clones share one registry (an `Arc<Mutex<..>>`), so every component of one process sees the
 //! same cluster. The layout rule and `NodeExists` are the etcd ones; the "lease" is the
-//! [`Registration`] handle itself, so a dropped handle (a dead holder) disappears at once,
-//! which is within any TTL.
+//! [`Registration`] and its task, so a dropped handle, an aborted holder task or a shut-down
+//! runtime (a dead holder) disappears at once, which is within any TTL.
 //!
 //! Cost: register/deregister/draining take one mutex and publish one `watch` value; views are
 //! `BTreeMap` clones, so O(nodes) per change. No I/O.
@@ -154,31 +154,41 @@ impl Discovery for MemoryDiscovery {
     }
 }
 
-/// The registration task: serves commands until deregistered; removes the node when the
-/// handle is dropped (the holder died).
+/// Removes the node when dropped: whether the task ends by deregistering, because its handle
+/// was dropped, or because its runtime was shut down (the holder's process died).
+struct RemoveOnDrop {
+    shared: Arc<Shared>,
+    role: Role,
+    node_id: String,
+}
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        self.shared.remove(self.role, &self.node_id);
+    }
+}
+
+/// The registration task: serves commands until deregistered or dropped.
 async fn hold(shared: Arc<Shared>, role: Role, node_id: String, mut task: RegistrationTask) {
+    let registered = RemoveOnDrop { shared, role, node_id };
     loop {
         tokio::select! {
-            _ = task.dropped.cancelled() => {
-                shared.remove(role, &node_id);
-                break;
-            }
+            _ = task.dropped.cancelled() => break,
             command = task.commands.recv() => match command {
                 Some(Command::SetDraining { draining, reply }) => {
-                    shared.set_draining(role, &node_id, draining);
+                    registered.shared.set_draining(role, &registered.node_id, draining);
                     let _ = reply.send(Ok(()));
                 }
                 Some(Command::Deregister { reply }) => {
-                    shared.remove(role, &node_id);
+                    drop(registered);
                     let _ = reply.send(Ok(()));
-                    break;
+                    task.state.send_replace(RegistrationState::Closed);
+                    return;
                 }
-                None => {
-                    shared.remove(role, &node_id);
-                    break;
-                }
+                None => break,
             },
         }
     }
+    drop(registered);
     task.state.send_replace(RegistrationState::Closed);
 }
