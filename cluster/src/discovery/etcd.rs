@@ -274,6 +274,7 @@ async fn stream_events(
         Ok(stream) => stream,
         Err(e) => return e,
     };
+    tracing::debug!(cluster = %inner.keys.cluster(), role = role.as_str(), revision, "etcd watch opened");
     loop {
         let response = match stream.message().await {
             Ok(Some(response)) => response,
