@@ -172,14 +172,20 @@ impl ClusterError {
     }
 
     pub(crate) fn etcd(op: &'static str, source: etcd_client::Error) -> Self {
-        ClusterError::Etcd { op, source: Box::new(source) }
+        ClusterError::Etcd {
+            op,
+            source: Box::new(source),
+        }
     }
 
     pub(crate) fn nats(
         op: &'static str,
         source: impl std::error::Error + Send + Sync + 'static,
     ) -> Self {
-        ClusterError::Nats { op, source: Box::new(source) }
+        ClusterError::Nats {
+            op,
+            source: Box::new(source),
+        }
     }
 }
 
@@ -195,8 +201,16 @@ fn etcd_error_is_retryable(e: &etcd_client::Error) -> bool {
         E::GRpcStatus(status) => {
             // Compared as wire codes so this crate need not name tonic's `Code` type.
             let code: i32 = status.code().into();
-            matches!(code, GRPC_CANCELLED | GRPC_UNKNOWN | GRPC_DEADLINE_EXCEEDED
-                | GRPC_RESOURCE_EXHAUSTED | GRPC_ABORTED | GRPC_INTERNAL | GRPC_UNAVAILABLE)
+            matches!(
+                code,
+                GRPC_CANCELLED
+                    | GRPC_UNKNOWN
+                    | GRPC_DEADLINE_EXCEEDED
+                    | GRPC_RESOURCE_EXHAUSTED
+                    | GRPC_ABORTED
+                    | GRPC_INTERNAL
+                    | GRPC_UNAVAILABLE
+            )
         }
         _ => false,
     }
@@ -225,14 +239,26 @@ mod tests {
         };
         assert!(!mismatch.is_retryable());
         assert_eq!(mismatch.kind(), "layout_mismatch");
-        let timeout = ClusterError::EtcdTimeout { op: "get", after: Duration::from_secs(1) };
+        let timeout = ClusterError::EtcdTimeout {
+            op: "get",
+            after: Duration::from_secs(1),
+        };
         assert!(timeout.is_retryable());
-        let exists =
-            ClusterError::NodeExists { cluster: "c".into(), role: Role::Decode, node_id: "n".into() };
-        assert!(exists.is_retryable(), "a dead holder's key expires with its lease");
+        let exists = ClusterError::NodeExists {
+            cluster: "c".into(),
+            role: Role::Decode,
+            node_id: "n".into(),
+        };
+        assert!(
+            exists.is_retryable(),
+            "a dead holder's key expires with its lease"
+        );
         let bad = ClusterError::etcd("get", etcd_client::Error::InvalidArgs("x".into()));
         assert!(!bad.is_retryable());
-        let io = ClusterError::etcd("get", etcd_client::Error::IoError(std::io::Error::other("reset")));
+        let io = ClusterError::etcd(
+            "get",
+            etcd_client::Error::IoError(std::io::Error::other("reset")),
+        );
         assert!(io.is_retryable());
     }
 

@@ -92,7 +92,9 @@ fn is_unreserved(b: u8) -> bool {
 }
 
 fn hex_digit(v: u8) -> char {
-    char::from_digit(u32::from(v), 16).expect("nibble < 16").to_ascii_uppercase()
+    char::from_digit(u32::from(v), 16)
+        .expect("nibble < 16")
+        .to_ascii_uppercase()
 }
 
 fn hex_value(c: u8) -> Option<u8> {
@@ -114,7 +116,10 @@ impl ClusterKeys {
     /// Keys for the cluster named `cluster` (any non-empty string).
     pub fn new(cluster: &str) -> Result<Self, ClusterError> {
         let cluster_segment = encode_segment("cluster", cluster)?;
-        Ok(Self { cluster: cluster.to_string(), cluster_segment })
+        Ok(Self {
+            cluster: cluster.to_string(),
+            cluster_segment,
+        })
     }
 
     /// The cluster name, as given.
@@ -139,7 +144,11 @@ impl ClusterKeys {
 
     /// `/tandem/{cluster}/nodes/{role}/{node_id}`.
     pub fn node_key(&self, role: Role, node_id: &str) -> Result<String, ClusterError> {
-        Ok(format!("{}{}", self.role_prefix(role), encode_segment("node id", node_id)?))
+        Ok(format!(
+            "{}{}",
+            self.role_prefix(role),
+            encode_segment("node id", node_id)?
+        ))
     }
 
     /// `/tandem/{cluster}/layout`: the KV layout every node of the cluster must share.
@@ -157,7 +166,9 @@ impl ClusterKeys {
         let rest = key
             .strip_prefix(self.nodes_prefix().as_str())
             .ok_or_else(|| malformed("not under this cluster's nodes prefix"))?;
-        let (role, node) = rest.split_once('/').ok_or_else(|| malformed("no role level"))?;
+        let (role, node) = rest
+            .split_once('/')
+            .ok_or_else(|| malformed("no role level"))?;
         if node.contains('/') {
             return Err(malformed("too many levels"));
         }
@@ -167,7 +178,11 @@ impl ClusterKeys {
 
     /// `tandem.{cluster}.load.{role}.{node_id}`: where a node publishes its load reports.
     pub fn load_subject(&self, role: Role, node_id: &str) -> Result<String, ClusterError> {
-        Ok(format!("{}.{}", self.load_role_prefix(role), encode_segment("node id", node_id)?))
+        Ok(format!(
+            "{}.{}",
+            self.load_role_prefix(role),
+            encode_segment("node id", node_id)?
+        ))
     }
 
     /// `tandem.{cluster}.load.{role}.*`: every load report of one role.
@@ -176,7 +191,11 @@ impl ClusterKeys {
     }
 
     fn load_role_prefix(&self, role: Role) -> String {
-        format!("{SUBJECT_ROOT}.{}.load.{}", self.cluster_segment, role.as_str())
+        format!(
+            "{SUBJECT_ROOT}.{}.load.{}",
+            self.cluster_segment,
+            role.as_str()
+        )
     }
 
     /// Parses a subject made by [`ClusterKeys::load_subject`] back into role and node id.
@@ -190,7 +209,9 @@ impl ClusterKeys {
         let rest = subject
             .strip_prefix(prefix.as_str())
             .ok_or_else(|| malformed("not a load subject of this cluster"))?;
-        let (role, node) = rest.split_once('.').ok_or_else(|| malformed("no role token"))?;
+        let (role, node) = rest
+            .split_once('.')
+            .ok_or_else(|| malformed("no role token"))?;
         if node.contains('.') {
             return Err(malformed("too many tokens"));
         }
@@ -200,7 +221,11 @@ impl ClusterKeys {
 
     /// `tandem.{cluster}.kv.{node_id}`: a node's KV block stored/evicted events.
     pub fn kv_subject(&self, node_id: &str) -> Result<String, ClusterError> {
-        Ok(format!("{}.{}", self.kv_prefix(), encode_segment("node id", node_id)?))
+        Ok(format!(
+            "{}.{}",
+            self.kv_prefix(),
+            encode_segment("node id", node_id)?
+        ))
     }
 
     /// `tandem.{cluster}.kv.*`: every node's KV events.
@@ -234,17 +259,35 @@ impl ClusterKeys {
 mod tests {
     use super::*;
 
-    const HOSTILE: [&str; 9] =
-        ["a.b", "a/b", "*", ">", "a b", "100%", "%41", "noeud-é", "x..y//z.*.>"];
+    const HOSTILE: [&str; 9] = [
+        "a.b",
+        "a/b",
+        "*",
+        ">",
+        "a b",
+        "100%",
+        "%41",
+        "noeud-é",
+        "x..y//z.*.>",
+    ];
 
     #[test]
     fn plain_names_pass_through_unchanged() {
         let keys = ClusterKeys::new("prod-1").unwrap();
-        assert_eq!(keys.node_key(Role::Decode, "d_0").unwrap(), "/tandem/prod-1/nodes/decode/d_0");
+        assert_eq!(
+            keys.node_key(Role::Decode, "d_0").unwrap(),
+            "/tandem/prod-1/nodes/decode/d_0"
+        );
         assert_eq!(keys.layout_key(), "/tandem/prod-1/layout");
-        assert_eq!(keys.load_subject(Role::Prefill, "p0").unwrap(), "tandem.prod-1.load.prefill.p0");
+        assert_eq!(
+            keys.load_subject(Role::Prefill, "p0").unwrap(),
+            "tandem.prod-1.load.prefill.p0"
+        );
         assert_eq!(keys.kv_subject("d_0").unwrap(), "tandem.prod-1.kv.d_0");
-        assert_eq!(keys.load_wildcard(Role::Decode), "tandem.prod-1.load.decode.*");
+        assert_eq!(
+            keys.load_wildcard(Role::Decode),
+            "tandem.prod-1.load.decode.*"
+        );
         assert_eq!(keys.kv_wildcard(), "tandem.prod-1.kv.*");
     }
 
@@ -257,7 +300,10 @@ mod tests {
             assert_eq!(key.split('/').count(), 6, "{key}");
             let subject = keys.load_subject(Role::Prefill, name).unwrap();
             assert_eq!(subject.split('.').count(), 5, "{subject}");
-            assert!(!subject.contains('*') && !subject.contains('>'), "{subject}");
+            assert!(
+                !subject.contains('*') && !subject.contains('>'),
+                "{subject}"
+            );
             let kv = keys.kv_subject(name).unwrap();
             assert_eq!(kv.split('.').count(), 4, "{kv}");
         }
@@ -271,9 +317,16 @@ mod tests {
                 let key = keys.node_key(role, name).unwrap();
                 assert_eq!(keys.parse_node_key(&key).unwrap(), (role, name.to_string()));
                 let subject = keys.load_subject(role, name).unwrap();
-                assert_eq!(keys.parse_load_subject(&subject).unwrap(), (role, name.to_string()));
+                assert_eq!(
+                    keys.parse_load_subject(&subject).unwrap(),
+                    (role, name.to_string())
+                );
             }
-            assert_eq!(keys.parse_kv_subject(&keys.kv_subject(name).unwrap()).unwrap(), name);
+            assert_eq!(
+                keys.parse_kv_subject(&keys.kv_subject(name).unwrap())
+                    .unwrap(),
+                name
+            );
         }
     }
 
@@ -282,7 +335,10 @@ mod tests {
         let keys = ClusterKeys::new("c").unwrap();
         let mut seen = std::collections::HashSet::new();
         for name in HOSTILE.iter().chain(["a%2Eb", "a_b", "A.B"].iter()) {
-            assert!(seen.insert(keys.node_key(Role::Decode, name).unwrap()), "{name} collided");
+            assert!(
+                seen.insert(keys.node_key(Role::Decode, name).unwrap()),
+                "{name} collided"
+            );
         }
     }
 
@@ -292,7 +348,10 @@ mod tests {
         let ab = ClusterKeys::new("ab").unwrap();
         let a_slash_b = ClusterKeys::new("a/b").unwrap();
         for other in [&ab, &a_slash_b] {
-            assert!(!other.nodes_prefix().starts_with(&a.nodes_prefix()), "{other:?}");
+            assert!(
+                !other.nodes_prefix().starts_with(&a.nodes_prefix()),
+                "{other:?}"
+            );
             let key = other.node_key(Role::Decode, "n").unwrap();
             assert!(a.parse_node_key(&key).is_err(), "{key}");
         }
@@ -300,11 +359,20 @@ mod tests {
 
     #[test]
     fn empty_names_are_refused() {
-        assert!(matches!(ClusterKeys::new(""), Err(ClusterError::InvalidName { what: "cluster", .. })));
+        assert!(matches!(
+            ClusterKeys::new(""),
+            Err(ClusterError::InvalidName {
+                what: "cluster",
+                ..
+            })
+        ));
         let keys = ClusterKeys::new("c").unwrap();
         assert!(matches!(
             keys.node_key(Role::Decode, ""),
-            Err(ClusterError::InvalidName { what: "node id", .. })
+            Err(ClusterError::InvalidName {
+                what: "node id",
+                ..
+            })
         ));
     }
 
@@ -323,7 +391,10 @@ mod tests {
             "/tandem/d/nodes/decode/a",     // other cluster
         ] {
             assert!(
-                matches!(keys.parse_node_key(bad), Err(ClusterError::MalformedAddress { .. })),
+                matches!(
+                    keys.parse_node_key(bad),
+                    Err(ClusterError::MalformedAddress { .. })
+                ),
                 "{bad} parsed"
             );
         }

@@ -20,6 +20,8 @@
 //! Background tasks are spawned on the caller's tokio runtime (`tokio::spawn`), so every
 //! constructor and trait method must be called from within one.
 
+#![warn(missing_docs)]
+
 pub mod discovery;
 pub mod error;
 pub mod keys;

@@ -171,13 +171,20 @@ pub struct ClusterLayout {
 impl ClusterLayout {
     /// The record `info`'s registration writes.
     pub fn of(info: &NodeInfo) -> Self {
-        Self { fingerprint: info.layout_fingerprint, layout: info.layout, set_by: info.node_id.clone() }
+        Self {
+            fingerprint: info.layout_fingerprint,
+            layout: info.layout,
+            set_by: info.node_id.clone(),
+        }
     }
 }
 
 /// Milliseconds since the Unix epoch (0 if the clock is before it).
 pub(crate) fn unix_ms_now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 /// Serializes a `u64` as 16 lower-case hex digits.
@@ -208,7 +215,10 @@ mod tests {
         let info = NodeInfo::new("d0", Role::Decode, "http://127.0.0.1:1", layout(), 512)
             .with_kv_transfer_addr("tcp://127.0.0.1:2");
         let json = serde_json::to_string(&info).unwrap();
-        assert!(json.contains(&format!("\"{:016x}\"", layout().fingerprint())), "{json}");
+        assert!(
+            json.contains(&format!("\"{:016x}\"", layout().fingerprint())),
+            "{json}"
+        );
         assert!(json.contains("\"role\":\"decode\""), "{json}");
         let back: NodeInfo = serde_json::from_str(&json).unwrap();
         assert_eq!(back, info);
@@ -230,10 +240,19 @@ mod tests {
         info.layout_fingerprint ^= 1;
         assert!(matches!(
             info.validate(),
-            Err(ClusterError::InvalidNodeInfo { field: "layout_fingerprint", .. })
+            Err(ClusterError::InvalidNodeInfo {
+                field: "layout_fingerprint",
+                ..
+            })
         ));
         let empty = NodeInfo::new("", Role::Prefill, "http://a", layout(), 1);
-        assert!(matches!(empty.validate(), Err(ClusterError::InvalidNodeInfo { field: "node_id", .. })));
+        assert!(matches!(
+            empty.validate(),
+            Err(ClusterError::InvalidNodeInfo {
+                field: "node_id",
+                ..
+            })
+        ));
     }
 
     #[test]

@@ -62,12 +62,16 @@ impl Fixture for MemoryFixture {
 
 async fn etcd_fixture() -> EtcdFixture {
     init_tracing();
-    EtcdFixture { etcd: TestEtcd::start().await }
+    EtcdFixture {
+        etcd: TestEtcd::start().await,
+    }
 }
 
 async fn memory_fixture() -> MemoryFixture {
     init_tracing();
-    MemoryFixture { registries: Mutex::new(Vec::new()) }
+    MemoryFixture {
+        registries: Mutex::new(Vec::new()),
+    }
 }
 
 const SOON: Duration = Duration::from_secs(1);
@@ -93,37 +97,86 @@ mod behaviour {
     pub async fn second_node_appears_in_a_watch_within_one_second(fx: &dyn Fixture) {
         let cluster = cluster_name("second");
         let router_side = fx.client(&cluster).await;
-        let _first = fx.client(&cluster).await.register(node("d0", Role::Decode)).await.unwrap();
+        let _first = fx
+            .client(&cluster)
+            .await
+            .register(node("d0", Role::Decode))
+            .await
+            .unwrap();
         let mut view = router_side.watch(Role::Decode).await.unwrap();
-        wait_for(&mut view, SOON, "first node in view", |v: &NodeView| v.contains_key("d0")).await;
+        wait_for(&mut view, SOON, "first node in view", |v: &NodeView| {
+            v.contains_key("d0")
+        })
+        .await;
         let joiner = fx.client(&cluster).await;
         let _second = joiner.register(node("d1", Role::Decode)).await.unwrap();
         let registered_at = Instant::now();
-        wait_for(&mut view, SOON, "second node in view", |v: &NodeView| v.contains_key("d1")).await;
-        eprintln!("join visible {:?} after register returned", registered_at.elapsed());
+        wait_for(&mut view, SOON, "second node in view", |v: &NodeView| {
+            v.contains_key("d1")
+        })
+        .await;
+        eprintln!(
+            "join visible {:?} after register returned",
+            registered_at.elapsed()
+        );
         assert_eq!(view.borrow().len(), 2);
     }
 
     pub async fn deregister_removes_the_node_at_once(fx: &dyn Fixture) {
         let cluster = cluster_name("deregister");
         let mut view = fx.client(&cluster).await.watch(Role::Decode).await.unwrap();
-        let registration = fx.client(&cluster).await.register(node("d0", Role::Decode)).await.unwrap();
-        wait_for(&mut view, SOON, "node in view", |v: &NodeView| v.contains_key("d0")).await;
+        let registration = fx
+            .client(&cluster)
+            .await
+            .register(node("d0", Role::Decode))
+            .await
+            .unwrap();
+        wait_for(&mut view, SOON, "node in view", |v: &NodeView| {
+            v.contains_key("d0")
+        })
+        .await;
         let started = Instant::now();
         registration.deregister().await.expect("deregister");
-        wait_for(&mut view, Duration::from_millis(500), "node gone", |v: &NodeView| v.is_empty()).await;
+        wait_for(
+            &mut view,
+            Duration::from_millis(500),
+            "node gone",
+            |v: &NodeView| v.is_empty(),
+        )
+        .await;
         eprintln!("deregister visible after {:?}", started.elapsed());
-        assert!(fx.client(&cluster).await.list(Role::Decode).await.unwrap().is_empty());
+        assert!(
+            fx.client(&cluster)
+                .await
+                .list(Role::Decode)
+                .await
+                .unwrap()
+                .is_empty()
+        );
     }
 
     pub async fn dropped_registration_disappears_within_the_lease_ttl(fx: &dyn Fixture) {
         let cluster = cluster_name("dropped");
         let mut view = fx.client(&cluster).await.watch(Role::Decode).await.unwrap();
-        let registration = fx.client(&cluster).await.register(node("d0", Role::Decode)).await.unwrap();
-        wait_for(&mut view, SOON, "node in view", |v: &NodeView| v.contains_key("d0")).await;
+        let registration = fx
+            .client(&cluster)
+            .await
+            .register(node("d0", Role::Decode))
+            .await
+            .unwrap();
+        wait_for(&mut view, SOON, "node in view", |v: &NodeView| {
+            v.contains_key("d0")
+        })
+        .await;
         let dropped_at = Instant::now();
         drop(registration);
-        wait_for(&mut view, fx.expiry_bound(), "dropped node gone", |v: &NodeView| v.is_empty()).await;
+        wait_for(
+            &mut view,
+            fx.expiry_bound(),
+            "dropped node gone",
+            |v: &NodeView| v.is_empty(),
+        )
+        .await;
         eprintln!("dropped holder gone after {:?}", dropped_at.elapsed());
     }
 
@@ -131,7 +184,12 @@ mod behaviour {
     /// handle is dropped politely, no deregister runs.
     pub async fn killed_holder_disappears_within_the_lease_ttl(fx: Arc<dyn Fixture>) {
         let cluster = cluster_name("killed");
-        let mut view = fx.client(&cluster).await.watch(Role::Prefill).await.unwrap();
+        let mut view = fx
+            .client(&cluster)
+            .await
+            .watch(Role::Prefill)
+            .await
+            .unwrap();
         let (registered_tx, registered_rx) = std::sync::mpsc::channel();
         let (kill_tx, kill_rx) = std::sync::mpsc::channel::<()>();
         let holder_fx = Arc::clone(&fx);
@@ -155,13 +213,24 @@ mod behaviour {
             runtime.shutdown_background();
         });
         within(Duration::from_secs(10), "holder registered", async {
-            tokio::task::spawn_blocking(move || registered_rx.recv().unwrap()).await.unwrap()
+            tokio::task::spawn_blocking(move || registered_rx.recv().unwrap())
+                .await
+                .unwrap()
         })
         .await;
-        wait_for(&mut view, SOON, "node in view", |v: &NodeView| v.contains_key("p0")).await;
+        wait_for(&mut view, SOON, "node in view", |v: &NodeView| {
+            v.contains_key("p0")
+        })
+        .await;
         let killed_at = Instant::now();
         kill_tx.send(()).unwrap();
-        wait_for(&mut view, fx.expiry_bound(), "killed holder gone", |v: &NodeView| v.is_empty()).await;
+        wait_for(
+            &mut view,
+            fx.expiry_bound(),
+            "killed holder gone",
+            |v: &NodeView| v.is_empty(),
+        )
+        .await;
         eprintln!("killed holder gone after {:?}", killed_at.elapsed());
         holder.join().unwrap();
     }
@@ -169,16 +238,29 @@ mod behaviour {
     pub async fn draining_flag_is_visible_in_the_watch(fx: &dyn Fixture) {
         let cluster = cluster_name("draining");
         let mut view = fx.client(&cluster).await.watch(Role::Decode).await.unwrap();
-        let registration = fx.client(&cluster).await.register(node("d0", Role::Decode)).await.unwrap();
+        let registration = fx
+            .client(&cluster)
+            .await
+            .register(node("d0", Role::Decode))
+            .await
+            .unwrap();
         wait_for(&mut view, SOON, "node accepting work", |v: &NodeView| {
             v.get("d0").is_some_and(|n| n.accepts_work())
         })
         .await;
         registration.set_draining(true).await.expect("set draining");
-        wait_for(&mut view, SOON, "node draining", |v: &NodeView| v.get("d0").is_some_and(|n| n.draining))
-            .await;
-        registration.set_draining(false).await.expect("clear draining");
-        wait_for(&mut view, SOON, "node back", |v: &NodeView| v.get("d0").is_some_and(|n| !n.draining)).await;
+        wait_for(&mut view, SOON, "node draining", |v: &NodeView| {
+            v.get("d0").is_some_and(|n| n.draining)
+        })
+        .await;
+        registration
+            .set_draining(false)
+            .await
+            .expect("clear draining");
+        wait_for(&mut view, SOON, "node back", |v: &NodeView| {
+            v.get("d0").is_some_and(|n| !n.draining)
+        })
+        .await;
     }
 
     pub async fn node_with_a_different_layout_is_refused(fx: &dyn Fixture) {
@@ -189,7 +271,12 @@ mod behaviour {
         for (id, role) in [("p1", Role::Prefill), ("d1", Role::Decode)] {
             let other = node_with_layout(id, role, layout(2));
             match fx.client(&cluster).await.register(other.clone()).await {
-                Err(ClusterError::LayoutMismatch { cluster: c, node_id, expected, got }) => {
+                Err(ClusterError::LayoutMismatch {
+                    cluster: c,
+                    node_id,
+                    expected,
+                    got,
+                }) => {
                     assert_eq!((c.as_str(), node_id.as_str()), (cluster.as_str(), id));
                     assert_eq!(expected, first.layout_fingerprint);
                     assert_eq!(got, other.layout_fingerprint);
@@ -199,32 +286,50 @@ mod behaviour {
             assert!(!discovery.list(role).await.unwrap().contains_key(id));
         }
         // A node with the cluster's layout is still welcome.
-        discovery.register(node_with_layout("d2", Role::Decode, layout(1))).await.unwrap();
+        discovery
+            .register(node_with_layout("d2", Role::Decode, layout(1)))
+            .await
+            .unwrap();
     }
 
     pub async fn cluster_layout_changes_only_once_every_node_has_left(fx: &dyn Fixture) {
         let cluster = cluster_name("relayout");
         let discovery = fx.client(&cluster).await;
-        let old = discovery.register(node_with_layout("p0", Role::Prefill, layout(1))).await.unwrap();
+        let old = discovery
+            .register(node_with_layout("p0", Role::Prefill, layout(1)))
+            .await
+            .unwrap();
         old.deregister().await.unwrap();
         let _new = discovery
             .register(node_with_layout("p1", Role::Prefill, layout(2)))
             .await
             .expect("an empty cluster takes a new layout");
-        let refused = discovery.register(node_with_layout("d0", Role::Decode, layout(1))).await;
-        assert!(matches!(refused, Err(ClusterError::LayoutMismatch { .. })), "{refused:?}");
+        let refused = discovery
+            .register(node_with_layout("d0", Role::Decode, layout(1)))
+            .await;
+        assert!(
+            matches!(refused, Err(ClusterError::LayoutMismatch { .. })),
+            "{refused:?}"
+        );
     }
 
     pub async fn node_id_cannot_register_twice_in_one_role(fx: &dyn Fixture) {
         let cluster = cluster_name("twice");
         let discovery = fx.client(&cluster).await;
         let _first = discovery.register(node("n0", Role::Decode)).await.unwrap();
-        let again = fx.client(&cluster).await.register(node("n0", Role::Decode)).await;
+        let again = fx
+            .client(&cluster)
+            .await
+            .register(node("n0", Role::Decode))
+            .await;
         match again {
             Err(e @ ClusterError::NodeExists { .. }) => assert!(e.is_retryable()),
             other => panic!("expected NodeExists, got {other:?}"),
         }
-        let _other_role = discovery.register(node("n0", Role::Prefill)).await.expect("other role");
+        let _other_role = discovery
+            .register(node("n0", Role::Prefill))
+            .await
+            .expect("other role");
     }
 
     pub async fn hostile_node_ids_round_trip_through_the_registry(fx: &dyn Fixture) {
@@ -236,22 +341,38 @@ mod behaviour {
             held.push(discovery.register(node(id, Role::Decode)).await.unwrap());
         }
         let mut view = fx.client(&cluster).await.watch(Role::Decode).await.unwrap();
-        let seen = wait_for(&mut view, SOON, "all ids", |v: &NodeView| v.len() == ids.len()).await;
+        let seen = wait_for(&mut view, SOON, "all ids", |v: &NodeView| {
+            v.len() == ids.len()
+        })
+        .await;
         for id in ids {
             assert_eq!(seen.get(id).map(|n| n.node_id.as_str()), Some(id));
         }
     }
 
     pub async fn clusters_do_not_see_each_other(fx: &dyn Fixture) {
-        let names = [cluster_name("iso"), cluster_name("iso/sub"), cluster_name("isox")];
+        let names = [
+            cluster_name("iso"),
+            cluster_name("iso/sub"),
+            cluster_name("isox"),
+        ];
         let mut held = Vec::new();
         for (i, name) in names.iter().enumerate() {
             let discovery = fx.client(name).await;
-            held.push(discovery.register(node(&format!("d{i}"), Role::Decode)).await.unwrap());
+            held.push(
+                discovery
+                    .register(node(&format!("d{i}"), Role::Decode))
+                    .await
+                    .unwrap(),
+            );
         }
         for (i, name) in names.iter().enumerate() {
             let listed = fx.client(name).await.list(Role::Decode).await.unwrap();
-            assert_eq!(listed.keys().cloned().collect::<Vec<_>>(), vec![format!("d{i}")], "{name}");
+            assert_eq!(
+                listed.keys().cloned().collect::<Vec<_>>(),
+                vec![format!("d{i}")],
+                "{name}"
+            );
         }
     }
 }
@@ -276,11 +397,13 @@ macro_rules! discovery_suite {
             }
             #[tokio::test]
             async fn dropped_registration_disappears_within_the_lease_ttl() {
-                behaviour::dropped_registration_disappears_within_the_lease_ttl(&$fixture().await).await
+                behaviour::dropped_registration_disappears_within_the_lease_ttl(&$fixture().await)
+                    .await
             }
             #[tokio::test]
             async fn killed_holder_disappears_within_the_lease_ttl() {
-                behaviour::killed_holder_disappears_within_the_lease_ttl(Arc::new($fixture().await)).await
+                behaviour::killed_holder_disappears_within_the_lease_ttl(Arc::new($fixture().await))
+                    .await
             }
             #[tokio::test]
             async fn draining_flag_is_visible_in_the_watch() {
@@ -292,7 +415,8 @@ macro_rules! discovery_suite {
             }
             #[tokio::test]
             async fn cluster_layout_changes_only_once_every_node_has_left() {
-                behaviour::cluster_layout_changes_only_once_every_node_has_left(&$fixture().await).await
+                behaviour::cluster_layout_changes_only_once_every_node_has_left(&$fixture().await)
+                    .await
             }
             #[tokio::test]
             async fn node_id_cannot_register_twice_in_one_role() {

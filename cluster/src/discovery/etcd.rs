@@ -93,7 +93,9 @@ pub(super) struct Inner {
 
 impl std::fmt::Debug for EtcdDiscovery {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EtcdDiscovery").field("config", &self.inner.config).finish_non_exhaustive()
+        f.debug_struct("EtcdDiscovery")
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
     }
 }
 
@@ -110,7 +112,13 @@ impl EtcdDiscovery {
         let client = Client::connect(&config.endpoints, Some(options))
             .await
             .map_err(|e| ClusterError::etcd("connect", e))?;
-        Ok(Self { inner: Arc::new(Inner { client, keys, config }) })
+        Ok(Self {
+            inner: Arc::new(Inner {
+                client,
+                keys,
+                config,
+            }),
+        })
     }
 
     /// The configuration this client was built with.
@@ -163,11 +171,12 @@ pub(super) async fn timed<T>(
 fn decode_node(keys: &ClusterKeys, role: Role, kv: &KeyValue) -> Result<NodeInfo, ClusterError> {
     let key = String::from_utf8_lossy(kv.key());
     let (key_role, node_id) = keys.parse_node_key(&key)?;
-    let info: NodeInfo = serde_json::from_slice(kv.value()).map_err(|source| ClusterError::Serde {
-        op: "decode",
-        at: key.to_string(),
-        source,
-    })?;
+    let info: NodeInfo =
+        serde_json::from_slice(kv.value()).map_err(|source| ClusterError::Serde {
+            op: "decode",
+            at: key.to_string(),
+            source,
+        })?;
     if key_role != role || info.role != role || info.node_id != node_id {
         return Err(ClusterError::InvalidNodeInfo {
             node_id: info.node_id,
@@ -263,7 +272,9 @@ async fn stream_events(
     revision: i64,
 ) -> ClusterError {
     let mut client = inner.client.watch_client();
-    let options = WatchOptions::new().with_prefix().with_start_revision(revision + 1);
+    let options = WatchOptions::new()
+        .with_prefix()
+        .with_start_revision(revision + 1);
     let opened = timed(
         "watch",
         inner.config.request_timeout,
@@ -312,7 +323,10 @@ async fn stream_events(
                         Err(e) => tracing::warn!(error = %e, "ignoring an unreadable node record"),
                     },
                     EventType::Delete => {
-                        match inner.keys.parse_node_key(&String::from_utf8_lossy(kv.key())) {
+                        match inner
+                            .keys
+                            .parse_node_key(&String::from_utf8_lossy(kv.key()))
+                        {
                             Ok((_, node_id)) => changed |= view.remove(&node_id).is_some(),
                             Err(e) => tracing::warn!(error = %e, "ignoring a foreign key"),
                         }

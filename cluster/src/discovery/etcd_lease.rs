@@ -46,7 +46,10 @@ use crate::node::{ClusterLayout, NodeInfo};
 const MAX_TXN_ATTEMPTS: u32 = 8;
 
 /// Validates, writes the record, and starts the keep-alive task.
-pub(super) async fn register(inner: Arc<Inner>, info: NodeInfo) -> Result<Registration, ClusterError> {
+pub(super) async fn register(
+    inner: Arc<Inner>,
+    info: NodeInfo,
+) -> Result<Registration, ClusterError> {
     info.validate()?;
     let lease_id = register_once(&inner, &info).await?;
     tracing::info!(
@@ -58,9 +61,11 @@ pub(super) async fn register(inner: Arc<Inner>, info: NodeInfo) -> Result<Regist
         "node registered"
     );
     let task_info = info.clone();
-    Ok(Registration::spawn(&info, RegistrationState::Live { lease_id }, move |task| {
-        hold(inner, task_info, lease_id, task)
-    }))
+    Ok(Registration::spawn(
+        &info,
+        RegistrationState::Live { lease_id },
+        move |task| hold(inner, task_info, lease_id, task),
+    ))
 }
 
 fn encode<T: serde::Serialize>(value: &T, at: &str) -> Result<Vec<u8>, ClusterError> {
@@ -151,7 +156,10 @@ async fn write_record(inner: &Inner, info: &NodeInfo, lease: i64) -> Result<(), 
             }
         };
         let txn = Txn::new()
-            .when([layout_guard, Compare::create_revision(node_key.clone(), CompareOp::Equal, 0)])
+            .when([
+                layout_guard,
+                Compare::create_revision(node_key.clone(), CompareOp::Equal, 0),
+            ])
             .and_then([
                 TxnOp::put(layout_key.clone(), layout_value.clone(), None),
                 TxnOp::put(
@@ -178,7 +186,10 @@ async fn write_record(inner: &Inner, info: &NodeInfo, lease: i64) -> Result<(), 
         }
         // The layout key changed between our read and the txn: read it again.
     }
-    Err(ClusterError::EtcdConflict { op: "register txn", attempts: MAX_TXN_ATTEMPTS })
+    Err(ClusterError::EtcdConflict {
+        op: "register txn",
+        attempts: MAX_TXN_ATTEMPTS,
+    })
 }
 
 /// Rewrites the record (e.g. a new `draining` flag) under the current lease.
@@ -189,12 +200,19 @@ async fn rewrite(inner: &Inner, info: &NodeInfo, lease: i64) -> Result<(), Clust
     // Only while the key is still ours: never resurrect a record after its lease is gone.
     let txn = Txn::new()
         .when([Compare::lease(node_key.clone(), CompareOp::Equal, lease)])
-        .and_then([TxnOp::put(node_key, value, Some(PutOptions::new().with_lease(lease)))]);
+        .and_then([TxnOp::put(
+            node_key,
+            value,
+            Some(PutOptions::new().with_lease(lease)),
+        )]);
     let response = timed("put node", inner.config.request_timeout, client.txn(txn)).await?;
     if response.succeeded() {
         Ok(())
     } else {
-        Err(ClusterError::Unavailable { service: "etcd", op: "put node (lease lost)" })
+        Err(ClusterError::Unavailable {
+            service: "etcd",
+            op: "put node (lease lost)",
+        })
     }
 }
 

@@ -52,9 +52,17 @@ impl MemoryDiscovery {
         let keys = ClusterKeys::new(cluster)?;
         let registry = Registry {
             layout: None,
-            views: [watch::Sender::new(BTreeMap::new()), watch::Sender::new(BTreeMap::new())],
+            views: [
+                watch::Sender::new(BTreeMap::new()),
+                watch::Sender::new(BTreeMap::new()),
+            ],
         };
-        Ok(Self { shared: Arc::new(Shared { keys, registry: Mutex::new(registry) }) })
+        Ok(Self {
+            shared: Arc::new(Shared {
+                keys,
+                registry: Mutex::new(registry),
+            }),
+        })
     }
 
     /// The cluster's layout record, if a node has set one.
@@ -67,7 +75,9 @@ impl Shared {
     fn lock(&self) -> MutexGuard<'_, Registry> {
         // A panic while holding this lock leaves the maps consistent (every change is one
         // insert or remove), so a poisoned lock is still safe to use.
-        self.registry.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.registry
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     fn remove(&self, role: Role, node_id: &str) -> bool {
@@ -140,9 +150,11 @@ impl Discovery for MemoryDiscovery {
         }
         let shared = Arc::clone(&self.shared);
         let (role, node_id) = (info.role, info.node_id.clone());
-        Ok(Registration::spawn(&info, RegistrationState::Live { lease_id: 0 }, move |task| {
-            hold(shared, role, node_id, task)
-        }))
+        Ok(Registration::spawn(
+            &info,
+            RegistrationState::Live { lease_id: 0 },
+            move |task| hold(shared, role, node_id, task),
+        ))
     }
 
     async fn list(&self, role: Role) -> Result<NodeView, ClusterError> {
@@ -170,7 +182,11 @@ impl Drop for RemoveOnDrop {
 
 /// The registration task: serves commands until deregistered or dropped.
 async fn hold(shared: Arc<Shared>, role: Role, node_id: String, mut task: RegistrationTask) {
-    let registered = RemoveOnDrop { shared, role, node_id };
+    let registered = RemoveOnDrop {
+        shared,
+        role,
+        node_id,
+    };
     loop {
         tokio::select! {
             _ = task.dropped.cancelled() => break,

@@ -94,8 +94,13 @@ pub enum RegistrationState {
 
 /// A request from a [`Registration`] handle to its background task.
 pub(crate) enum Command {
-    SetDraining { draining: bool, reply: oneshot::Sender<Result<(), ClusterError>> },
-    Deregister { reply: oneshot::Sender<Result<(), ClusterError>> },
+    SetDraining {
+        draining: bool,
+        reply: oneshot::Sender<Result<(), ClusterError>>,
+    },
+    Deregister {
+        reply: oneshot::Sender<Result<(), ClusterError>>,
+    },
 }
 
 /// What a backend's registration task receives.
@@ -167,7 +172,8 @@ impl Registration {
     /// On error (backend unreachable) the flag is still remembered and written whenever the
     /// record is written again.
     pub async fn set_draining(&self, draining: bool) -> Result<(), ClusterError> {
-        self.request(|reply| Command::SetDraining { draining, reply }).await
+        self.request(|reply| Command::SetDraining { draining, reply })
+            .await
     }
 
     /// Removes the node's record and ends its lease now, then stops the background task.
@@ -188,9 +194,14 @@ impl Registration {
         &self,
         command: impl FnOnce(oneshot::Sender<Result<(), ClusterError>>) -> Command,
     ) -> Result<(), ClusterError> {
-        let closed = || ClusterError::RegistrationClosed { node_id: self.node_id.clone() };
+        let closed = || ClusterError::RegistrationClosed {
+            node_id: self.node_id.clone(),
+        };
         let (reply, answer) = oneshot::channel();
-        self.commands.send(command(reply)).await.map_err(|_| closed())?;
+        self.commands
+            .send(command(reply))
+            .await
+            .map_err(|_| closed())?;
         answer.await.map_err(|_| closed())?
     }
 }
@@ -211,7 +222,11 @@ pub(crate) struct Backoff {
 
 impl Backoff {
     pub fn new(min: Duration, max: Duration) -> Self {
-        Self { next: min, min, max }
+        Self {
+            next: min,
+            min,
+            max,
+        }
     }
 
     /// The delay to wait now; doubles the next one.

@@ -62,22 +62,33 @@ impl LoadSignals for MemoryLoadSignals {
 
     async fn publish(&self, report: &LoadReport) -> Result<(), ClusterError> {
         // Same naming rules as the NATS subject, so both refuse the same reports.
-        self.shared.keys.load_subject(report.role, &report.node_id)?;
+        self.shared
+            .keys
+            .load_subject(report.role, &report.node_id)?;
         if !self.shared.available.load(Ordering::SeqCst) {
-            let error = ClusterError::Unavailable { service: "memory", op: "publish" };
+            let error = ClusterError::Unavailable {
+                service: "memory",
+                op: "publish",
+            };
             self.shared.status.publish_failed(&error);
             return Err(error);
         }
         let received_at = Instant::now();
-        let mut subscribers =
-            self.shared.subscribers.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut subscribers = self
+            .shared
+            .subscribers
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         subscribers.retain(|(_, tx)| !tx.is_closed());
         for (role, tx) in subscribers.iter() {
             if *role == report.role {
                 tx.send_modify(|view| {
                     view.insert(
                         report.node_id.clone(),
-                        ReceivedReport { report: report.clone(), received_at },
+                        ReceivedReport {
+                            report: report.clone(),
+                            received_at,
+                        },
                     );
                 });
                 self.shared.status.received();

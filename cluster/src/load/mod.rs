@@ -150,7 +150,10 @@ pub(crate) struct StatusCell(watch::Sender<LoadSignalsStatus>);
 
 impl StatusCell {
     pub fn new(connected: bool) -> Self {
-        Self(watch::Sender::new(LoadSignalsStatus { connected, ..Default::default() }))
+        Self(watch::Sender::new(LoadSignalsStatus {
+            connected,
+            ..Default::default()
+        }))
     }
 
     pub fn subscribe(&self) -> watch::Receiver<LoadSignalsStatus> {
@@ -197,7 +200,8 @@ impl StatusCell {
     }
 
     pub fn set_error(&self, error: String) {
-        self.0.send_if_modified(|s| replace(&mut s.last_error, Some(error)));
+        self.0
+            .send_if_modified(|s| replace(&mut s.last_error, Some(error)));
     }
 }
 
@@ -235,7 +239,10 @@ mod tests {
         cell.received();
         assert!(!rx.has_changed().unwrap());
         assert_eq!((rx.borrow().published, rx.borrow().received), (1, 1));
-        cell.publish_failed(&ClusterError::Unavailable { service: "nats", op: "publish" });
+        cell.publish_failed(&ClusterError::Unavailable {
+            service: "nats",
+            op: "publish",
+        });
         assert!(rx.has_changed().unwrap());
         let status = rx.borrow_and_update().clone();
         assert_eq!(status.publish_failures, 1);
@@ -248,7 +255,14 @@ mod tests {
     #[test]
     fn load_report_json_names_its_fields_with_units() {
         let json = serde_json::to_value(LoadReport::idle("p0", Role::Prefill, 4)).unwrap();
-        for field in ["queue_len", "free_blocks", "total_blocks", "tokens_per_s", "sent_at_unix_ms", "seq"] {
+        for field in [
+            "queue_len",
+            "free_blocks",
+            "total_blocks",
+            "tokens_per_s",
+            "sent_at_unix_ms",
+            "seq",
+        ] {
             assert!(json.get(field).is_some(), "{field} missing from {json}");
         }
         assert_eq!(json["role"], "prefill");

@@ -107,7 +107,14 @@ impl NatsLoadSignals {
         if client.connection_state() == State::Connected {
             status.set_connected(true, None);
         }
-        Ok(Self { inner: Arc::new(Inner { client, keys, config, status }) })
+        Ok(Self {
+            inner: Arc::new(Inner {
+                client,
+                keys,
+                config,
+                status,
+            }),
+        })
     }
 
     /// The underlying client, for other subjects (e.g. KV events) on the same connection.
@@ -146,7 +153,10 @@ impl LoadSignals for NatsLoadSignals {
         let inner = &self.inner;
         let subject = inner.keys.load_subject(report.role, &report.node_id)?;
         let result = if inner.client.connection_state() != State::Connected {
-            Err(ClusterError::Unavailable { service: "nats", op: "publish" })
+            Err(ClusterError::Unavailable {
+                service: "nats",
+                op: "publish",
+            })
         } else {
             let payload = serde_json::to_vec(report).map_err(|source| ClusterError::Serde {
                 op: "encode",
@@ -161,7 +171,10 @@ impl LoadSignals for NatsLoadSignals {
             {
                 Ok(Ok(())) => Ok(()),
                 Ok(Err(e)) => Err(ClusterError::nats("publish", e)),
-                Err(_) => Err(ClusterError::Unavailable { service: "nats", op: "publish (timed out)" }),
+                Err(_) => Err(ClusterError::Unavailable {
+                    service: "nats",
+                    op: "publish (timed out)",
+                }),
             }
         };
         match &result {
@@ -190,7 +203,12 @@ impl LoadSignals for NatsLoadSignals {
 
 /// Feeds one subscription into its view until every receiver is dropped (dropping the
 /// subscriber then unsubscribes) or the connection is closed for good.
-async fn follow(inner: Arc<Inner>, role: Role, mut subscriber: Subscriber, tx: watch::Sender<LoadView>) {
+async fn follow(
+    inner: Arc<Inner>,
+    role: Role,
+    mut subscriber: Subscriber,
+    tx: watch::Sender<LoadView>,
+) {
     loop {
         let message = tokio::select! {
             _ = tx.closed() => break,
@@ -204,7 +222,13 @@ async fn follow(inner: Arc<Inner>, role: Role, mut subscriber: Subscriber, tx: w
             Ok(report) => {
                 inner.status.received();
                 tx.send_modify(|view| {
-                    view.insert(report.node_id.clone(), ReceivedReport { report, received_at });
+                    view.insert(
+                        report.node_id.clone(),
+                        ReceivedReport {
+                            report,
+                            received_at,
+                        },
+                    );
                 });
             }
             Err(e) => {
@@ -216,13 +240,19 @@ async fn follow(inner: Arc<Inner>, role: Role, mut subscriber: Subscriber, tx: w
 }
 
 /// Decodes a report and checks it against the subject it came on.
-fn decode(keys: &ClusterKeys, role: Role, subject: &str, payload: &[u8]) -> Result<LoadReport, ClusterError> {
+fn decode(
+    keys: &ClusterKeys,
+    role: Role,
+    subject: &str,
+    payload: &[u8],
+) -> Result<LoadReport, ClusterError> {
     let (subject_role, node_id) = keys.parse_load_subject(subject)?;
-    let report: LoadReport = serde_json::from_slice(payload).map_err(|source| ClusterError::Serde {
-        op: "decode",
-        at: subject.to_string(),
-        source,
-    })?;
+    let report: LoadReport =
+        serde_json::from_slice(payload).map_err(|source| ClusterError::Serde {
+            op: "decode",
+            at: subject.to_string(),
+            source,
+        })?;
     if subject_role != role || report.role != role || report.node_id != node_id {
         return Err(ClusterError::MalformedAddress {
             what: "NATS subject",
@@ -240,7 +270,9 @@ mod tests {
     #[test]
     fn reconnect_delay_starts_immediately_then_doubles_to_its_cap() {
         let config = NatsConfig::new("nats://x", "c");
-        let delays: Vec<u128> = (0..8).map(|a| config.reconnect_delay(a).as_millis()).collect();
+        let delays: Vec<u128> = (0..8)
+            .map(|a| config.reconnect_delay(a).as_millis())
+            .collect();
         assert_eq!(delays, [0, 0, 100, 200, 400, 800, 1600, 2000]);
         assert_eq!(config.reconnect_delay(usize::MAX), Duration::from_secs(2));
     }

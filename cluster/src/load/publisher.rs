@@ -42,8 +42,16 @@ impl LoadPublisher {
         cancel: &CancellationToken,
     ) -> Self {
         let cancel = cancel.child_token();
-        let task = tokio::spawn(run(signals, reports, period.max(Duration::from_millis(1)), cancel.clone()));
-        Self { cancel, task: Some(task) }
+        let task = tokio::spawn(run(
+            signals,
+            reports,
+            period.max(Duration::from_millis(1)),
+            cancel.clone(),
+        ));
+        Self {
+            cancel,
+            task: Some(task),
+        }
     }
 
     /// Whether the task is still publishing.

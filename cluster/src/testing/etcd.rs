@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use super::{
-    ServerProcess, START_ATTEMPTS, TempDir, find_binary, free_port, log_tail, tcp_exchange,
+    START_ATTEMPTS, ServerProcess, TempDir, find_binary, free_port, log_tail, tcp_exchange,
 };
 
 /// A real etcd server for one test. See the [module docs](super).
@@ -21,7 +21,13 @@ impl TestEtcd {
     pub async fn start() -> Self {
         let binary = find_binary("etcd", "TANDEM_ETCD_BIN");
         let dir = TempDir::new("etcd");
-        let mut etcd = Self { binary, dir, client_port: 0, peer_port: 0, process: None };
+        let mut etcd = Self {
+            binary,
+            dir,
+            client_port: 0,
+            peer_port: 0,
+            process: None,
+        };
         for attempt in 1..=START_ATTEMPTS {
             etcd.client_port = free_port();
             etcd.peer_port = free_port();
@@ -38,7 +44,10 @@ impl TestEtcd {
                 Err(_) => break,
             }
         }
-        panic!("etcd did not start; its log:\n{}", log_tail(&etcd.log_path(), 4000));
+        panic!(
+            "etcd did not start; its log:\n{}",
+            log_tail(&etcd.log_path(), 4000)
+        );
     }
 
     /// The client URL, e.g. `http://127.0.0.1:40123`.
@@ -62,7 +71,10 @@ impl TestEtcd {
     pub async fn restart(&mut self) {
         self.stop();
         if self.launch().await.is_err() {
-            panic!("etcd did not restart; its log:\n{}", log_tail(&self.log_path(), 4000));
+            panic!(
+                "etcd did not restart; its log:\n{}",
+                log_tail(&self.log_path(), 4000)
+            );
         }
     }
 
@@ -72,7 +84,10 @@ impl TestEtcd {
         self.stop();
         let _ = std::fs::remove_dir_all(self.data_dir());
         if self.launch().await.is_err() {
-            panic!("etcd did not restart empty; its log:\n{}", log_tail(&self.log_path(), 4000));
+            panic!(
+                "etcd did not restart empty; its log:\n{}",
+                log_tail(&self.log_path(), 4000)
+            );
         }
     }
 

@@ -45,7 +45,8 @@ fn find_binary(name: &str, env_var: &str) -> PathBuf {
     let path_dirs = std::env::var_os("PATH")
         .map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
         .unwrap_or_default();
-    let fallbacks = ["/usr/bin", "/usr/sbin", "/usr/local/bin", "/usr/local/sbin"].map(PathBuf::from);
+    let fallbacks =
+        ["/usr/bin", "/usr/sbin", "/usr/local/bin", "/usr/local/sbin"].map(PathBuf::from);
     path_dirs
         .into_iter()
         .chain(fallbacks)
@@ -162,7 +163,9 @@ fn log_tail(path: &Path, max_bytes: u64) -> String {
 /// NATS's INFO line); None on any error.
 async fn tcp_exchange(port: u16, request: &[u8], read_until_close: bool) -> Option<String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok()?;
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .ok()?;
     if !request.is_empty() {
         stream.write_all(request).await.ok()?;
     }

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use super::{
-    ServerProcess, START_ATTEMPTS, TempDir, find_binary, free_port, log_tail, tcp_exchange,
+    START_ATTEMPTS, ServerProcess, TempDir, find_binary, free_port, log_tail, tcp_exchange,
 };
 
 /// A real NATS server for one test. See the [module docs](super).
@@ -20,7 +20,12 @@ impl TestNats {
     pub async fn start() -> Self {
         let binary = find_binary("nats-server", "TANDEM_NATS_SERVER_BIN");
         let dir = TempDir::new("nats");
-        let mut nats = Self { binary, dir, port: 0, process: None };
+        let mut nats = Self {
+            binary,
+            dir,
+            port: 0,
+            process: None,
+        };
         for attempt in 1..=START_ATTEMPTS {
             nats.port = free_port();
             match nats.launch().await {
@@ -29,7 +34,10 @@ impl TestNats {
                 Err(_) => break,
             }
         }
-        panic!("nats-server did not start; its log:\n{}", log_tail(&nats.log_path(), 4000));
+        panic!(
+            "nats-server did not start; its log:\n{}",
+            log_tail(&nats.log_path(), 4000)
+        );
     }
 
     /// The client URL, e.g. `nats://127.0.0.1:40123`.
@@ -53,7 +61,10 @@ impl TestNats {
     pub async fn restart(&mut self) {
         self.stop();
         if self.launch().await.is_err() {
-            panic!("nats-server did not restart; its log:\n{}", log_tail(&self.log_path(), 4000));
+            panic!(
+                "nats-server did not restart; its log:\n{}",
+                log_tail(&self.log_path(), 4000)
+            );
         }
     }
 
@@ -71,7 +82,9 @@ impl TestNats {
         let port = self.port;
         let ready = process
             .wait_ready(|| async move {
-                tcp_exchange(port, b"", false).await.is_some_and(|greeting| greeting.starts_with("INFO "))
+                tcp_exchange(port, b"", false)
+                    .await
+                    .is_some_and(|greeting| greeting.starts_with("INFO "))
             })
             .await;
         match ready {

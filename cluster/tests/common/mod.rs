@@ -58,11 +58,16 @@ pub async fn wait_for<T: Clone + Debug>(
         Err(_) => Err("timed out"),
     };
     outcome.unwrap_or_else(|why| {
-        panic!("{what}: not within {within:?} ({why}); last value {:?}", *rx.borrow())
+        panic!(
+            "{what}: not within {within:?} ({why}); last value {:?}",
+            *rx.borrow()
+        )
     })
 }
 
 /// Runs `fut` with a limit, panicking with `what` if it takes longer.
 pub async fn within<F: std::future::Future>(limit: Duration, what: &str, fut: F) -> F::Output {
-    tokio::time::timeout(limit, fut).await.unwrap_or_else(|_| panic!("{what}: not within {limit:?}"))
+    tokio::time::timeout(limit, fut)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: not within {limit:?}"))
 }
