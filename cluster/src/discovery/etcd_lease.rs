@@ -345,7 +345,7 @@ async fn hold(inner: Arc<Inner>, mut info: NodeInfo, mut lease: i64, mut task: R
                         }
                         Err(e) => {
                             if !matches!(*task.state.borrow(), RegistrationState::Refused { .. }) {
-                                tracing::error!(cluster = %cluster, node_id = %info.node_id, error = %e, "re-register refused; retrying slowly");
+                                tracing::error!(cluster = %cluster, node_id = %info.node_id, error = %e, "re-register refused; retrying every keep-alive period");
                             }
                             set_state(RegistrationState::Refused { kind: e.kind() });
                         }

@@ -82,8 +82,9 @@ pub enum RegistrationState {
     Reconnecting,
     /// The lease was lost (expired or revoked); the record is being written again.
     Reregistering,
-    /// Writing the record again was refused for a reason retrying will not fix (another
-    /// layout took over the cluster); the task keeps trying slowly and logs once.
+    /// Writing the record again was refused for a reason retrying alone will not fix (another
+    /// layout took over the cluster while this node's lease was gone). The task logs it once
+    /// and keeps trying every keep-alive period, in case the cluster empties.
     Refused {
         /// [`ClusterError::kind`] of the refusal.
         kind: &'static str,
