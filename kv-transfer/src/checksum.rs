@@ -8,6 +8,9 @@
 //! way (a test checks it against `xxhash-rust` for every length class and alignment), so peers on
 //! different CPUs agree.
 //!
+//! [`copy_with_checksum`] fuses the sender's copy into a peer's mapped pool with its hash, so the
+//! source is read once.
+//!
 //! A single flipped byte changes the hash with probability 1 − 2⁻⁶⁴ (XXH3's accumulation is a
 //! bijection of the input stripe on the 512-bit state; only the final fold can collide).
 
@@ -20,6 +23,23 @@ pub fn slab_checksum(bytes: &[u8]) -> u64 {
         return unsafe { avx2::xxh3_64_long(bytes) };
     }
     xxhash_rust::xxh3::xxh3_64(bytes)
+}
+
+/// Copies `src` into `dst` (same length) and returns XXH3-64 of the bytes, in one pass over
+/// `src` where AVX2 allows (each 64-byte stripe is loaded once, stored, and hashed): the sender's
+/// path when it writes straight into a peer's mapped pool.
+///
+/// # Safety
+/// `dst` is valid for `src.len()` bytes of writes and does not overlap `src`.
+pub unsafe fn copy_with_checksum(src: &[u8], dst: *mut u8) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if src.len() > MIDSIZE_MAX && std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 is available; the caller's contract covers `dst`.
+        return unsafe { avx2::copy_xxh3_64_long(src, dst) };
+    }
+    // SAFETY: the caller's contract covers `dst`.
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
+    xxhash_rust::xxh3::xxh3_64(src)
 }
 
 /// A block's checksum across layers: XXH3 over its per-layer slab checksums in layer order.
@@ -119,6 +139,43 @@ mod avx2 {
     /// The CPU supports AVX2.
     #[target_feature(enable = "avx2")]
     pub unsafe fn xxh3_64_long(input: &[u8]) -> u64 {
+        // SAFETY: AVX2 per the caller; no copy requested.
+        unsafe { long::<false>(input, std::ptr::null_mut()) }
+    }
+
+    /// Copies `input` to `dst` while hashing it: XXH3-64 (seed 0), inputs over 240 bytes.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2; `dst` is valid for `input.len()` bytes and does not overlap it.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn copy_xxh3_64_long(input: &[u8], dst: *mut u8) -> u64 {
+        // SAFETY: AVX2 per the caller; `dst` per the caller.
+        unsafe { long::<true>(input, dst) }
+    }
+
+    /// One stripe: hash it, and (COPY) store it to `dst` at the same offset.
+    #[inline(always)]
+    unsafe fn stripe<const COPY: bool>(
+        acc: &mut [__m256i; 2],
+        p: *const u8,
+        dst: *mut u8,
+        at: usize,
+        secret: *const u8,
+    ) {
+        // SAFETY: the caller keeps `at + 64` within the input (and `dst`).
+        unsafe {
+            if COPY {
+                let a = _mm256_loadu_si256(p.add(at).cast());
+                let b = _mm256_loadu_si256(p.add(at + 32).cast());
+                _mm256_storeu_si256(dst.add(at).cast(), a);
+                _mm256_storeu_si256(dst.add(at + 32).cast(), b);
+            }
+            accumulate_512(acc, p.add(at), secret);
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn long<const COPY: bool>(input: &[u8], dst: *mut u8) -> u64 {
         let len = input.len();
         debug_assert!(len > super::MIDSIZE_MAX);
         let init = [
@@ -135,14 +192,16 @@ mod avx2 {
         let s = SECRET.as_ptr();
         let blocks = (len - 1) / BLOCK;
         for b in 0..blocks {
-            for stripe in 0..STRIPES_PER_BLOCK {
-                // SAFETY: b * BLOCK + (stripe + 1) * STRIPE <= blocks * BLOCK <= len - 1; the
-                // secret offset stripe * 8 + 64 <= 192.
+            for st in 0..STRIPES_PER_BLOCK {
+                // SAFETY: b * BLOCK + (st + 1) * STRIPE <= blocks * BLOCK <= len - 1; the
+                // secret offset st * 8 + 64 <= 192.
                 unsafe {
-                    accumulate_512(
+                    stripe::<COPY>(
                         &mut acc,
-                        p.add(b * BLOCK + stripe * STRIPE),
-                        s.add(stripe * CONSUME),
+                        p,
+                        dst,
+                        b * BLOCK + st * STRIPE,
+                        s.add(st * CONSUME),
                     )
                 };
             }
@@ -150,15 +209,23 @@ mod avx2 {
             unsafe { scramble(&mut acc, s.add(SECRET.len() - STRIPE)) };
         }
         let stripes = ((len - 1) - BLOCK * blocks) / STRIPE;
-        for stripe in 0..stripes {
+        for st in 0..stripes {
             // SAFETY: stays below len - 1 by the definition of `stripes`.
             unsafe {
-                accumulate_512(
+                stripe::<COPY>(
                     &mut acc,
-                    p.add(blocks * BLOCK + stripe * STRIPE),
-                    s.add(stripe * CONSUME),
+                    p,
+                    dst,
+                    blocks * BLOCK + st * STRIPE,
+                    s.add(st * CONSUME),
                 )
             };
+        }
+        if COPY {
+            // The bytes after the last whole stripe (1..=64 of them), then the last stripe's hash.
+            let done = blocks * BLOCK + stripes * STRIPE;
+            // SAFETY: done < len; both ranges are within input/dst.
+            unsafe { std::ptr::copy_nonoverlapping(p.add(done), dst.add(done), len - done) };
         }
         // SAFETY: len > 240 >= 64, and the secret offset 192 - 64 - 7 = 121 leaves 64 bytes.
         unsafe {
@@ -208,6 +275,25 @@ mod tests {
                     "len {len}, offset {offset}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn copy_with_checksum_copies_exactly_and_hashes_like_xxh3() {
+        let data: Vec<u8> = (0..70_000u32)
+            .map(|i| (i.wrapping_mul(40_503) >> 3) as u8)
+            .collect();
+        for len in [0, 5, 240, 241, 1000, 1024, 1025, 4096, 65_536, 69_999] {
+            let mut out = vec![0u8; len + 2];
+            // SAFETY: `out` has room for `len` bytes at offset 1 and does not overlap `data`.
+            let h = unsafe { copy_with_checksum(&data[..len], out.as_mut_ptr().add(1)) };
+            assert_eq!(h, xxhash_rust::xxh3::xxh3_64(&data[..len]), "len {len}");
+            assert_eq!(&out[1..=len], &data[..len], "len {len}");
+            assert_eq!(
+                (out[0], out[len + 1]),
+                (0, 0),
+                "nothing written outside, len {len}"
+            );
         }
     }
 

@@ -223,7 +223,9 @@ pub struct TransferReport {
     pub elapsed: Duration,
     /// Per-block checksums the receiver computed over what landed, in block order.
     pub block_checksums: Vec<u64>,
-    /// How the bytes travelled: `"inline"`, `"rma"`, `"tag"` or `"memcpy"`.
+    /// How the bytes travelled: `"inline"` (TCP stream), `"rma"` (UCX puts), `"rma-mapped"`
+    /// (writes through UCX's mapping of the peer pool), `"tag"` (UCX tagged sends) or
+    /// `"memcpy"` (in-process).
     pub data_mode: &'static str,
 }
 

@@ -159,7 +159,7 @@ async fn two_processes_move_blocks_over_tcp_byte_for_byte() {
 #[cfg(feature = "ucx")]
 #[tokio::test]
 async fn two_processes_move_blocks_over_ucx_shared_memory_with_one_sided_puts() {
-    push_to_child_receiver(transport(TransportKind::Ucx, Some("shm")), "rma").await;
+    push_to_child_receiver(transport(TransportKind::Ucx, Some("shm")), "rma-mapped").await;
 }
 
 #[cfg(feature = "ucx")]

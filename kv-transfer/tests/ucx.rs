@@ -1,5 +1,6 @@
-//! The fail-closed behaviours over UCX, in one process: shared memory (one-sided puts via cma)
-//! and tcp (tagged sends, since UCX emulates RMA over tcp).
+//! The fail-closed behaviours over UCX, in one process: shared memory with UCX-allocated pools
+//! (the sender writes through its mapping of the receiver's pool), shared memory with registered
+//! heap pools (`ucp_put_nbx`), and tcp (tagged sends, since UCX emulates RMA over tcp).
 #![cfg(feature = "ucx")]
 
 mod common;
@@ -9,12 +10,12 @@ use common::{small_layout, ucx_pair};
 use tandem_kv_layout::KvLayout;
 
 macro_rules! ucx_suite {
-    ($modname:ident, $tls:expr) => {
+    ($modname:ident, $tls:expr, $allocated:expr) => {
         mod $modname {
             use super::*;
 
             async fn pair() -> common::Pair {
-                ucx_pair(small_layout(), small_layout(), $tls).await
+                ucx_pair(small_layout(), small_layout(), $tls, $allocated).await
             }
 
             #[tokio::test]
@@ -34,7 +35,7 @@ macro_rules! ucx_suite {
                     ..small_layout()
                 };
                 s::layout_mismatch_is_refused_before_any_byte_is_written(
-                    &ucx_pair(small_layout(), other, $tls).await,
+                    &ucx_pair(small_layout(), other, $tls, $allocated).await,
                 )
                 .await;
             }
@@ -86,5 +87,47 @@ macro_rules! ucx_suite {
     };
 }
 
-ucx_suite!(shm, "shm");
-ucx_suite!(tcp, "tcp");
+ucx_suite!(shm_mapped, "shm", true);
+ucx_suite!(shm_put, "shm", false);
+ucx_suite!(tcp, "tcp", false);
+
+/// Which UCX data path a pair really takes: UCX-allocated shared memory is written through the
+/// sender's mapping, registered heap memory with `ucp_put_nbx`, tcp with tagged sends.
+#[tokio::test]
+async fn each_pool_kind_and_transport_takes_its_intended_data_path() {
+    use std::future::IntoFuture;
+    use std::time::Duration;
+    use tandem_kv_transfer::{PushRequest, Reservation};
+    use tokio_util::sync::CancellationToken;
+
+    for (tls, allocated, want) in [
+        ("shm", true, "rma-mapped"),
+        ("shm", false, "rma"),
+        ("tcp", false, "tag"),
+    ] {
+        let pair = ucx_pair(small_layout(), small_layout(), tls, allocated).await;
+        let blocks = vec![0, 1, 2];
+        let inbound = pair
+            .registry
+            .expect(Reservation {
+                reservation_id: 1,
+                epoch: 1,
+                dst_blocks: blocks.clone(),
+                ttl: Duration::from_secs(10),
+            })
+            .unwrap();
+        let req = PushRequest::new(pair.peer.clone(), 1, 1, blocks.clone(), blocks.clone());
+        let out = pair
+            .sender
+            .push(&pair.src, req, CancellationToken::new())
+            .unwrap();
+        let (sent, got) = tokio::join!(out.into_future(), inbound.into_future());
+        assert_eq!(
+            sent.unwrap().data_mode,
+            want,
+            "tls {tls}, allocated {allocated}"
+        );
+        got.unwrap();
+        assert_eq!(pair.mismatched(&blocks, &blocks), 0);
+    }
+}

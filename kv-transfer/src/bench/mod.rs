@@ -136,7 +136,7 @@ pub struct StreamingReport {
 pub struct BenchReport {
     /// `ucx` or `tcp`.
     pub transport: &'static str,
-    /// `rma`, `tag` or `inline`.
+    /// `rma-mapped`, `rma`, `tag` or `inline` (see `TransferReport::data_mode`).
     pub data_mode: &'static str,
     /// Layout name.
     pub layout: String,

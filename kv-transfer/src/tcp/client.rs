@@ -11,7 +11,7 @@ use super::NetShared;
 use super::conn::{ClientConn, Event, InlineChunk, RouteGuard, SendPath, WriterCmd, get_conn};
 use crate::checksum::slab_checksum;
 use crate::error::{Phase, TransferError};
-use crate::pool::block_runs;
+use crate::pool::{KvPool, block_runs};
 use crate::transport::{PoolRegistration, PushDriver, TransferReport, layers_per_chunk};
 use crate::wire::{Abort, Begin, Chunk, DataMode, Msg, WireError};
 
@@ -79,11 +79,7 @@ async fn push(
     };
     match next_event(d, &conn, &mut events, Phase::Completion).await {
         Ok(Event::Done(block_checksums)) => {
-            let data_mode = match conn.path.mode() {
-                DataMode::Inline => "inline",
-                DataMode::Rma => "rma",
-                DataMode::Tag => "tag",
-            };
+            let data_mode = conn.path.label();
             Ok(TransferReport {
                 bytes,
                 elapsed: d.started.elapsed(),
@@ -249,14 +245,8 @@ async fn send_chunks_inner(
                 r = d.guard(Phase::Data, std::future::pending::<Result<(), TransferError>>()) => r.map_err(Stop::Local)?,
             }
         }
-        let mut checksums = Vec::with_capacity((end - sent) as usize * n);
         let mut ranges = Vec::with_capacity((end - sent) as usize * runs.len());
         for layer in sent..end {
-            for &b in &d.req.src_blocks {
-                // SAFETY: source slabs of a push are not written while it is in flight (pool contract).
-                let bytes = unsafe { pool.slab(layer as usize, b) }.map_err(Stop::Local)?;
-                checksums.push(slab_checksum(bytes));
-            }
             for run in &runs {
                 let s =
                     layout.slab_offset(pool.num_blocks(), layer as usize, run.src_start as usize);
@@ -264,19 +254,23 @@ async fn send_chunks_inner(
                 ranges.push((s, t, run.len as usize * slab));
             }
         }
-        let header = Msg::Chunk(Chunk {
-            transfer_id: id,
-            seq,
-            layer_start: sent,
-            layer_end: end,
-            payload_bytes: chunk_bytes,
-            checksums,
-        });
+        let chunk = |checksums| {
+            Msg::Chunk(Chunk {
+                transfer_id: id,
+                seq,
+                layer_start: sent,
+                layer_end: end,
+                payload_bytes: chunk_bytes,
+                checksums,
+            })
+        };
         match &conn.path {
             SendPath::Inline => {
+                let checksums =
+                    source_checksums(&pool, &d.req.src_blocks, sent, end).map_err(Stop::Local)?;
                 let ranges = ranges.iter().map(|&(s, _, len)| (s, len)).collect();
                 let cmd = WriterCmd::Chunk(InlineChunk {
-                    frame: header,
+                    frame: chunk(checksums),
                     pool: Arc::clone(&pool),
                     ranges,
                     faults,
@@ -287,7 +281,25 @@ async fn send_chunks_inner(
                 }
             }
             #[cfg(feature = "ucx")]
+            SendPath::Ucx(ucx) if ucx.mapped() => {
+                // The peer's pool is mapped here: copy and hash in one pass, then commit.
+                let checksums = ucx
+                    .copy_chunk(&pool, ranges, slab, faults)
+                    .await
+                    .map_err(Stop::Local)?;
+                if faults.cut_at.is_some() {
+                    conn.shared.closed.cancel();
+                    ucx.close();
+                    return Err(Stop::Local(cut_error(&peer)));
+                }
+                send(d, conn, WriterCmd::Frame(chunk(checksums)), Phase::Data)
+                    .await
+                    .map_err(Stop::Local)?;
+            }
+            #[cfg(feature = "ucx")]
             SendPath::Ucx(ucx) => {
+                let checksums =
+                    source_checksums(&pool, &d.req.src_blocks, sent, end).map_err(Stop::Local)?;
                 let moving = ucx
                     .send_chunk(id, tag_index, &pool, &ranges, faults)
                     .await
@@ -295,12 +307,12 @@ async fn send_chunks_inner(
                 tag_index += ranges.len() as u64;
                 let header = match ucx.mode() {
                     DataMode::Tag => {
-                        send(d, conn, WriterCmd::Frame(header), Phase::Data)
+                        send(d, conn, WriterCmd::Frame(chunk(checksums)), Phase::Data)
                             .await
                             .map_err(Stop::Local)?;
                         None
                     }
-                    _ => Some(header),
+                    _ => Some(chunk(checksums)),
                 };
                 inflight.push_back(InFlight {
                     header,
@@ -324,6 +336,23 @@ async fn send_chunks_inner(
         complete_front(net, d, conn, inflight).await?;
     }
     Ok(offset)
+}
+
+/// XXH3 of every source slab of layers `start..end`, layer-major (the `Chunk` order).
+fn source_checksums(
+    pool: &KvPool,
+    blocks: &[u32],
+    start: u32,
+    end: u32,
+) -> Result<Vec<u64>, TransferError> {
+    let mut sums = Vec::with_capacity((end - start) as usize * blocks.len());
+    for layer in start..end {
+        for &b in blocks {
+            // SAFETY: source slabs of a push are not written while it is in flight (pool contract).
+            sums.push(slab_checksum(unsafe { pool.slab(layer as usize, b) }?));
+        }
+    }
+    Ok(sums)
 }
 
 fn cut_error(peer: &str) -> TransferError {

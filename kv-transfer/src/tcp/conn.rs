@@ -65,6 +65,21 @@ impl SendPath {
             SendPath::Ucx(p) => p.mode(),
         }
     }
+
+    /// How bytes travel, for reports and logs: `inline`, `rma` (UCX puts), `rma-mapped`
+    /// (writes through UCX's mapping of the peer pool) or `tag`.
+    pub(super) fn label(&self) -> &'static str {
+        match self {
+            SendPath::Inline => "inline",
+            #[cfg(feature = "ucx")]
+            SendPath::Ucx(p) if p.mapped() => "rma-mapped",
+            #[cfg(feature = "ucx")]
+            SendPath::Ucx(p) => match p.mode() {
+                DataMode::Tag => "tag",
+                _ => "rma",
+            },
+        }
+    }
 }
 
 /// What the reader task routes to a push.

@@ -39,6 +39,7 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
+use crate::checksum::copy_with_checksum;
 use crate::config::{TransferConfig, UcxConfig, UcxDataMode};
 use crate::error::TransferError;
 use crate::fault::ChunkFaults;
@@ -135,17 +136,22 @@ impl UcxNet {
         let rx = self.rt.request(|reply| Cmd::Connect {
             address: remote.worker_address.clone(),
             rkey: remote.rkey.clone(),
+            base: remote.base_addr,
             peer_failure,
             reply,
         });
-        let (ep, info) = rx.await.map_err(|_| TransferError::Shutdown)??;
+        let (ep, info, mapped) = rx.await.map_err(|_| TransferError::Shutdown)??;
         let mode = match self.data_mode {
             UcxDataMode::Rma => DataMode::Rma,
             UcxDataMode::Tag => DataMode::Tag,
             UcxDataMode::Auto if rma_is_native(&info) => DataMode::Rma,
             UcxDataMode::Auto => DataMode::Tag,
         };
-        tracing::info!(peer, ?mode, lanes = %info.trim(), "UCX endpoint ready");
+        // Writing through the mapping is the one-sided put UCX itself does on shared memory
+        // (a memcpy into the mapped segment); doing it here lets the copy and the checksum share
+        // one pass over the source.
+        let mapped = mapped.filter(|_| mode == DataMode::Rma);
+        tracing::info!(peer, ?mode, mapped = mapped.is_some(), lanes = %info.trim(), "UCX endpoint ready");
         Ok(UcxPeer {
             rt: self.rt.clone(),
             ep,
@@ -154,6 +160,7 @@ impl UcxNet {
             remote_base: remote.base_addr,
             remote_len: remote.len_bytes,
             closed: AtomicBool::new(false),
+            mapped,
             info,
         })
     }
@@ -224,6 +231,8 @@ pub(crate) struct UcxPeer {
     remote_base: u64,
     remote_len: u64,
     closed: AtomicBool,
+    /// Local address of the peer pool's base when UCX maps it into this process.
+    mapped: Option<usize>,
     info: String,
 }
 
@@ -237,6 +246,51 @@ impl UcxPeer {
     #[allow(dead_code)]
     pub fn info(&self) -> &str {
         &self.info
+    }
+
+    /// True when the peer's pool is mapped here (chunks go through [`UcxPeer::copy_chunk`]).
+    pub fn mapped(&self) -> bool {
+        self.mapped.is_some()
+    }
+
+    /// Copies one chunk's ranges `(src offset, dst offset, len)` into the peer's mapped pool,
+    /// hashing each slab in the same pass; returns the slab checksums in payload order. Runs on
+    /// a blocking thread and always completes (it is not cancelled midway: the mapping must
+    /// outlive every write, and the caller holds the endpoint until this returns).
+    pub async fn copy_chunk(
+        &self,
+        pool: &Arc<KvPool>,
+        ranges: Vec<(usize, usize, usize)>,
+        slab_bytes: usize,
+        faults: ChunkFaults,
+    ) -> Result<Vec<u64>, TransferError> {
+        let base = self
+            .mapped
+            .ok_or_else(|| TransferError::protocol("ucx_copy", "peer pool not mapped"))?;
+        if ranges
+            .iter()
+            .any(|&(_, t, len)| (t + len) as u64 > self.remote_len)
+        {
+            return Err(TransferError::invalid(
+                "dst_blocks",
+                "range beyond the receiver's pool",
+            ));
+        }
+        // (source offset, destination offset) of every slab, in payload order.
+        let slabs: Vec<(usize, usize)> = ranges
+            .iter()
+            .flat_map(|&(s, t, len)| (0..len).step_by(slab_bytes).map(move |k| (s + k, t + k)))
+            .collect();
+        let pool = Arc::clone(pool);
+        // Awaited to the end, never dropped midway: the copy must not outlive the mapping.
+        let sums = tokio::task::spawn_blocking(move || {
+            copy_slabs(&pool, base, &slabs, slab_bytes, faults)
+        })
+        .await
+        .map_err(|_| TransferError::Shutdown)?;
+        // Make every store visible before the Chunk frame announces it.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        Ok(sums)
     }
 
     /// Closes the endpoint now (used by the cut fault); later operations fail.
@@ -356,6 +410,41 @@ impl UcxPeer {
             }
         }
     }
+}
+
+/// Copies `slabs` (source offset, destination offset) of `slab_bytes` each into the mapped pool
+/// at `base`, hashing each. Stops early (returning fewer sums) at a cut fault.
+fn copy_slabs(
+    pool: &KvPool,
+    base: usize,
+    slabs: &[(usize, usize)],
+    slab_bytes: usize,
+    faults: ChunkFaults,
+) -> Vec<u64> {
+    let limit = faults.cut_at.unwrap_or(u64::MAX);
+    let mut sums = Vec::with_capacity(slabs.len());
+    for (i, &(s, t)) in slabs.iter().enumerate() {
+        let offset = (i * slab_bytes) as u64;
+        if offset + slab_bytes as u64 > limit {
+            break; // cut: the rest never moves
+        }
+        // SAFETY: (s, slab_bytes) is a checked slab range of the source pool, which the caller
+        // keeps alive and nobody writes during the push.
+        let src = unsafe { std::slice::from_raw_parts(pool.as_ptr().add(s), slab_bytes) };
+        let dst = (base + t) as *mut u8;
+        // SAFETY: t + slab_bytes <= the peer pool's length (checked by the caller), inside its
+        // mapping, which stays mapped while the caller holds the endpoint; the receiver keeps
+        // these blocks untouched while the transfer holds them.
+        sums.push(unsafe { copy_with_checksum(src, dst) });
+        if let Some(at) = faults
+            .corrupt_at
+            .filter(|&at| at >= offset && at < offset + slab_bytes as u64)
+        {
+            // SAFETY: inside the slab just written.
+            unsafe { *dst.add((at - offset) as usize) ^= 0xFF };
+        }
+    }
+    sums
 }
 
 impl Drop for UcxPeer {

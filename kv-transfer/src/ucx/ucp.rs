@@ -421,6 +421,17 @@ impl Endpoint {
         Ok(())
     }
 
+    /// A local address for the peer's `remote` address when the transport maps the peer's
+    /// memory into this process (shared memory); `None` otherwise (RDMA, tcp). Valid while the
+    /// endpoint lives: closing it destroys the remote key, which unmaps.
+    pub fn rkey_ptr(&self, remote: u64) -> Option<*mut u8> {
+        let rkey = self.rkey.as_ref()?;
+        let mut p: *mut c_void = ptr::null_mut();
+        // SAFETY: live rkey; `p` is a valid out-parameter.
+        let s = unsafe { sys::ucp_rkey_ptr(rkey.h, remote, &mut p) };
+        (s == sys::UCS_OK && !p.is_null()).then_some(p.cast())
+    }
+
     /// The error the peer-failure handler recorded, if any.
     pub fn failure(&self) -> Option<Status> {
         let s = self.failed.get();

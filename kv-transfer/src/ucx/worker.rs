@@ -71,11 +71,13 @@ pub(crate) enum Cmd {
         mem: u64,
         guard: Option<LiveGuard>,
     },
+    /// Replies (endpoint id, `ucp_ep_print_info` text, local address of `base` if mapped).
     Connect {
         address: Vec<u8>,
         rkey: Vec<u8>,
+        base: u64,
         peer_failure: bool,
-        reply: Reply<(u64, String)>,
+        reply: Reply<(u64, String, Option<usize>)>,
     },
     Close {
         ep: u64,
@@ -338,6 +340,7 @@ impl Progress {
             Cmd::Connect {
                 address,
                 rkey,
+                base,
                 peer_failure,
                 reply,
             } => {
@@ -355,9 +358,10 @@ impl Progress {
                     };
                     ep.unpack_rkey(&rkey)?;
                     let info = ep.info();
+                    let mapped = ep.rkey_ptr(base).map(|p| p as usize);
                     let id = self.id();
                     self.eps.insert(id, ep);
-                    Ok((id, info))
+                    Ok((id, info, mapped))
                 })();
                 let _ = reply.send(r);
             }

@@ -160,8 +160,16 @@ pub async fn tcp_pair(src_layout: KvLayout, dst_layout: KvLayout) -> Pair {
     }
 }
 
+/// Two UCX transports in one process. With `allocated`, both pools come from
+/// `KvTransport::allocate` (UCX-allocated shared memory: the sender writes through its mapping
+/// of the receiver's pool); otherwise they are heap pools registered with `register` (UCX puts).
 #[cfg(feature = "ucx")]
-pub async fn ucx_pair(src_layout: KvLayout, dst_layout: KvLayout, tls: &str) -> Pair {
+pub async fn ucx_pair(
+    src_layout: KvLayout,
+    dst_layout: KvLayout,
+    tls: &str,
+    allocated: bool,
+) -> Pair {
     use tandem_kv_transfer::{UcxConfig, UcxKvTransport};
     let cfg = UcxConfig {
         tls: Some(tls.to_string()),
@@ -169,10 +177,19 @@ pub async fn ucx_pair(src_layout: KvLayout, dst_layout: KvLayout, tls: &str) -> 
     };
     let sender = UcxKvTransport::new(small_chunks(), cfg.clone()).unwrap();
     let receiver = Arc::new(UcxKvTransport::new(small_chunks(), cfg).unwrap());
-    let src = sender.register(source_pool(src_layout, BLOCKS)).unwrap();
-    let dst = receiver
-        .register(Arc::new(KvPool::new(dst_layout, BLOCKS).unwrap()))
-        .unwrap();
+    let (src, dst) = if allocated {
+        let src = sender.allocate(src_layout, BLOCKS).unwrap();
+        let ids: Vec<u32> = (0..BLOCKS as u32).collect();
+        // SAFETY: the pool was just allocated; nothing else touches it.
+        unsafe { pattern::fill_blocks_shared(src.pool(), SEED, &ids) }.unwrap();
+        (src, receiver.allocate(dst_layout, BLOCKS).unwrap())
+    } else {
+        let src = sender.register(source_pool(src_layout, BLOCKS)).unwrap();
+        let dst = receiver
+            .register(Arc::new(KvPool::new(dst_layout, BLOCKS).unwrap()))
+            .unwrap();
+        (src, dst)
+    };
     let registry = InboundRegistry::new(dst, fence());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let peer = listener.local_addr().unwrap().to_string();
