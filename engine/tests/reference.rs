@@ -9,16 +9,6 @@ use tandem_engine::{KvDtype, WeightDtype};
 
 const NEW_TOKENS: usize = 24;
 
-pub fn reference_tokens(prompt: &[u32], max_new: usize) -> Vec<u32> {
-    let ids = prompt.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",");
-    let out = run_reference(
-        "llama_ref.py",
-        &["--model".into(), model_path().display().to_string(), "--ids".into(), ids, "--max-new".into(), max_new.to_string(), "--ignore-eos".into()],
-    );
-    let v: serde_json::Value = serde_json::from_str(out.trim().lines().last().unwrap()).expect("reference JSON");
-    v["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
-}
-
 #[test]
 fn greedy_tokens_match_the_numpy_reference_on_chat_and_plain_prompts() {
     let mut engine = engine(WeightDtype::F32, config(KvDtype::F32, 256));

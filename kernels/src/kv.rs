@@ -1,20 +1,27 @@
 //! Views of a paged KV pool and the cache write.
 //!
 //! Byte layout (defined by `tandem-kv-layout`): layer-major slabs, one per (layer, block):
-//! `[K: kv_heads × block_size × head_dim][V: same][Int8 only: kv_heads K scales, kv_heads V
-//! scales, f32]`, elements little-endian. A head's tokens are contiguous, so a (layer, block,
-//! head, K|V) tile is a dense `block_size × head_dim` matrix.
+//! `[K: kv_heads × block_size × head_dim][V: same][Int8 only: K scales: kv_heads × head_dim f16]
+//! [Int8 only: V scales: kv_heads × block_size f16]`, elements little-endian. A head's tokens are
+//! contiguous, so a (layer, block, head, K|V) tile is a dense `block_size × head_dim` matrix.
 //!
-//! Writes convert f32 to the layout dtype: f16/bf16 round to nearest even; Int8 is symmetric
-//! with one scale per (layer, block, K|V, head), `scale = max|x| / 127`, `q = round(x / scale)`
-//! (to nearest even), clamped to ±127.
-//! Each further requantization can add up to half a step of the new scale to older tokens' error. When a token needs a larger scale than its block
-//! has, the block's stored values are requantized to the new scale first
-//! (`q' = round(q * old / new)`). Writing offset 0 starts the block afresh (scale reset), so a
-//! recycled block never inherits a previous owner's scale.
+//! Writes convert f32 to the layout dtype: f16/bf16 round to nearest even. Int8 is symmetric,
+//! `q = round(x / scale)` (to nearest even) clamped to ±127, with KIVI's granularity:
+//! - **values**: one scale per (block, head, token), `scale = f16(max|v| / 127)`: each token is
+//!   quantised on its own and never touched again;
+//! - **keys**: one scale per (block, head, channel): key outliers sit in fixed channels, so a
+//!   per-channel scale keeps the other channels fine. A run of tokens written to a block in one
+//!   call shares scales computed over the whole run; when a later token needs a larger scale in
+//!   some channel, that channel's stored values are requantized first (`q' = round(q·old/new)`,
+//!   at most half a step of error added per requantization). Writing offset 0 starts the block
+//!   afresh, so a recycled block never inherits a previous owner's scales.
 //!
-//! Cost: `write_kv` is one pass over the new values (plus `block_size × head_dim` per
-//! requantization, which only happens while a block's scale is still growing).
+//! Scales are stored as f16 and quantisation uses the stored (rounded) value, so what is read
+//! back is exactly `q × stored_scale`. Because key scales grow with the tokens seen, Int8 KV
+//! depends on how a block's tokens were split across calls (chunking); the float dtypes do not.
+//!
+//! Cost: `write_kv` is one pass over the new values, plus `block_size` values per channel whose
+//! key scale grows.
 
 use crate::KernelError;
 use crate::error::check_len;
@@ -87,8 +94,9 @@ pub(crate) fn tile_offset(
         + head * l.head_tile_elems() * l.dtype.elem_bytes()
 }
 
-/// Byte offset of the Int8 scale of `(layer, block, head, part)`.
-pub(crate) fn scale_offset(
+/// Byte offset of the Int8 scales of `(layer, block, head)`: `head_dim` f16 key scales for K,
+/// `block_size` f16 value scales for V.
+pub(crate) fn scales_offset(
     l: &KvLayout,
     num_blocks: usize,
     layer: usize,
@@ -97,8 +105,30 @@ pub(crate) fn scale_offset(
     part: KvPart,
 ) -> usize {
     l.slab_offset(num_blocks, layer, block)
-        + 2 * l.kv_part_bytes()
-        + (part.index() * l.num_kv_heads + head) * 4
+        + match part {
+            KvPart::K => l.k_scales_offset(head),
+            KvPart::V => l.v_scales_offset(head),
+        }
+}
+
+/// Reads the little-endian f16 at `at` as f32.
+#[inline]
+pub(crate) fn read_f16(b: &[u8], at: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
+}
+
+fn write_f16(b: &mut [u8], at: usize, v: f16) {
+    b[at..at + 2].copy_from_slice(&v.to_bits().to_le_bytes());
+}
+
+/// The smallest f16 scale ≥ `need` (so `need × 127` is representable), as f16.
+fn scale_f16(need: f32) -> f16 {
+    let s = f16::from_f32(need);
+    if s.to_f32() < need {
+        f16::from_bits(s.to_bits() + 1)
+    } else {
+        s
+    }
 }
 
 pub(crate) fn read_f32(b: &[u8], at: usize) -> f32 {
@@ -201,28 +231,87 @@ pub fn write_kv(
                             .convert_from_f32_slice(x);
                         put_u16s(&mut bytes[dst_at..dst_at + 2 * hd], &tmp16);
                     }
-                    KvDtype::Int8 => {
-                        let s_at = scale_offset(&l, cache.num_blocks, layer, block, h, part);
-                        let old = if off == 0 { 0.0 } else { read_f32(bytes, s_at) };
-                        let need = abs_max(x) / 127.0;
-                        let scale = if need > old {
-                            if old > 0.0 {
-                                requantize(&mut bytes[tile..tile + bs * hd], old, need);
+                    KvDtype::Int8 => match part {
+                        // Keys are handled per run of tokens below.
+                        KvPart::K => {}
+                        KvPart::V => {
+                            let scale = scale_f16(abs_max(x) / 127.0);
+                            let s_at =
+                                scales_offset(&l, cache.num_blocks, layer, block, h, KvPart::V);
+                            write_f16(bytes, s_at + 2 * off, scale);
+                            let sf = scale.to_f32();
+                            for (d, &xv) in x.iter().enumerate() {
+                                bytes[dst_at + d] = quantize(xv, sf) as u8;
                             }
-                            need
-                        } else {
-                            old
-                        };
-                        write_f32(bytes, s_at, scale);
-                        for (d, &xv) in x.iter().enumerate() {
-                            bytes[dst_at + d] = quantize(xv, scale) as u8;
                         }
-                    }
+                    },
                 }
             }
         }
     }
+    if l.dtype == KvDtype::Int8 {
+        write_int8_keys(cache, layer, k, slots);
+    }
     Ok(())
+}
+
+/// Int8 keys: for each run of consecutive slots in one block, per (head, channel) scales over the
+/// run (and the block's earlier tokens), requantizing earlier tokens of a channel whose scale grows.
+fn write_int8_keys(cache: &mut KvCacheMut<'_>, layer: usize, k: &[f32], slots: &[usize]) {
+    let l = *cache.layout;
+    let (hd, bs, row) = (l.head_dim, l.block_size_tokens, l.num_kv_heads * l.head_dim);
+    let mut need = vec![0f32; hd];
+    let mut t0 = 0;
+    while t0 < slots.len() {
+        let (block, off0) = (slots[t0] / bs, slots[t0] % bs);
+        let mut t1 = t0 + 1;
+        while t1 < slots.len() && slots[t1] == slots[t1 - 1] + 1 && slots[t1] / bs == block {
+            t1 += 1;
+        }
+        for h in 0..l.num_kv_heads {
+            let tile = tile_offset(&l, cache.num_blocks, layer, block, h, KvPart::K);
+            let s_at = scales_offset(&l, cache.num_blocks, layer, block, h, KvPart::K);
+            let bytes = &mut *cache.bytes;
+            need.iter_mut().for_each(|n| *n = 0.0);
+            for t in t0..t1 {
+                for (n, x) in need
+                    .iter_mut()
+                    .zip(&k[t * row + h * hd..t * row + (h + 1) * hd])
+                {
+                    *n = n.max(x.abs());
+                }
+            }
+            for (c, n) in need.iter().enumerate() {
+                let old = if off0 == 0 {
+                    0.0
+                } else {
+                    read_f16(bytes, s_at + 2 * c)
+                };
+                if n / 127.0 > old {
+                    let new = scale_f16(n / 127.0);
+                    let newf = new.to_f32();
+                    if old > 0.0 {
+                        for t in 0..off0 {
+                            let b = &mut bytes[tile + t * hd + c];
+                            *b = quantize((*b as i8) as f32 * old, newf) as u8;
+                        }
+                    }
+                    write_f16(bytes, s_at + 2 * c, new);
+                } else if off0 == 0 {
+                    write_f16(bytes, s_at + 2 * c, f16::ZERO);
+                }
+            }
+            for t in t0..t1 {
+                let off = slots[t] % bs;
+                let x = &k[t * row + h * hd..t * row + (h + 1) * hd];
+                for (c, &xv) in x.iter().enumerate() {
+                    let sc = read_f16(bytes, s_at + 2 * c);
+                    bytes[tile + off * hd + c] = quantize(xv, sc) as u8;
+                }
+            }
+        }
+        t0 = t1;
+    }
 }
 
 /// `x / scale` clamped to ±127 and rounded to nearest even (by adding and subtracting
@@ -266,15 +355,9 @@ fn put_u16s(dst: &mut [u8], v: &[u16]) {
     }
 }
 
-/// Rescales stored Int8 values from scale `old` to the larger scale `new`.
-fn requantize(tile: &mut [u8], old: f32, new: f32) {
-    for b in tile {
-        *b = quantize((*b as i8) as f32 * old, new) as u8;
-    }
-}
-
 /// Reads token `offset` of block `block`, head `head`, K or V, of `layer` back as f32 into
-/// `out` (len head_dim). Int8 values come back as `q * scale`. Panics on out-of-range indices
+/// `out` (len head_dim). Int8 values come back as `q * scale` (key: the channel's scale; value:
+/// the token's). Panics on out-of-range indices
 /// or a pool of the wrong size (tests, debugging and transfer checks only).
 pub fn read_kv(
     cache: &KvCacheRef<'_>,
@@ -308,13 +391,7 @@ pub fn read_kv(
     let at = tile_offset(l, cache.num_blocks, layer, block, head, which)
         + offset * l.head_dim * l.dtype.elem_bytes();
     let b = cache.bytes;
-    let scale = match l.dtype {
-        KvDtype::Int8 => read_f32(
-            b,
-            scale_offset(l, cache.num_blocks, layer, block, head, which),
-        ),
-        _ => 1.0,
-    };
+    let scales_at = scales_offset(l, cache.num_blocks, layer, block, head, which);
     for (d, o) in out.iter_mut().enumerate() {
         *o = match l.dtype {
             KvDtype::F32 => read_f32(b, at + 4 * d),
@@ -324,7 +401,13 @@ pub fn read_kv(
             KvDtype::Bf16 => {
                 bf16::from_bits(u16::from_le_bytes([b[at + 2 * d], b[at + 2 * d + 1]])).to_f32()
             }
-            KvDtype::Int8 => (b[at + d] as i8) as f32 * scale,
+            KvDtype::Int8 => {
+                let scale = match which {
+                    KvPart::K => read_f16(b, scales_at + 2 * d),
+                    KvPart::V => read_f16(b, scales_at + 2 * offset),
+                };
+                (b[at + d] as i8) as f32 * scale
+            }
         };
     }
 }

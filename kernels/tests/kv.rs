@@ -57,9 +57,9 @@ fn written_tokens_read_back_within_the_dtype_precision() {
             KvDtype::F32 => (0.0, 0.0),
             KvDtype::F16 => (1.0 / 2048.0, 0.0),
             KvDtype::Bf16 => (1.0 / 256.0, 0.0),
-            // Half a step of the final scale (≤ 2/127) per quantization: the write and up to
-            // three requantizations (4 tokens per block).
-            KvDtype::Int8 => (0.0, 4.0 * 1.0 / 127.0),
+            // Half a step of the (f16-rounded-up) scale, ≤ 2/127 for |x| ≤ 2; whole blocks are
+            // written in one call here, so keys are never requantized.
+            KvDtype::Int8 => (0.0, 1.01 * 1.0 / 127.0),
         };
         for (t, &slot) in slots.iter().enumerate() {
             for h in 0..l.num_kv_heads {
@@ -87,27 +87,55 @@ fn written_tokens_read_back_within_the_dtype_precision() {
 }
 
 #[test]
-fn int8_requantizes_a_block_when_a_larger_token_arrives() {
+fn int8_keys_requantize_per_channel_and_values_keep_their_own_scale() {
     let l = layout(KvDtype::Int8);
     let nb = 2;
     let mut bytes = vec![0u8; l.pool_bytes(nb)];
     let row = l.num_kv_heads * l.head_dim;
     let small = vec![0.5f32; row];
-    let big = vec![4.0f32; row];
+    // Only channel 0 of every head grows; the other channels keep their fine scale.
+    let big: Vec<f32> = (0..row)
+        .map(|i| if i % l.head_dim == 0 { 4.0 } else { 0.25 })
+        .collect();
     let mut c = KvCacheMut {
         layout: &l,
         num_blocks: nb,
         bytes: &mut bytes,
     };
     write_kv(&mut c, 0, &small, &small, &[4]).unwrap(); // block 1, offset 0
-    write_kv(&mut c, 0, &big, &big, &[5]).unwrap(); // same block: scale grows 8x
-    let first = read(&l, nb, &bytes, 0, 4, 2, KvPart::V);
-    let second = read(&l, nb, &bytes, 0, 5, 2, KvPart::V);
-    assert!(second.iter().all(|&x| x == 4.0), "{second:?}");
-    // 0.5 on a 4/127 grid: 16 steps of 0.031496 = 0.50394.
+    write_kv(&mut c, 0, &big, &big, &[5]).unwrap(); // same block: channel 0's key scale grows 8x
+    let (k1, k2) = (
+        read(&l, nb, &bytes, 0, 4, 2, KvPart::K),
+        read(&l, nb, &bytes, 0, 5, 2, KvPart::K),
+    );
+    let (v1, v2) = (
+        read(&l, nb, &bytes, 0, 4, 2, KvPart::V),
+        read(&l, nb, &bytes, 0, 5, 2, KvPart::V),
+    );
+    // Channel 0 was requantized onto the 4/127 grid: within one step of it.
+    assert!((k1[0] - 0.5).abs() <= 4.0 / 127.0, "{}", k1[0]);
+    assert!((k2[0] - 4.0).abs() <= 0.5 * 4.0 / 127.0 * 1.01, "{}", k2[0]);
+    // Other channels kept the 0.5/127 grid.
     assert!(
-        first.iter().all(|&x| (x - 0.5).abs() <= 2.0 / 127.0),
-        "{first:?}"
+        k1[1..].iter().all(|&x| (x - 0.5).abs() <= 0.5 / 127.0),
+        "{k1:?}"
+    );
+    assert!(
+        k2[1..]
+            .iter()
+            .all(|&x| (x - 0.25).abs() <= 0.5 * 0.5 / 127.0 * 1.01),
+        "{k2:?}"
+    );
+    // Values: each token on its own scale, never requantized.
+    assert!(
+        v1.iter()
+            .all(|&x| (x - 0.5).abs() <= 0.5 * 0.5 / 127.0 * 1.01),
+        "{v1:?}"
+    );
+    assert!(
+        (v2[0] - 4.0).abs() <= 0.5 * 4.0 / 127.0 * 1.01
+            && (v2[1] - 0.25).abs() <= 0.5 * 4.0 / 127.0 * 1.01,
+        "{v2:?}"
     );
 }
 

@@ -13,7 +13,8 @@
 //! pool = [layer 0: block 0 | block 1 | ... | block N-1] [layer 1: ...] ... [layer L-1: ...]
 //! one (layer, block) slab = [K: kv_heads × block_size × head_dim elems]
 //!                           [V: kv_heads × block_size × head_dim elems]
-//!                           [scales: 2 × kv_heads f32 (Int8 only: K scales then V scales)]
+//!                           [Int8 only: K scales: kv_heads × head_dim f16 (one per channel)]
+//!                           [Int8 only: V scales: kv_heads × block_size f16 (one per token)]
 //! ```
 //!
 //! Layer-major order makes "layer `l` of a run of consecutive blocks" a single contiguous range,
@@ -21,9 +22,13 @@
 //! Within a slab, a head's tokens are contiguous (`[token][dim]`), so the paged-attention kernel
 //! walks one block of one head as a dense `block_size × head_dim` tile.
 //!
+//! Int8 follows KIVI's split: keys are quantised per channel (their outliers live in fixed
+//! channels), values per token. Both scale sets live inside the block, so a transfer moves them
+//! with the data and the block checksum covers them.
+//!
 //! # Invariants
-//! - `slab_bytes()` is a multiple of 4, so every slab, and the f32 scales at its end, stay
-//!   4-byte aligned when the pool base is.
+//! - `slab_bytes()` is a multiple of 4, so every slab starts 4-byte aligned when the pool base is
+//!   (the f16 scales inside are 2-byte aligned; the kernels read them unaligned anyway).
 //! - [`KvLayout::fingerprint`] is stable across processes, machines and releases: it hashes a
 //!   fixed little-endian encoding, never a `Debug` string or a `Hash` impl.
 
@@ -40,7 +45,8 @@ pub enum KvDtype {
     F16,
     /// 2-byte bfloat16.
     Bf16,
-    /// Signed 8-bit with one f32 scale per (layer, block, K/V, kv head): `x ≈ q × scale`.
+    /// Signed 8-bit, `x ≈ q × scale`, with f16 scales stored in the block: keys one scale per
+    /// (head, channel), values one per (head, token).
     Int8,
 }
 
@@ -168,12 +174,23 @@ impl KvLayout {
         self.num_kv_heads * self.head_tile_elems() * self.dtype.elem_bytes()
     }
 
-    /// Bytes of the per-head scales at the end of a slab (0 unless Int8).
+    /// Bytes of the f16 scales at the end of a slab (0 unless Int8): per head, `head_dim` key
+    /// scales and `block_size` value scales.
     pub const fn scale_bytes(&self) -> usize {
         match self.dtype {
-            KvDtype::Int8 => 2 * self.num_kv_heads * 4,
+            KvDtype::Int8 => 2 * self.num_kv_heads * (self.head_dim + self.block_size_tokens),
             _ => 0,
         }
+    }
+
+    /// Offset within a slab of head `head`'s `head_dim` f16 key scales (Int8).
+    pub const fn k_scales_offset(&self, head: usize) -> usize {
+        2 * self.kv_part_bytes() + 2 * head * self.head_dim
+    }
+
+    /// Offset within a slab of head `head`'s `block_size` f16 value scales (Int8).
+    pub const fn v_scales_offset(&self, head: usize) -> usize {
+        2 * self.kv_part_bytes() + 2 * self.num_kv_heads * self.head_dim + 2 * head * self.block_size_tokens
     }
 
     /// Bytes of one (layer, block) slab: K, then V, then scales (Int8 only). Always a multiple of 4.
@@ -276,8 +293,9 @@ mod tests {
         let bf16 = KvLayout::new(30, 3, 64, 16, KvDtype::Bf16, 0).unwrap();
         let int8 = KvLayout { dtype: KvDtype::Int8, ..bf16 };
         let ratio = int8.bytes_per_token() / bf16.bytes_per_token();
-        // 1024 data bytes + 8 bytes of scales per head per block vs 2048 bytes.
-        assert!(ratio < 0.505, "ratio {ratio}");
+        // Per head and block: 2 × 1024 data bytes + (64 + 16) f16 scales vs 4096 bytes.
+        assert!((ratio - 2208.0 / 4096.0).abs() < 1e-9, "ratio {ratio}");
+        assert_eq!(int8.v_scales_offset(2) + 2 * 16, int8.slab_bytes());
         assert_eq!(int8.slab_bytes() % 4, 0);
     }
 

@@ -112,3 +112,15 @@ pub fn test_prompts(engine: &Engine) -> Vec<Vec<u32>> {
     }
     out
 }
+
+/// Greedy tokens of the independent numpy reference (tests/reference/llama_ref.py), EOS ignored.
+pub fn reference_tokens(prompt: &[u32], max_new: usize) -> Vec<u32> {
+    let ids = prompt.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",");
+    let out = run_reference(
+        "llama_ref.py",
+        &["--model".into(), model_path().display().to_string(), "--ids".into(), ids, "--max-new".into(), max_new.to_string(), "--ignore-eos".into()],
+    );
+    let v: serde_json::Value = serde_json::from_str(out.trim().lines().last().unwrap()).expect("reference JSON");
+    v["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
+}
+

@@ -6,7 +6,7 @@
 
 use super::dispatch::{MAX_TILES, accumulate_v, scores};
 use super::{AttnSeq, Task, V_GROUP};
-use crate::kv::{KvCacheRef, KvPart, read_f32, scale_offset, tile_offset};
+use crate::kv::{KvCacheRef, KvPart, read_f16, scales_offset, tile_offset};
 use crate::simd::{Isa, prefetch};
 use tandem_kv_layout::KvDtype;
 
@@ -55,26 +55,23 @@ impl Rows<'_> {
     }
 }
 
-/// Byte range of the K or V tile of block `b` (table index) for the task's KV head.
+/// Byte range of the K or V tile of block `b` (table index) for the task's KV head, and for
+/// Int8 the byte offset of its f16 scales (K: one per channel; V: one per token).
 fn tile<'c>(
     cache: &KvCacheRef<'c>,
     layer: usize,
     rows: &Rows<'_>,
     b: usize,
     part: KvPart,
-) -> (&'c [u8], Option<f32>) {
+) -> (&'c [u8], Option<usize>) {
     let l = cache.layout;
     let block = rows.seq.block_table[b] as usize;
     let at = tile_offset(l, cache.num_blocks, layer, block, rows.task.kv_head, part);
-    let scale = (l.dtype == KvDtype::Int8).then(|| {
-        read_f32(
-            cache.bytes,
-            scale_offset(l, cache.num_blocks, layer, block, rows.task.kv_head, part),
-        )
-    });
+    let scales = (l.dtype == KvDtype::Int8)
+        .then(|| scales_offset(l, cache.num_blocks, layer, block, rows.task.kv_head, part));
     (
         &cache.bytes[at..at + rows.bs * l.head_dim * l.dtype.elem_bytes()],
-        scale,
+        scales,
     )
 }
 
@@ -114,18 +111,34 @@ pub(super) unsafe fn score_block(
     s: *mut f32,
     stride: usize,
 ) {
-    let (ktile, kscale) = tile(cache, layer, rows, b, KvPart::K);
+    let (ktile, kscales) = tile(cache, layer, rows, b, KvPart::K);
     let (hd, esz) = (rows.hd, cache.layout.dtype.elem_bytes());
+    // Int8 keys carry one scale per channel: fold it into the query (q'_c = q_c · s_c), so the
+    // score is dot(q', k_int8) with a unit scale.
+    let mut qs = Vec::new();
     for r in 0..rows.len() {
         let n = rows.valid(r, b);
         if n > 0 {
+            let qr = &q[rows.at(r)..rows.at(r) + hd];
+            let (qr, kscale) = match kscales {
+                Some(at) => {
+                    qs.clear();
+                    qs.extend(
+                        qr.iter()
+                            .enumerate()
+                            .map(|(c, &x)| x * read_f16(cache.bytes, at + 2 * c)),
+                    );
+                    (&qs[..], Some(1.0))
+                }
+                None => (qr, None),
+            };
             // SAFETY: per the contract this (row, block) range is ours; `ktile` holds n tokens.
             unsafe {
                 let srow = std::slice::from_raw_parts_mut(s.add(r * stride + b * rows.bs), n);
                 scores(
                     isa,
                     cache.layout.dtype,
-                    &q[rows.at(r)..rows.at(r) + hd],
+                    qr,
                     &ktile[..n * hd * esz],
                     n,
                     kscale,
@@ -181,18 +194,16 @@ pub(super) unsafe fn v_blocks(
             }
         }
         let mut tiles: [&[u8]; MAX_TILES] = [&[]; MAX_TILES];
-        let mut scales = [0.0f32; MAX_TILES];
+        // Int8: every token's value scale, tile by tile (`bs` per tile).
+        let mut vscales = Vec::new();
         for (i, b) in chunk.clone().enumerate() {
             let (t, s) = tile(cache, layer, rows, b, KvPart::V);
             tiles[i] = t;
-            scales[i] = s.unwrap_or(1.0);
+            if let Some(at) = s {
+                vscales.extend((0..bs).map(|t| read_f16(cache.bytes, at + 2 * t)));
+            }
         }
         let k = chunk.len();
-        let scales = if dt == KvDtype::Int8 {
-            &scales[..k]
-        } else {
-            &[][..]
-        };
         // Spans (first row, end row, first token, end token) of this chunk, relative to it.
         let mut spans = [(0usize, 0usize, 0usize, 0usize); V_GROUP + 1];
         for g0 in (0..n_rows).step_by(V_GROUP) {
@@ -236,6 +247,12 @@ pub(super) unsafe fn v_blocks(
                     (&tiles[..k], bs)
                 } else {
                     (&one, to - from)
+                };
+                // Scales of exactly the tokens passed: all of each tile, or `from..to` of one.
+                let scales = match (dt == KvDtype::Int8, k > 1) {
+                    (false, _) => &[][..],
+                    (true, true) => &vscales[..],
+                    (true, false) => &vscales[from..to],
                 };
                 // SAFETY: each tile holds n tokens; only the first r1 - r0 (distinct) rows are used.
                 unsafe {

@@ -79,7 +79,7 @@ pub(super) const MAX_TILES: usize = 16;
 /// Each of `tiles` (≤ `MAX_TILES`) holds `n` tokens of `hd` elements; each `e` row has
 /// `tiles.len() * n` weights; each `acc` row points at `hd` rounded up to 16 floats, whose `dims`
 /// are not accessed elsewhere during the call; `dims` starts at a multiple of 16 and ends at one
-/// or at `hd`; `scales` is empty or one Int8 V scale per tile. `e.len() <= 4`.
+/// or at `hd`; `scales` is empty or one Int8 V scale per token (`tiles.len() * n`). `e.len() <= 4`.
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn accumulate_v(
     isa: Isa,

@@ -5,9 +5,9 @@
 //! gather into a contiguous copy). Canonical order per (query, head):
 //!
 //! 1. `s_t = dot(q, k_t) * scale` for `t = 0..=p` (16-lane dot + fixed tree; Int8:
-//!    `(dot(q, k_t) * kscale_block) * scale`);
+//!    `(dot(q ⊙ kscales, k_t) * 1) * scale`, the per-channel key scales folded into the query);
 //! 2. `m = max_t s_t`; `e_t = exp(s_t - m)`; `sum` = 16-lane sum of `e_t`, lane `t % 16`;
-//! 3. `acc = fma(e_t, v_t, acc)` over `t` ascending (Int8: weight `e_t * vscale_block`);
+//! 3. `acc = fma(e_t, v_t, acc)` over `t` ascending (Int8: weight `e_t * vscale_t`, the token's scale);
 //! 4. `out = acc / sum`.
 //!
 //! So a query's output depends only on its position and the KV it reads: not on the other

@@ -287,7 +287,7 @@ pub(crate) unsafe fn accumulate_v<const DT: u8, const G: usize>(
                         kv16::<DT>(tile, t * hd + c, hd - c).0
                     };
                     for g in 0..G {
-                        let w = tiles.weight(i, e[g][i * tiles.n + t]);
+                        let w = tiles.weight(i, t, e[g][i * tiles.n + t]);
                         a[g] = _mm256_fmadd_ps(_mm256_set1_ps(w), v, a[g]);
                     }
                 }

@@ -140,7 +140,7 @@ pub(crate) fn prefetch(bytes: &[u8]) {
 }
 
 /// V tiles of consecutive KV blocks for one accumulation call: `n` tokens of each tile, in
-/// order; `scales[i]` is tile `i`'s Int8 V scale (empty for float KV).
+/// order; `scales[i * n + t]` is token `t` of tile `i`'s Int8 V scale (empty for float KV).
 #[derive(Clone, Copy)]
 pub(crate) struct VTiles<'a> {
     pub(crate) ptrs: &'a [*const u8],
@@ -153,13 +153,14 @@ impl VTiles<'_> {
     pub(crate) fn tokens(&self) -> usize {
         self.ptrs.len() * self.n
     }
-    /// The weight multiplier of tile `i`: `e * scale` for Int8, `e` otherwise.
+    /// The weight of token `t` of tile `i`: `e * scale` for Int8 (the token's value scale),
+    /// `e` otherwise.
     #[inline]
-    pub(crate) fn weight(&self, i: usize, e: f32) -> f32 {
+    pub(crate) fn weight(&self, i: usize, t: usize, e: f32) -> f32 {
         if self.scales.is_empty() {
             e
         } else {
-            e * self.scales[i]
+            e * self.scales[i * self.n + t]
         }
     }
 }

@@ -259,7 +259,7 @@ pub(crate) fn softmax_weights(s: &mut [f32]) -> f32 {
 
 /// `acc[r][d] = fma(w_r(t), v_t[d], acc[r][d])` over the tokens `t` of `tiles` in order, `d`
 /// in `dims` (`acc[r]` holds just those dims), rows `r` of `e` (each `e[r][t]`), where
-/// `w_r(t) = e[r][t]` (float KV) or `e[r][t] * vscale_tile` (Int8).
+/// `w_r(t) = e[r][t]` (float KV) or `e[r][t] * vscale[i * n + t]` (Int8: the token's value scale).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn accumulate_v(
     e: &[&[f32]],
@@ -278,7 +278,7 @@ pub(crate) fn accumulate_v(
                 let w = if scales.is_empty() {
                     et
                 } else {
-                    et * scales[i]
+                    et * scales[i * n + t]
                 };
                 for d in dims.clone() {
                     ar[d - dims.start] = w.mul_add(load(tile, t * hd + d), ar[d - dims.start]);
