@@ -323,7 +323,7 @@ async fn fill(
             }
         }
         session.check_chunk(sent, end, checksums.len(), chunk_bytes)?;
-        let done = session.verify_chunk(sent, end, |i| checksums[i])?;
+        let done = session.verify_chunk(sent, end, &checksums)?;
         offset += chunk_bytes;
         seq += 1;
         sent = end;

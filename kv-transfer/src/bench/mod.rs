@@ -6,8 +6,11 @@
 //! (outside the timed region, as a router's reserve RPC would be), and times `push` → receiver's
 //! `Done`. The first warm-up transfer is checked byte for byte by the receiver.
 //!
-//! Baselines (skipped with `--no-baseline`): for UCX, `ucx_perftest -t ucp_put_bw` at the size of
-//! our puts (one layer of the contiguous block run, `blocks × slab bytes`), same `UCX_TLS`; for
+//! Baselines (skipped with `--no-baseline`): for UCX, `ucx_perftest -t ucp_put_bw` (same
+//! `UCX_TLS`) twice: at our message size (one chunk: the bytes written and then committed with one
+//! `Chunk` frame, `--max-chunk-bytes` rounded to whole layers) and at the whole transfer's size.
+//! perftest reuses one buffer per message, so at small sizes it copies cache-resident data while
+//! a transfer streams a pool from DRAM; the whole-transfer run has the same working set. For
 //! TCP, a plain loopback socket copy of the same bytes per iteration to `tandem-kv-peer sink`,
 //! written in `--max-chunk-bytes` pieces; for both, `memcpy` of the same bytes in-process.
 //! `--compute-ms-per-layer` adds streamed runs where layers become ready one by one at that pace,
@@ -148,7 +151,8 @@ pub struct BenchReport {
     pub iterations: usize,
     /// Payload bytes per transfer.
     pub bytes: u64,
-    /// Bytes per put/write of one layer of the block run (the baselines' message size).
+    /// Bytes per chunk (written, then committed with one descriptor): the message size the
+    /// perftest baseline uses.
     pub message_bytes: usize,
     /// Median payload rate, 1e9 bytes/s.
     pub gb_per_s: f64,
@@ -162,9 +166,16 @@ pub struct BenchReport {
     /// Plain loopback socket copy of `bytes` (TCP only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub socket_gb_per_s: Option<f64>,
-    /// `gb_per_s` over the transport's baseline (perftest for UCX, socket copy for TCP).
+    /// `gb_per_s` over the transport's baseline (perftest at `message_bytes` for UCX, socket
+    /// copy for TCP).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ratio: Option<f64>,
+    /// `ucx_perftest ucp_put_bw` with one message of the whole transfer's `bytes` (UCX only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub perftest_transfer_gb_per_s: Option<f64>,
+    /// `gb_per_s` over `perftest_transfer_gb_per_s`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ratio_transfer: Option<f64>,
     /// In-process memcpy of `bytes`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub memcpy_gb_per_s: Option<f64>,
@@ -259,17 +270,24 @@ async fn run_async(args: &BenchTransferArgs) -> anyhow::Result<BenchReport> {
     peer.quit().await?;
     drop(src);
 
-    let message_bytes = layout.slab_bytes() * args.blocks;
-    let (mut perftest, mut socket, mut memcpy) = (None, None, None);
+    let layer_bytes = layout.slab_bytes() * args.blocks;
+    let message_bytes = crate::transport::layers_per_chunk(
+        layout.slab_bytes(),
+        args.blocks,
+        args.transport.max_chunk_bytes,
+    )
+    .min(layout.num_layers as u32) as usize
+        * layer_bytes;
+    let (mut perftest, mut perftest_transfer, mut socket, mut memcpy) = (None, None, None, None);
     if !args.no_baseline {
         match args.transport.transport {
             TransportKind::Ucx => {
+                let tls = args.transport.ucx_tls.as_deref();
                 let total = bytes as usize * args.iterations;
                 let n = (total / message_bytes).clamp(50, 20_000);
-                perftest = Some(
-                    baseline::perftest_put_bw(message_bytes, n, args.transport.ucx_tls.as_deref())
-                        .await?,
-                );
+                perftest = Some(baseline::perftest_put_bw(message_bytes, n, tls).await?);
+                let n = args.iterations.max(10);
+                perftest_transfer = Some(baseline::perftest_put_bw(bytes as usize, n, tls).await?);
             }
             TransportKind::Tcp => {
                 let s = baseline::socket_copy(
@@ -287,6 +305,7 @@ async fn run_async(args: &BenchTransferArgs) -> anyhow::Result<BenchReport> {
         memcpy = Some(baseline::memcpy_gb_per_s(&pool, bytes as usize, 5));
     }
     let ratio = perftest.or(socket).map(|b| stats.gb_per_s / b);
+    let ratio_transfer = perftest_transfer.map(|b| stats.gb_per_s / b);
     Ok(BenchReport {
         transport: args.transport.transport.as_str(),
         data_mode,
@@ -302,6 +321,8 @@ async fn run_async(args: &BenchTransferArgs) -> anyhow::Result<BenchReport> {
         perftest_gb_per_s: perftest,
         socket_gb_per_s: socket,
         ratio,
+        perftest_transfer_gb_per_s: perftest_transfer,
+        ratio_transfer,
         memcpy_gb_per_s: memcpy,
         streaming,
     })
@@ -353,7 +374,7 @@ fn print_text(r: &BenchReport) {
         r.transport, r.data_mode, r.layout, r.blocks, r.block_tokens, r.iterations
     );
     println!(
-        "  payload per transfer: {} bytes; message (one layer of the run): {} bytes",
+        "  payload per transfer: {} bytes; message (one chunk): {} bytes",
         r.bytes, r.message_bytes
     );
     println!(
@@ -371,6 +392,12 @@ fn print_text(r: &BenchReport) {
     }
     if let Some(x) = r.ratio {
         println!("  ratio to baseline: {:.3}", x);
+    }
+    if let (Some(p), Some(x)) = (r.perftest_transfer_gb_per_s, r.ratio_transfer) {
+        println!(
+            "  ucx_perftest ucp_put_bw at {} bytes (whole transfer): {:.2} GB/s, ratio {:.3}",
+            r.bytes, p, x
+        );
     }
     if let Some(m) = r.memcpy_gb_per_s {
         println!("  memcpy of the same bytes: {:.2} GB/s", m);

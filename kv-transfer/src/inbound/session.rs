@@ -91,42 +91,79 @@ impl InboundSession {
         (off, run.len as usize * pool.layout().slab_bytes())
     }
 
-    /// Verifies every slab of layers `layer_start..layer_end` (a range [`Self::check_chunk`]
-    /// accepted) against the sender's checksums (`expected(i)`, layer-major). Returns true when
-    /// every layer of the transfer has now verified.
-    pub fn verify_chunk(
+    /// A job computing XXH3 of every destination slab of layers `layer_start..layer_end`
+    /// (layer-major), to run off the connection's task once those bytes have landed.
+    ///
+    /// The job reads the claimed destination blocks: the caller must let it finish before the
+    /// session does (the fence also covers readers).
+    pub fn hasher(
+        &self,
+        layer_start: u32,
+        layer_end: u32,
+    ) -> impl FnOnce() -> Result<Vec<u64>, TransferError> + Send + 'static {
+        let pool = Arc::clone(self.pool());
+        let dst = Arc::clone(&self.dst_blocks);
+        move || {
+            let mut sums = Vec::with_capacity((layer_end - layer_start) as usize * dst.len());
+            for layer in layer_start..layer_end {
+                for &b in dst.iter() {
+                    // SAFETY: this slab belongs to a reservation claimed by the session, which
+                    // outlives the job; its bytes have landed and nobody writes them now.
+                    sums.push(slab_checksum(unsafe { pool.slab(layer as usize, b) }?));
+                }
+            }
+            Ok(sums)
+        }
+    }
+
+    /// Compares landed slabs' checksums (`actual`) with the sender's (`expected`), both
+    /// layer-major over layers `layer_start..layer_end` (a range [`Self::check_chunk`]
+    /// accepted). Returns true when every layer of the transfer has now verified.
+    pub fn accept_chunk(
         &mut self,
         layer_start: u32,
         layer_end: u32,
-        expected: impl Fn(usize) -> u64,
+        actual: &[u64],
+        expected: &[u64],
     ) -> Result<bool, TransferError> {
         let n = self.num_blocks();
-        let pool = Arc::clone(self.pool());
-        for layer in layer_start..layer_end {
-            for (i, &dst) in self.dst_blocks.iter().enumerate() {
-                let idx = (layer - layer_start) as usize * n + i;
-                // SAFETY: this slab belongs to a reservation claimed by this session; the pool
-                // contract keeps every other reader and writer away until the session finishes,
-                // and the data path that wrote it has completed (read done / put flushed).
-                let bytes = unsafe { pool.slab(layer as usize, dst) }?;
-                let actual = slab_checksum(bytes);
-                let want = expected(idx);
-                if actual != want {
-                    return Err(TransferError::ChecksumMismatch {
-                        layer,
-                        block: dst,
-                        expected: want,
-                        actual,
-                    });
-                }
-                self.slab_sums[layer as usize * n + i] = actual;
+        let slabs = (layer_end - layer_start) as usize * n;
+        if actual.len() != slabs || expected.len() != slabs {
+            return Err(TransferError::protocol(
+                "chunk_size",
+                format!("{} of {slabs} checksums", actual.len()),
+            ));
+        }
+        for (idx, (&a, &e)) in actual.iter().zip(expected).enumerate() {
+            if a != e {
+                let layer = layer_start + (idx / n) as u32;
+                let block = self.dst_blocks[idx % n];
+                return Err(TransferError::ChecksumMismatch {
+                    layer,
+                    block,
+                    expected: e,
+                    actual: a,
+                });
             }
         }
-        let bytes = (layer_end - layer_start) as u64 * n as u64 * pool.layout().slab_bytes() as u64;
+        let first = layer_start as usize * n;
+        self.slab_sums[first..first + slabs].copy_from_slice(actual);
+        let bytes = slabs as u64 * self.pool().layout().slab_bytes() as u64;
         self.bytes += bytes;
         self.registry.inner.metrics.add_received(bytes);
         self.layers_verified += layer_end - layer_start;
         Ok(self.layers_verified == self.num_layers)
+    }
+
+    /// Hashes layers `layer_start..layer_end` here and accepts them (see [`Self::accept_chunk`]).
+    pub fn verify_chunk(
+        &mut self,
+        layer_start: u32,
+        layer_end: u32,
+        expected: &[u64],
+    ) -> Result<bool, TransferError> {
+        let actual = self.hasher(layer_start, layer_end)()?;
+        self.accept_chunk(layer_start, layer_end, &actual, expected)
     }
 
     /// Per-block checksums across layers (valid once every layer verified).

@@ -8,7 +8,7 @@ use tokio::io::AsyncReadExt;
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::sync::oneshot;
 
-use super::server::{End, Landing, ServerConn};
+use super::server::{End, Landing, LandingDone, ServerConn};
 use crate::error::TransferError;
 use crate::inbound::InboundSession;
 use crate::wire::{DataMode, Done, FrameReader, Msg};
@@ -47,9 +47,13 @@ impl ServerConn {
                     _ = self.kill.cancelled() => Err(std::io::ErrorKind::ConnectionAborted.into()),
                 };
                 r.map_err(|e| End::Gone(e.kind()))?;
-                self.verify(id, layer_start, layer_end, &checksums).await
+                self.hash_landed(id, layer_start, layer_end, checksums);
+                Ok(())
             }
-            DataMode::Rma => self.verify(id, layer_start, layer_end, &checksums).await,
+            DataMode::Rma => {
+                self.hash_landed(id, layer_start, layer_end, checksums);
+                Ok(())
+            }
             DataMode::Tag => {
                 let done = self.post_tag_recvs(id, layer_start, layer_end, false)?;
                 self.landing.push_back(Landing {
@@ -58,7 +62,7 @@ impl ServerConn {
                     layer_end,
                     checksums,
                     discard: false,
-                    done,
+                    done: LandingDone::Received(done),
                 });
                 Ok(())
             }
@@ -99,7 +103,7 @@ impl ServerConn {
                         layer_end,
                         checksums: Vec::new(),
                         discard: true,
-                        done,
+                        done: LandingDone::Received(done),
                     });
                 }
                 // A transfer that already ended sends no more tagged data: its sender fenced.
@@ -162,14 +166,38 @@ impl ServerConn {
         )))
     }
 
-    pub(super) async fn landed(&mut self, l: Landing, result: Result<(), TransferError>) {
+    /// Queues hashing of a chunk whose bytes have landed (off this task; see [`LandingDone`]).
+    fn hash_landed(&mut self, id: u64, layer_start: u32, layer_end: u32, checksums: Vec<u64>) {
+        let active = self.sessions.get(&id).expect("caller checked");
+        let job = tokio::task::spawn_blocking(active.session.hasher(layer_start, layer_end));
+        self.landing.push_back(Landing {
+            transfer_id: id,
+            layer_start,
+            layer_end,
+            checksums,
+            discard: false,
+            done: LandingDone::Hashed(job),
+        });
+    }
+
+    pub(super) async fn landed(
+        &mut self,
+        l: Landing,
+        result: Result<Option<Vec<u64>>, TransferError>,
+    ) {
         if l.discard {
             return;
         }
         match result {
-            Ok(()) => {
+            Ok(actual) => {
                 if let Err(End::Gone(_) | End::Protocol(_)) = self
-                    .verify(l.transfer_id, l.layer_start, l.layer_end, &l.checksums)
+                    .verify(
+                        l.transfer_id,
+                        l.layer_start,
+                        l.layer_end,
+                        &l.checksums,
+                        actual,
+                    )
                     .await
                 {
                     self.kill.cancel();
@@ -183,21 +211,28 @@ impl ServerConn {
         }
     }
 
-    /// Verifies landed layers; completes the session or asks its writer to abort.
+    /// Verifies landed layers (hashing them here unless `actual` has their checksums);
+    /// completes the session or asks its writer to abort.
     async fn verify(
         &mut self,
         id: u64,
         layer_start: u32,
         layer_end: u32,
         checksums: &[u64],
+        actual: Option<Vec<u64>>,
     ) -> Result<(), End> {
         let Some(active) = self.sessions.get_mut(&id) else {
             return Ok(());
         };
-        match active
-            .session
-            .verify_chunk(layer_start, layer_end, |i| checksums[i])
-        {
+        let verdict = match actual {
+            Some(actual) => active
+                .session
+                .accept_chunk(layer_start, layer_end, &actual, checksums),
+            None => active
+                .session
+                .verify_chunk(layer_start, layer_end, checksums),
+        };
+        match verdict {
             Ok(false) => Ok(()),
             Ok(true) => {
                 let active = self.sessions.remove(&id).expect("present");

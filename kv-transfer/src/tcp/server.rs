@@ -208,15 +208,38 @@ pub(super) struct Active {
     pub(super) tag_index: u64,
 }
 
-/// Tagged receives posted for one chunk, still landing.
+/// A chunk still landing or being verified, in arrival order.
 pub(super) struct Landing {
     pub(super) transfer_id: u64,
     pub(super) layer_start: u32,
     pub(super) layer_end: u32,
+    /// The sender's checksums.
     pub(super) checksums: Vec<u64>,
     /// Into scratch memory (a transfer being drained), not into destination blocks.
     pub(super) discard: bool,
-    pub(super) done: oneshot::Receiver<Result<(), TransferError>>,
+    pub(super) done: LandingDone,
+}
+
+/// What a [`Landing`] waits for.
+pub(super) enum LandingDone {
+    /// UCX tagged receives into the destination slabs (hashed once they complete).
+    Received(oneshot::Receiver<Result<(), TransferError>>),
+    /// Bytes already landed; their checksums computed on a blocking thread, so the connection
+    /// keeps reading the next chunk meanwhile.
+    Hashed(tokio::task::JoinHandle<Result<Vec<u64>, TransferError>>),
+}
+
+impl LandingDone {
+    /// Waits for it: `Some(checksums)` when already hashed.
+    async fn wait(&mut self) -> Result<Option<Vec<u64>>, TransferError> {
+        match self {
+            LandingDone::Received(rx) => rx
+                .await
+                .unwrap_or(Err(TransferError::Shutdown))
+                .map(|()| None),
+            LandingDone::Hashed(job) => job.await.unwrap_or(Err(TransferError::Shutdown)).map(Some),
+        }
+    }
 }
 
 /// Why a connection's loop ended.
@@ -295,9 +318,9 @@ impl ServerConn {
             let frame = tokio::select! {
                 biased;
                 _ = self.kill.cancelled() => return End::Gone(std::io::ErrorKind::ConnectionAborted),
-                r = async { (&mut self.landing.front_mut().expect("guarded").done).await }, if !self.landing.is_empty() => {
+                r = async { self.landing.front_mut().expect("guarded").done.wait().await }, if !self.landing.is_empty() => {
                     let l = self.landing.pop_front().expect("non-empty");
-                    self.landed(l, r.unwrap_or(Err(TransferError::Shutdown))).await;
+                    self.landed(l, r).await;
                     continue;
                 }
                 f = reader.next() => f,
@@ -404,7 +427,8 @@ impl ServerConn {
         }
     }
 
-    /// Cancels and waits out tagged receives of one transfer (or all).
+    /// Cancels tagged receives of one transfer (or all) and waits out everything still landing
+    /// or being hashed for it: afterwards nothing touches its destination blocks.
     async fn release_landings(&mut self, id: Option<u64>) {
         if !self
             .landing
@@ -428,13 +452,13 @@ impl ServerConn {
         }
         let fence = self.net.config.fence_timeout;
         let mut keep = VecDeque::new();
-        for l in self.landing.drain(..) {
+        for mut l in self.landing.drain(..) {
             if id.is_none_or(|id| l.transfer_id == id) {
-                if tokio::time::timeout(fence, l.done).await.is_err() {
+                if tokio::time::timeout(fence, l.done.wait()).await.is_err() {
                     tracing::error!(
                         peer = self.peer,
                         transfer = l.transfer_id,
-                        "tagged receive did not cancel in time"
+                        "landing chunk did not finish in time"
                     );
                 }
             } else {

@@ -121,8 +121,17 @@ struct RtInner {
 
 impl Drop for RtInner {
     fn drop(&mut self) {
-        let _ = self.tx.send(Cmd::Shutdown);
+        let _ = self
+            .tx
+            .try_send(Cmd::Shutdown)
+            .or_else(|_| self.tx.send(Cmd::Shutdown));
         self.thread.unpark();
+        // The last handle can go on the progress thread itself (a pool whose memory UCX
+        // allocated, dropped with a finished batch): it then exits after this command; joining
+        // itself would deadlock.
+        if std::thread::current().id() == self.thread.id() {
+            return;
+        }
         if let Some(t) = self.join.lock().unwrap_or_else(|p| p.into_inner()).take() {
             let _ = t.join();
         }
