@@ -325,14 +325,93 @@ fn say(line: &str) {
     let _ = out.flush();
 }
 
-/// Where the peer binary is: `$TANDEM_KV_PEER_BIN`, else `tandem-kv-peer` next to this executable.
-pub fn default_peer_bin() -> Option<PathBuf> {
-    if let Ok(p) = std::env::var("TANDEM_KV_PEER_BIN") {
-        return Some(PathBuf::from(p));
+/// The `tandem-kv-peer` command line (also reachable through a host binary's subcommand).
+#[derive(clap::Parser)]
+#[command(
+    name = "tandem-kv-peer",
+    about = "KV transfer peer process (tests and benchmarks)"
+)]
+pub struct PeerCli {
+    /// What to run.
+    #[command(subcommand)]
+    pub cmd: PeerCmd,
+}
+
+/// The peer's subcommands.
+#[derive(clap::Subcommand)]
+pub enum PeerCmd {
+    /// Receive into reservations made over stdin.
+    Serve(ServeArgs),
+    /// Push blocks once.
+    Push(PushArgs),
+    /// Plain-socket baseline receiver.
+    Sink,
+    /// The `tandem bench-transfer` benchmark.
+    Bench(crate::bench::BenchTransferArgs),
+}
+
+/// Parses `args` (program name first) as [`PeerCli`] and runs it: the whole of `tandem-kv-peer`.
+/// A host binary (the `tandem` CLI) can route a hidden `kv-peer` subcommand here, and the bench
+/// then needs no separate binary (see [`PeerCommand::find`]).
+pub fn run_cli<I, T>(args: I) -> anyhow::Result<()>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let cli = <PeerCli as clap::Parser>::parse_from(args);
+    if let PeerCmd::Bench(args) = cli.cmd {
+        crate::bench::run(args)?;
+        return Ok(());
     }
-    let exe = std::env::current_exe().ok()?;
-    let sibling = exe.with_file_name("tandem-kv-peer");
-    sibling.exists().then_some(sibling)
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        match cli.cmd {
+            PeerCmd::Serve(a) => serve(a).await,
+            PeerCmd::Push(a) => push(a).await,
+            PeerCmd::Sink => sink().await,
+            PeerCmd::Bench(_) => unreachable!("handled above"),
+        }
+    })
+}
+
+/// How to start a peer process: a program and the arguments that select the peer in it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerCommand {
+    /// The executable.
+    pub program: PathBuf,
+    /// Arguments before the peer's own (`["kv-peer"]` for a host binary's subcommand).
+    pub prefix: Vec<String>,
+}
+
+impl PeerCommand {
+    /// `$TANDEM_KV_PEER_BIN`; else `tandem-kv-peer` next to this executable; else this
+    /// executable's `kv-peer` subcommand (the `tandem` CLI routes it to [`run_cli`]).
+    pub fn find() -> Option<Self> {
+        if let Ok(p) = std::env::var("TANDEM_KV_PEER_BIN") {
+            return Some(PathBuf::from(p).into());
+        }
+        let exe = std::env::current_exe().ok()?;
+        let sibling = exe.with_file_name("tandem-kv-peer");
+        if sibling.exists() {
+            return Some(sibling.into());
+        }
+        Some(Self {
+            program: exe,
+            prefix: vec!["kv-peer".into()],
+        })
+    }
+}
+
+impl From<PathBuf> for PeerCommand {
+    fn from(program: PathBuf) -> Self {
+        Self {
+            program,
+            prefix: Vec::new(),
+        }
+    }
 }
 
 /// A running peer child, spoken to over its stdin/stdout. Killed when dropped.
@@ -345,9 +424,16 @@ pub struct PeerProcess {
 }
 
 impl PeerProcess {
-    /// Starts `bin` with `args`; for `serve` and `sink`, waits for its `LISTEN` line.
+    /// Starts the peer binary `bin` with `args`; for `serve` and `sink`, waits for `LISTEN`.
     pub async fn spawn(bin: &Path, args: &[String]) -> anyhow::Result<Self> {
+        Self::spawn_command(&PeerCommand::from(bin.to_path_buf()), args).await
+    }
+
+    /// Starts a peer through `cmd` with `args`; for `serve` and `sink`, waits for `LISTEN`.
+    pub async fn spawn_command(cmd: &PeerCommand, args: &[String]) -> anyhow::Result<Self> {
+        let bin = &cmd.program;
         let mut child = Command::new(bin)
+            .args(&cmd.prefix)
             .args(args)
             // Keep UCX's own log off the line protocol (unless the caller chose a log file).
             .env(

@@ -1,7 +1,6 @@
 //! The baselines a transfer is compared with, measured in the same run on the same machine:
 //! Debian's `ucx_perftest` (`ucp_put_bw`), a plain loopback socket copy, and `memcpy`.
 
-use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -10,7 +9,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::Command;
 
 use super::{Stats, median};
-use crate::peer::PeerProcess;
+use crate::peer::{PeerCommand, PeerProcess};
 use crate::pool::KvPool;
 
 /// `ucx_perftest` `ucp_put_bw` at `message_bytes`, between two processes on this host.
@@ -78,14 +77,14 @@ pub fn parse_final_mib_per_s(out: &str) -> Option<f64> {
 /// A plain loopback socket copy of `bytes` per iteration from `src` to the `sink` peer, written
 /// in `write_bytes` pieces: the TCP transport's baseline, measured the same way.
 pub async fn socket_copy(
-    peer_bin: &Path,
+    peer: &PeerCommand,
     src: &KvPool,
     bytes: usize,
     write_bytes: usize,
     iterations: usize,
     warmup: usize,
 ) -> anyhow::Result<Stats> {
-    let sink = PeerProcess::spawn(peer_bin, &["sink".to_string()]).await?;
+    let sink = PeerProcess::spawn_command(peer, &["sink".to_string()]).await?;
     let addr = sink.addr.clone().context("sink address")?;
     let mut s = tokio::net::TcpStream::connect(&addr).await?;
     s.set_nodelay(true)?;

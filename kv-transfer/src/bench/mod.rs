@@ -30,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::kind::{LayoutName, TransportKind};
 use crate::pattern;
-use crate::peer::{DEFAULT_SEED, PeerProcess, PoolArgs, TransportArgs, default_peer_bin};
+use crate::peer::{DEFAULT_SEED, PeerCommand, PeerProcess, PoolArgs, TransportArgs};
 use crate::pool::BlockId;
 use crate::transport::{KvTransport, PushRequest};
 
@@ -72,7 +72,8 @@ pub struct BenchTransferArgs {
     /// Report format.
     #[arg(long, value_enum, default_value = "text")]
     pub format: OutputFormat,
-    /// The `tandem-kv-peer` binary (default: `$TANDEM_KV_PEER_BIN`, or next to this executable).
+    /// The `tandem-kv-peer` binary (default: `$TANDEM_KV_PEER_BIN`, else next to this
+    /// executable, else this executable's `kv-peer` subcommand).
     #[arg(long, env = "TANDEM_KV_PEER_BIN")]
     pub peer_bin: Option<PathBuf>,
 }
@@ -202,11 +203,12 @@ async fn run_async(args: &BenchTransferArgs) -> anyhow::Result<BenchReport> {
     if args.iterations == 0 || args.blocks == 0 {
         bail!("--iterations and --blocks must be > 0");
     }
-    let peer_bin = args
+    let peer = args
         .peer_bin
         .clone()
-        .or_else(default_peer_bin)
-        .context("cannot find tandem-kv-peer: build it (cargo build -p tandem-kv-transfer) or set TANDEM_KV_PEER_BIN")?;
+        .map(PeerCommand::from)
+        .or_else(PeerCommand::find);
+    let peer_cmd = peer.context("cannot find tandem-kv-peer: set TANDEM_KV_PEER_BIN")?;
     let layout = args.layout.layout(args.block_tokens)?;
     let transport = args.transport.build()?;
     let src = transport.allocate(layout, args.blocks)?;
@@ -224,7 +226,7 @@ async fn run_async(args: &BenchTransferArgs) -> anyhow::Result<BenchReport> {
     let mut child: Vec<String> = vec!["serve".into()];
     child.extend(args.transport.to_args());
     child.extend(pool_args.to_args());
-    let mut peer = PeerProcess::spawn(&peer_bin, &child).await?;
+    let mut peer = PeerProcess::spawn_command(&peer_cmd, &child).await?;
     let addr = peer.addr.clone().context("peer address")?;
 
     let mut id = 0u64;
@@ -291,7 +293,7 @@ async fn run_async(args: &BenchTransferArgs) -> anyhow::Result<BenchReport> {
             }
             TransportKind::Tcp => {
                 let s = baseline::socket_copy(
-                    &peer_bin,
+                    &peer_cmd,
                     &pool,
                     bytes as usize,
                     args.transport.max_chunk_bytes,

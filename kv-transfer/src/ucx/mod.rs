@@ -161,7 +161,6 @@ impl UcxNet {
             remote_len: remote.len_bytes,
             closed: AtomicBool::new(false),
             mapped,
-            info,
         })
     }
 
@@ -233,19 +232,12 @@ pub(crate) struct UcxPeer {
     closed: AtomicBool,
     /// Local address of the peer pool's base when UCX maps it into this process.
     mapped: Option<usize>,
-    info: String,
 }
 
 impl UcxPeer {
     /// RMA or tag.
     pub fn mode(&self) -> DataMode {
         self.mode
-    }
-
-    /// The endpoint's lanes as UCX printed them.
-    #[allow(dead_code)]
-    pub fn info(&self) -> &str {
-        &self.info
     }
 
     /// True when the peer's pool is mapped here (chunks go through [`UcxPeer::copy_chunk`]).
