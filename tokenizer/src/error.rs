@@ -1,8 +1,8 @@
 //! The tokenizer's error type: every way loading a vocabulary or rendering a chat can fail.
 //!
-//! Encoding and decoding cannot fail once a [`crate::tokenizer::Tokenizer`] exists, so every
+//! Encoding and decoding cannot fail once a [`crate::Tokenizer`] exists, so every
 //! variant here is raised while loading (bad metadata, bad merges, unsupported configuration) or
-//! by [`crate::tokenizer::Tokenizer::apply_chat_template`].
+//! by [`crate::Tokenizer::apply_chat_template`].
 
 use std::path::PathBuf;
 
@@ -30,7 +30,7 @@ impl std::fmt::Display for BadMergeReason {
     }
 }
 
-/// Errors raised while building a [`crate::tokenizer::Tokenizer`] or applying a chat template.
+/// Errors raised while building a [`crate::Tokenizer`] or applying a chat template.
 #[derive(thiserror::Error, Debug)]
 pub enum TokenizerError {
     /// A required metadata key (GGUF key or tokenizer.json field) is absent.
