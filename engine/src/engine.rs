@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 use tandem_kv_layout::{KvDtype, KvLayout};
 
 use crate::error::EngineError;
-use crate::kv::KvPool;
+use crate::kv::{BlockId, KvPool};
 use crate::model::{ForwardSeq, Model};
 use crate::sampler::{Sampler, SamplingParams};
 use crate::scheduler::{Priority, Scheduler, SchedulerConfig};
@@ -123,6 +123,35 @@ pub struct StepOutput {
     pub finished: Option<FinishReason>,
     /// Token accounting so far.
     pub usage: Usage,
+    /// For requests added with [`Engine::add_prefill_request`], on their (only) output: the
+    /// blocks holding the prompt's KV, kept until [`Engine::release_held`].
+    pub held_blocks: Option<Vec<BlockId>>,
+}
+
+/// One chunk of the batch being computed, as a [`LayerDone`] observer sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct ChunkView<'a> {
+    /// The request.
+    pub request_id: u64,
+    /// Position of the chunk's first token.
+    pub first_pos: usize,
+    /// Tokens in the chunk.
+    pub len: usize,
+    /// The sequence's blocks (covering at least `first_pos + len` tokens).
+    pub block_table: &'a [BlockId],
+    /// True when this chunk ends at the sequence's last token (a prompt's final chunk).
+    pub last_chunk: bool,
+}
+
+/// What a step observer is told after each layer's KV is written.
+#[derive(Clone, Copy, Debug)]
+pub struct LayerDone<'a> {
+    /// The layer whose KV is now in the pool for every chunk of the step.
+    pub layer: usize,
+    /// Layers in the model.
+    pub num_layers: usize,
+    /// The step's chunks.
+    pub chunks: &'a [ChunkView<'a>],
 }
 
 /// A finished request's whole output (see [`Engine::generate`]).
@@ -142,12 +171,15 @@ pub struct Completion {
 
 struct ReqState {
     sampler: Sampler,
+    hold_kv: bool,
     prompt_len: usize,
     generated: Vec<u32>,
     pending: Vec<u8>,
     text: String,
     emitted: usize,
     max_stop_len: usize,
+    /// Prompt tokens a prefill node served from its prefix cache (prefilled requests).
+    cached_prompt_tokens: usize,
 }
 
 /// The inference engine.
@@ -159,6 +191,10 @@ pub struct Engine {
     reqs: HashMap<u64, ReqState>,
     eos: Vec<u32>,
     stats: EngineStats,
+    /// Finished prefill-only requests' blocks, until released.
+    held: HashMap<u64, Vec<BlockId>>,
+    /// Blocks reserved for KV arriving from elsewhere, by reservation id.
+    reservations: HashMap<u64, Vec<BlockId>>,
 }
 
 /// Counters since start (for benchmarks and load reports).
@@ -177,6 +213,13 @@ pub struct EngineStats {
 impl Engine {
     /// Builds an engine around `model`; the KV pool is allocated here, once.
     pub fn new(model: Model, tokenizer: Option<Tokenizer>, cfg: EngineConfig) -> Result<Self, EngineError> {
+        let (layout, num_blocks) = Self::pool_shape(&model, &cfg)?;
+        let pool = KvPool::new(layout, num_blocks)?;
+        Self::with_pool(model, tokenizer, cfg, pool)
+    }
+
+    /// The KV layout and block count `cfg` asks of `model` (to allocate external memory for).
+    pub fn pool_shape(model: &Model, cfg: &EngineConfig) -> Result<(KvLayout, usize), EngineError> {
         let layout = model.kv_layout(cfg.block_size_tokens, cfg.kv_dtype)?;
         let num_blocks = match cfg.kv_capacity {
             KvCapacity::Blocks(n) => n,
@@ -189,9 +232,16 @@ impl Engine {
                 reason: format!("smaller than one block ({} bytes)", layout.block_bytes()),
             });
         }
+        Ok((layout, num_blocks))
+    }
+
+    /// Builds an engine whose KV lives in `pool` (e.g. [`KvPool::external`] over memory a KV
+    /// transport allocated); the pool's layout must be the model's.
+    pub fn with_pool(model: Model, tokenizer: Option<Tokenizer>, cfg: EngineConfig, pool: KvPool) -> Result<Self, EngineError> {
+        model.kv_layout(cfg.block_size_tokens, cfg.kv_dtype)?.check_compatible(pool.layout())?;
+        let num_blocks = pool.num_blocks();
         let mut sched_cfg = cfg.scheduler.clone();
         sched_cfg.max_model_len = sched_cfg.max_model_len.min(model.config().max_position_embeddings);
-        let pool = KvPool::new(layout, num_blocks)?;
         let sched = Scheduler::new(sched_cfg, num_blocks, cfg.block_size_tokens)?;
         let mut eos = model.config().eos_token_id.clone();
         if let Some(t) = &tokenizer {
@@ -199,7 +249,7 @@ impl Engine {
                 eos.push(t.eos_token_id());
             }
         }
-        Ok(Engine { model, pool, sched, tokenizer: tokenizer.map(Arc::new), reqs: HashMap::new(), eos, stats: EngineStats::default() })
+        Ok(Engine { model, pool, sched, tokenizer: tokenizer.map(Arc::new), reqs: HashMap::new(), eos, stats: EngineStats::default(), held: HashMap::new(), reservations: HashMap::new() })
     }
 
     /// The model.
@@ -220,6 +270,12 @@ impl Engine {
     /// The KV pool (kv-transfer reads and writes its bytes).
     pub fn kv_pool(&self) -> &KvPool {
         &self.pool
+    }
+
+    /// The KV pool, mutable: for copying received KV into reserved blocks in-process (colocated
+    /// transfers, tests). Writing blocks a sequence owns corrupts its output.
+    pub fn kv_pool_mut(&mut self) -> &mut KvPool {
+        &mut self.pool
     }
 
     /// The scheduler (queue lengths, block counts).
@@ -244,6 +300,120 @@ impl Engine {
 
     /// Validates and queues a request. Nothing changes on error.
     pub fn add_request(&mut self, req: Request, now: Instant) -> Result<(), EngineError> {
+        self.validate(&req)?;
+        self.sched.add(req.id, req.prompt.clone(), req.params.max_new_tokens, req.priority, now)?;
+        self.insert_state(req, false);
+        Ok(())
+    }
+
+    /// Queues a prefill-only request (a prefill node's work): it stops after its first token,
+    /// and its blocks are not released but handed out in that token's
+    /// [`StepOutput::held_blocks`], to be pushed to a decode node and then given back with
+    /// [`release_held`](Self::release_held).
+    pub fn add_prefill_request(&mut self, mut req: Request, now: Instant) -> Result<(), EngineError> {
+        self.validate(&req)?;
+        // The first token is all this node samples; the prompt must still fit the decode side.
+        self.sched.add(req.id, req.prompt.clone(), req.params.max_new_tokens, req.priority, now)?;
+        req.params.max_new_tokens = 1;
+        self.insert_state(req, true);
+        Ok(())
+    }
+
+    /// Gives back the blocks of a finished prefill-only request; false if none are held.
+    pub fn release_held(&mut self, request_id: u64) -> bool {
+        match self.held.remove(&request_id) {
+            Some(blocks) => {
+                self.sched.release_blocks(&blocks);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Reserves blocks for `tokens` tokens of KV that a prefill node will push (a decode node's
+    /// `Reserve`). The blocks are the caller's until [`add_prefilled`](Self::add_prefilled)
+    /// adopts them or [`release_reservation`](Self::release_reservation) returns them.
+    pub fn reserve(&mut self, reservation_id: u64, tokens: usize) -> Result<Vec<BlockId>, EngineError> {
+        if self.reservations.contains_key(&reservation_id) {
+            return Err(EngineError::DuplicateRequest(reservation_id));
+        }
+        let max = self.sched.config().max_model_len;
+        if tokens == 0 || tokens > max {
+            return Err(EngineError::ContextOverflow { prompt_tokens: tokens, max_new_tokens: 0, max_context_tokens: max });
+        }
+        let blocks = self.sched.reserve_blocks(tokens).ok_or(EngineError::OutOfBlocks {
+            requested_blocks: tokens.div_ceil(self.pool.layout().block_size_tokens),
+            free_blocks: self.sched.blocks().num_free(),
+        })?;
+        self.reservations.insert(reservation_id, blocks.clone());
+        Ok(blocks)
+    }
+
+    /// Returns an unadopted reservation's blocks; false if it is not held.
+    pub fn release_reservation(&mut self, reservation_id: u64) -> bool {
+        match self.reservations.remove(&reservation_id) {
+            Some(blocks) => {
+                self.sched.release_blocks(&blocks);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Continues a request whose prompt KV arrived in reservation `reservation_id` and whose first
+    /// token `first_token` was sampled elsewhere (a decode node's `Decode`). Returns the output
+    /// for the first token (its text; it may already finish the request: EOS, a stop string, or
+    /// `max_new_tokens == 1`). The sampler skips the first token's draw, so seeded sampling
+    /// continues exactly as one engine would have.
+    pub fn add_prefilled(
+        &mut self,
+        req: Request,
+        reservation_id: u64,
+        first_token: u32,
+        cached_prompt_tokens: usize,
+        now: Instant,
+    ) -> Result<StepOutput, EngineError> {
+        self.validate(&req)?;
+        let vocab = self.model.config().vocab_size;
+        if first_token as usize >= vocab {
+            return Err(EngineError::InvalidRequest {
+                field: "first_token_id",
+                value: first_token.to_string(),
+                reason: format!("outside the vocabulary of {vocab} tokens"),
+            });
+        }
+        let blocks = self.reservations.get(&reservation_id).ok_or(EngineError::UnknownReservation(reservation_id))?;
+        let need = (req.prompt.len() + req.params.max_new_tokens).div_ceil(self.pool.layout().block_size_tokens);
+        if blocks.len() < need {
+            return Err(EngineError::InvalidRequest {
+                field: "reservation_id",
+                value: reservation_id.to_string(),
+                reason: format!("holds {} blocks, the request needs {need}", blocks.len()),
+            });
+        }
+        let blocks = self.reservations.remove(&reservation_id).expect("checked above");
+        let (id, prompt_len, priority) = (req.id, req.prompt.len(), req.priority);
+        let mut tokens = req.prompt.clone();
+        tokens.push(first_token);
+        self.sched.add_prefilled(id, tokens, prompt_len, blocks, priority, now)?;
+        self.insert_state(req, false);
+        let st = self.reqs.get_mut(&id).expect("just inserted");
+        st.sampler.advance(1);
+        st.cached_prompt_tokens = cached_prompt_tokens;
+        let out = self.accept_token(id, first_token);
+        if out.finished.is_some() {
+            self.reqs.remove(&id);
+            self.sched.remove(id);
+        }
+        Ok(out)
+    }
+
+    /// Live reservations' blocks (tests: block accounting).
+    pub fn reserved_and_held_blocks(&self) -> Vec<BlockId> {
+        self.reservations.values().chain(self.held.values()).flatten().copied().collect()
+    }
+
+    fn validate(&self, req: &Request) -> Result<(), EngineError> {
         req.params.validate()?;
         let vocab = self.model.config().vocab_size;
         if let Some(&bad) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
@@ -260,15 +430,20 @@ impl Engine {
                 reason: "stop strings need a tokenizer; this model has none".into(),
             });
         }
-        if self.reqs.contains_key(&req.id) {
+        if self.reqs.contains_key(&req.id) || self.held.contains_key(&req.id) {
             return Err(EngineError::DuplicateRequest(req.id));
         }
-        self.sched.add(req.id, req.prompt.clone(), req.params.max_new_tokens, req.priority, now)?;
+        Ok(())
+    }
+
+    fn insert_state(&mut self, req: Request, hold_kv: bool) {
         let max_stop_len = req.params.stop.iter().map(|s| s.len()).max().unwrap_or(0);
         self.reqs.insert(
             req.id,
             ReqState {
                 sampler: Sampler::new(req.params, req.id),
+                hold_kv,
+                cached_prompt_tokens: 0,
                 prompt_len: req.prompt.len(),
                 generated: Vec::new(),
                 pending: Vec::new(),
@@ -277,7 +452,6 @@ impl Engine {
                 max_stop_len,
             },
         );
-        Ok(())
     }
 
     /// Stops a request and releases its blocks; false if it was not live.
@@ -289,6 +463,12 @@ impl Engine {
     /// Runs one scheduling step and forward pass; returns a token for every request that
     /// produced one.
     pub fn step(&mut self) -> Result<Vec<StepOutput>, EngineError> {
+        self.step_observed(&mut |_| {})
+    }
+
+    /// [`step`](Self::step), calling `on_layer` as each layer's KV of the step's chunks lands in
+    /// the pool (layer-wise KV streaming).
+    pub fn step_observed(&mut self, on_layer: &mut dyn FnMut(LayerDone<'_>)) -> Result<Vec<StepOutput>, EngineError> {
         let plan = self.sched.schedule();
         self.stats.preemptions += plan.preempted.len() as u64;
         if plan.chunks.is_empty() {
@@ -304,8 +484,24 @@ impl Engine {
                 want_logits: c.want_logits,
             });
         }
+        let views: Vec<ChunkView<'_>> = plan
+            .chunks
+            .iter()
+            .zip(&fseqs)
+            .map(|(c, f)| ChunkView {
+                request_id: c.seq_id,
+                first_pos: c.first_pos,
+                len: c.len,
+                block_table: f.block_table,
+                last_chunk: c.want_logits,
+            })
+            .collect();
         let vocab = self.model.config().vocab_size;
-        let logits = self.model.forward(&fseqs, &mut self.pool)?;
+        let num_layers = self.model.config().num_hidden_layers;
+        let logits = self.model.forward_observed(&fseqs, &mut self.pool, &mut |layer| {
+            on_layer(LayerDone { layer, num_layers, chunks: &views })
+        })?;
+        drop(views);
         drop(fseqs);
         self.stats.steps += 1;
         let mut row = 0;
@@ -332,10 +528,16 @@ impl Engine {
                 outputs.push(self.accept_token(c.seq_id, tok));
             }
         }
-        for o in &outputs {
+        for o in &mut outputs {
             if o.finished.is_some() {
-                self.reqs.remove(&o.request_id);
-                self.sched.remove(o.request_id);
+                let hold = self.reqs.remove(&o.request_id).is_some_and(|st| st.hold_kv);
+                if hold {
+                    let blocks = self.sched.detach(o.request_id).unwrap_or_default();
+                    self.held.insert(o.request_id, blocks.clone());
+                    o.held_blocks = Some(blocks);
+                } else {
+                    self.sched.remove(o.request_id);
+                }
             }
         }
         Ok(outputs)
@@ -389,7 +591,12 @@ impl Engine {
             token: tok,
             text,
             finished,
-            usage: Usage { prompt_tokens: st.prompt_len, cached_tokens, completion_tokens: st.generated.len() },
+            usage: Usage {
+                prompt_tokens: st.prompt_len,
+                cached_tokens: cached_tokens.max(st.cached_prompt_tokens),
+                completion_tokens: st.generated.len(),
+            },
+            held_blocks: None,
         }
     }
 

@@ -111,6 +111,17 @@ pub enum EngineError {
         /// The configured bound.
         capacity: usize,
     },
+    /// Not enough free KV blocks right now for a reservation (another node may have them).
+    #[error("no room for {requested_blocks} KV blocks ({free_blocks} free)")]
+    OutOfBlocks {
+        /// Blocks asked for.
+        requested_blocks: usize,
+        /// Blocks free at the time.
+        free_blocks: usize,
+    },
+    /// A reservation id that is not (or no longer) held.
+    #[error("unknown KV reservation {0}")]
+    UnknownReservation(u64),
     /// A request id is already in use.
     #[error("request id {0} is already in use")]
     DuplicateRequest(u64),
@@ -133,7 +144,8 @@ impl EngineError {
             EngineError::InvalidRequest { .. } => "invalid_request",
             EngineError::ContextOverflow { .. } => "context_overflow",
             EngineError::NeverFits { .. } => "never_fits",
-            EngineError::QueueFull { .. } => "overloaded",
+            EngineError::QueueFull { .. } | EngineError::OutOfBlocks { .. } => "overloaded",
+            EngineError::UnknownReservation(_) => "unknown_reservation",
             EngineError::DuplicateRequest(_) => "duplicate_request",
         }
     }

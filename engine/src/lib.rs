@@ -32,7 +32,9 @@ pub mod scheduler;
 
 pub use args::EngineArgs;
 pub use config::ModelConfig;
-pub use engine::{Completion, Engine, EngineConfig, EngineStats, FinishReason, KvCapacity, Request, StepOutput, Usage};
+pub use engine::{
+    ChunkView, Completion, Engine, EngineConfig, EngineStats, FinishReason, KvCapacity, LayerDone, Request, StepOutput, Usage,
+};
 pub use error::EngineError;
 pub use loader::{LoadedModel, ModelSource};
 pub use model::Model;

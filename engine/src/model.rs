@@ -129,6 +129,18 @@ impl Model {
     /// last token of every sequence with `want_logits`, row by row in `seqs` order
     /// (`rows × vocab_size`).
     pub fn forward(&mut self, seqs: &[ForwardSeq<'_>], kv: &mut KvPool) -> Result<&[f32], EngineError> {
+        self.forward_observed(seqs, kv, &mut |_| {})
+    }
+
+    /// [`forward`](Self::forward), calling `on_layer(l)` as soon as layer `l`'s KV of every
+    /// sequence in the batch is in the pool (a prefill node streams it out from there while the
+    /// later layers compute).
+    pub fn forward_observed(
+        &mut self,
+        seqs: &[ForwardSeq<'_>],
+        kv: &mut KvPool,
+        on_layer: &mut dyn FnMut(usize),
+    ) -> Result<&[f32], EngineError> {
         let c = &self.weights.config;
         let (h, inter) = (c.hidden_size, c.intermediate_size);
         let (heads, kvh, hd) = (c.num_attention_heads, c.kv_heads(), c.head_dim());
@@ -203,6 +215,7 @@ impl Model {
             k::rope(q, heads, hd, &s.positions, &self.rope);
             k::rope(kk, kvh, hd, &s.positions, &self.rope);
             k::write_kv(&mut kv.view_mut(), li, kk, v, &s.slots)?;
+            on_layer(li);
             k::paged_attention(&kv.view(), li, q, heads, &attn_seqs, scale, sized(&mut s.attn, t * q_w))?;
             k::linear(&s.attn[..t * q_w], t, &layer.o_proj, sized(&mut s.proj, t * h));
             k::add_inplace(&mut s.x[..t * h], &s.proj[..t * h]);

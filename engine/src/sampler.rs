@@ -92,12 +92,27 @@ impl Sampler {
         &self.params
     }
 
+    /// Skips the random draws of `tokens` already-sampled tokens (sampled elsewhere: the first
+    /// token on a prefill node, or the tokens before a migration), so the rest of the stream is
+    /// what one sampler would have produced. Greedy sampling draws nothing.
+    pub fn advance(&mut self, tokens: usize) {
+        if !self.is_greedy() {
+            for _ in 0..tokens {
+                self.rng.next_f64();
+            }
+        }
+    }
+
+    fn is_greedy(&self) -> bool {
+        self.params.temperature == 0.0 || self.params.top_k == 1
+    }
+
     /// Picks the next token from `logits` (one row, vocabulary-sized).
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        let p = &self.params;
-        if p.temperature == 0.0 || p.top_k == 1 {
+        if self.is_greedy() {
             return tandem_kernels::argmax(logits) as u32;
         }
+        let p = &self.params;
         // Candidates sorted by descending logit, ties by ascending index (deterministic).
         let mut idx: Vec<u32> = (0..logits.len() as u32).filter(|&i| logits[i as usize].is_finite()).collect();
         if idx.is_empty() {
@@ -166,6 +181,17 @@ mod tests {
         };
         assert_eq!(draw(&params), draw(&params));
         assert_ne!(draw(&params), draw(&SamplingParams { seed: Some(8), ..params.clone() }));
+    }
+
+    #[test]
+    fn advancing_past_tokens_sampled_elsewhere_continues_the_same_stream() {
+        let params = SamplingParams { temperature: 0.8, seed: Some(3), ..Default::default() };
+        let mut whole = Sampler::new(params.clone(), 5);
+        let all: Vec<u32> = (0..10).map(|_| whole.sample(&logits())).collect();
+        let mut rest = Sampler::new(params, 5);
+        rest.advance(4);
+        let tail: Vec<u32> = (0..6).map(|_| rest.sample(&logits())).collect();
+        assert_eq!(tail, all[4..]);
     }
 
     #[test]

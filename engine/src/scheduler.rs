@@ -377,7 +377,19 @@ impl Scheduler {
         let bs = self.block_size;
         let caching = self.cfg.enable_prefix_caching;
         let s = self.seqs.get_mut(&id).expect("waiting id is known");
-        debug_assert!(s.blocks.is_empty() && s.num_computed == 0);
+        if s.num_computed > 0 {
+            // Arrived with its KV (decode node): it already holds blocks for what was computed.
+            let (computed, len, held) = (s.num_computed, s.tokens.len(), s.blocks.len());
+            let n = (len - computed).min(budget);
+            let need = (computed + n).div_ceil(bs).saturating_sub(held);
+            let fresh = self.blocks.allocate_n(need)?;
+            let s = self.seqs.get_mut(&id).expect("waiting id is known");
+            s.blocks.extend(fresh);
+            s.running = true;
+            self.running.push(id);
+            return Some(ScheduledChunk { seq_id: id, first_pos: computed, len: n, want_logits: computed + n == len });
+        }
+        debug_assert!(s.blocks.is_empty());
         // Hashes of the full blocks, never covering the last token (it must run to give logits).
         let full = (s.tokens.len() - 1) / bs;
         if caching {
@@ -442,6 +454,72 @@ impl Scheduler {
         }
     }
 
+    /// Takes `n_tokens` worth of free blocks for KV that will arrive from elsewhere (a decode
+    /// node's reservation), or `None` (changing nothing) if they are not free now.
+    pub fn reserve_blocks(&mut self, n_tokens: usize) -> Option<Vec<BlockId>> {
+        self.blocks.allocate_n(self.blocks_for(n_tokens))
+    }
+
+    /// Returns reserved blocks that were never adopted by a sequence.
+    pub fn release_blocks(&mut self, blocks: &[BlockId]) {
+        self.blocks.release_all(blocks);
+    }
+
+    /// Queues a sequence whose first `computed` tokens already have KV in `blocks` (received from
+    /// a prefill node). It is admitted ahead of new work of its class; if it is ever preempted it
+    /// is recomputed from scratch like any other (same output: the kernels are batch-invariant).
+    pub fn add_prefilled(
+        &mut self,
+        seq_id: u64,
+        tokens: Vec<u32>,
+        computed: usize,
+        blocks: Vec<BlockId>,
+        priority: Priority,
+        now: Instant,
+    ) -> Result<(), EngineError> {
+        if self.seqs.contains_key(&seq_id) {
+            return Err(EngineError::DuplicateRequest(seq_id));
+        }
+        assert!(
+            computed > 0 && computed < tokens.len() && blocks.len() * self.block_size >= computed,
+            "prefilled sequence: {computed} computed of {} tokens in {} blocks. This is a bug.",
+            tokens.len(),
+            blocks.len()
+        );
+        let arrival = self.next_arrival;
+        self.next_arrival += 1;
+        self.seqs.insert(
+            seq_id,
+            Sequence {
+                priority,
+                arrival,
+                arrived_at: now,
+                tokens,
+                num_computed: computed,
+                blocks,
+                block_hashes: Vec::new(),
+                cached_tokens: 0,
+                preemptions: 0,
+                running: false,
+            },
+        );
+        self.waiting[class(priority)].push_front(seq_id);
+        Ok(())
+    }
+
+    /// Removes a sequence but hands its blocks to the caller instead of releasing them (a prefill
+    /// node keeps a finished prompt's KV until it has been pushed). The caller must
+    /// [`release_blocks`](Self::release_blocks) them.
+    pub fn detach(&mut self, seq_id: u64) -> Option<Vec<BlockId>> {
+        let s = self.seqs.remove(&seq_id)?;
+        if s.running {
+            self.running.retain(|&r| r != seq_id);
+        } else {
+            self.waiting[class(s.priority)].retain(|&w| w != seq_id);
+        }
+        Some(s.blocks)
+    }
+
     /// Ends a sequence (finished or aborted), releasing every block it holds. Returns false if
     /// the id is unknown.
     pub fn remove(&mut self, seq_id: u64) -> bool {
@@ -477,8 +555,13 @@ impl Scheduler {
 
     /// Panics if block accounting is inconsistent (tests).
     pub fn check_invariants(&self) {
+        self.check_invariants_with(&[]);
+    }
+
+    /// As [`check_invariants`](Self::check_invariants), counting `outside` (blocks held by
+    /// reservations or detached sequences) as holders too.
+    pub fn check_invariants_with(&self, outside: &[BlockId]) {
         self.blocks.check_invariants();
-        let held: usize = self.seqs.values().map(|s| s.blocks.len()).sum();
         let mut per_block = vec![0u32; self.blocks.num_blocks()];
         for s in self.seqs.values() {
             for &b in &s.blocks {
@@ -486,10 +569,12 @@ impl Scheduler {
             }
             assert!(s.blocks.len() * self.block_size >= s.num_computed, "computed tokens without blocks");
         }
+        for &b in outside {
+            per_block[b as usize] += 1;
+        }
         for (b, &n) in per_block.iter().enumerate() {
             assert_eq!(n, self.blocks.ref_count(b as u32), "block {b}: holders vs ref count");
         }
-        assert!(held >= self.blocks.num_used());
     }
 }
 

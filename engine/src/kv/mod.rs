@@ -8,4 +8,4 @@ pub mod block_manager;
 pub mod pool;
 
 pub use block_manager::{BlockId, BlockManager, hash_block};
-pub use pool::KvPool;
+pub use pool::{KvBacking, KvPool};

@@ -3,6 +3,14 @@
 //!
 //! The pool is sized once at start-up (from `--kv-cache-gb` or a block count) and never grows:
 //! running out of blocks is the scheduler's problem (preemption), not an allocation failure.
+//!
+//! The bytes are either owned (a zeroed allocation, pages mapped lazily by the OS) or external:
+//! memory another component allocated, e.g. kv-transfer's UCX-registered segment, which a peer
+//! writes into directly. With external memory, remote writes land only in blocks the engine has
+//! reserved and does not touch until the transfer has completed and verified; the engine creates
+//! its byte views per forward pass and never reads a block that is being written.
+
+use std::sync::Arc;
 
 use tandem_kernels::{KvCacheMut, KvCacheRef};
 use tandem_kv_layout::KvLayout;
@@ -13,11 +21,29 @@ use crate::error::EngineError;
 #[repr(C, align(64))]
 struct Line([u8; 64]);
 
-/// Owned, aligned bytes of a KV pool.
+/// Memory allocated outside the engine that a pool can live in.
+///
+/// # Safety
+/// `as_ptr()` must stay valid for `len()` bytes, writable, and at least 4-byte aligned for the
+/// implementor's whole lifetime; nothing but the engine and a KV transport (writing only into
+/// blocks the engine reserved for it) may access it.
+pub unsafe trait KvBacking: Send + Sync {
+    /// Start of the region.
+    fn as_ptr(&self) -> *mut u8;
+    /// Length in bytes.
+    fn len(&self) -> usize;
+}
+
+enum Storage {
+    Owned(Vec<Line>),
+    External(Arc<dyn KvBacking>),
+}
+
+/// The bytes of a KV pool (owned, or external memory).
 pub struct KvPool {
     layout: KvLayout,
     num_blocks: usize,
-    lines: Vec<Line>,
+    storage: Storage,
 }
 
 impl KvPool {
@@ -31,7 +57,27 @@ impl KvPool {
             });
         }
         let bytes = layout.pool_bytes(num_blocks);
-        Ok(KvPool { layout, num_blocks, lines: vec![Line([0; 64]); bytes.div_ceil(64)] })
+        Ok(KvPool { layout, num_blocks, storage: Storage::Owned(vec![Line([0; 64]); bytes.div_ceil(64)]) })
+    }
+
+    /// A pool in `backing`, which must hold at least `layout.pool_bytes(num_blocks)` bytes.
+    pub fn external(layout: KvLayout, num_blocks: usize, backing: Arc<dyn KvBacking>) -> Result<Self, EngineError> {
+        let need = layout.pool_bytes(num_blocks);
+        if num_blocks == 0 || backing.len() < need || backing.as_ptr() as usize % 4 != 0 {
+            return Err(EngineError::InvalidConfig {
+                field: "kv_backing",
+                value: format!("{} bytes at {:p}", backing.len(), backing.as_ptr()),
+                reason: format!("needs {need} bytes (4-byte aligned) for {num_blocks} blocks"),
+            });
+        }
+        Ok(KvPool { layout, num_blocks, storage: Storage::External(backing) })
+    }
+
+    fn base(&self) -> *mut u8 {
+        match &self.storage {
+            Storage::Owned(lines) => lines.as_ptr() as *mut u8,
+            Storage::External(b) => b.as_ptr(),
+        }
     }
 
     /// Blocks that fit in `bytes` for `layout` (at least one is required to build a pool).
@@ -52,16 +98,18 @@ impl KvPool {
     /// The pool's bytes.
     pub fn bytes(&self) -> &[u8] {
         let len = self.layout.pool_bytes(self.num_blocks);
-        // SAFETY: `lines` holds at least `len` initialised bytes (`Line` is plain bytes with no
-        // padding), and the borrow of `self` keeps them alive and unaliased by `&mut`.
-        unsafe { std::slice::from_raw_parts(self.lines.as_ptr().cast::<u8>(), len) }
+        // SAFETY: owned storage holds at least `len` initialised bytes (`Line` is plain bytes);
+        // external storage promises `len` valid bytes for its lifetime (`KvBacking`), and the
+        // borrow of `self` keeps it alive.
+        unsafe { std::slice::from_raw_parts(self.base(), len) }
     }
 
     /// The pool's bytes, mutable (kv-transfer receives into these).
     pub fn bytes_mut(&mut self) -> &mut [u8] {
         let len = self.layout.pool_bytes(self.num_blocks);
-        // SAFETY: as in `bytes`, with the exclusive borrow of `self` making this the only view.
-        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr().cast::<u8>(), len) }
+        // SAFETY: as in `bytes`, with the exclusive borrow of `self` making this the engine's
+        // only view (see the module docs for transports writing reserved blocks).
+        unsafe { std::slice::from_raw_parts_mut(self.base(), len) }
     }
 
     /// A kernel read view.
@@ -73,9 +121,8 @@ impl KvPool {
     pub fn view_mut(&mut self) -> KvCacheMut<'_> {
         let num_blocks = self.num_blocks;
         let len = self.layout.pool_bytes(num_blocks);
-        // SAFETY: see `bytes_mut`; `layout` is borrowed shared alongside, which is fine because
-        // it is a separate field.
-        let bytes = unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr().cast::<u8>(), len) };
+        // SAFETY: see `bytes_mut`; `layout` is borrowed shared alongside, a separate field.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(self.base(), len) };
         KvCacheMut { layout: &self.layout, num_blocks, bytes }
     }
 
