@@ -93,37 +93,9 @@ struct Report {
     runs: usize,
 }
 
-/// Measures read bandwidth of this machine (GB/s, 1e9) with one thread per core over 1 GiB.
+/// Measures read bandwidth of this machine (GB/s, 1e9) on the kernel pool's threads over 1 GiB.
 pub fn measure_read_bandwidth_gbs() -> f64 {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let words = (1usize << 30) / 8;
-    let buf: Vec<u64> = (0..words as u64).collect();
-    let chunk = words.div_ceil(threads);
-    let mut best = 0f64;
-    for _ in 0..3 {
-        let t0 = Instant::now();
-        let total: u64 = std::thread::scope(|s| {
-            let hs: Vec<_> = buf
-                .chunks(chunk)
-                .map(|c| {
-                    s.spawn(move || {
-                        // Eight independent accumulators so the adds vectorise and pipeline.
-                        let mut acc = [0u64; 8];
-                        for w in c.chunks_exact(8) {
-                            for i in 0..8 {
-                                acc[i] = acc[i].wrapping_add(w[i]);
-                            }
-                        }
-                        acc.iter().fold(0u64, |a, b| a.wrapping_add(*b))
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().expect("bandwidth thread")).fold(0u64, u64::wrapping_add)
-        });
-        std::hint::black_box(total);
-        best = best.max((words * 8) as f64 / t0.elapsed().as_secs_f64() / 1e9);
-    }
-    best
+    tandem_kernels::probe::read_bandwidth_gbs(tandem_kernels::global_pool(), 1 << 30, 5)
 }
 
 fn random_prompt(rng: &mut Rng, len: usize, vocab: usize) -> Vec<u32> {

@@ -22,9 +22,9 @@
 //! Work is split across threads by output rows / features / (sequence, head, query), never along
 //! a reduction. The price: no split-K parallelism and one accumulator chain per output.
 //!
-//! Int8 KV is the exception for *chunking*: a block's scale grows as tokens arrive, so a query
-//! that ran before later tokens requantized its block can read slightly different values than
-//! the same query run after them. Batch and thread invariance still hold.
+//! Int8 KV is the exception for *chunking*: a block's per-channel key scales grow as tokens
+//! arrive, so a query that ran before later tokens requantized a channel can read slightly
+//! different keys than the same query run after them. Batch and thread invariance still hold.
 //!
 //! # Choosing how kernels run
 //! The plain functions ([`linear`], ...) use [`Exec::global`]: the process-wide pool
@@ -42,6 +42,7 @@ mod kv;
 mod linear;
 mod norm;
 pub mod pool;
+pub mod probe;
 pub mod reference;
 mod rope;
 mod simd;
