@@ -27,6 +27,16 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Benchmark the engine: prefill and decode tokens/s beside the bandwidth bound.
     BenchEngine(bench_engine::BenchEngineArgs),
+    /// Benchmark KV-block transfer between two processes (UCX or TCP) beside `ucx_perftest`,
+    /// a plain socket copy and memcpy measured in the same run.
+    BenchTransfer(tandem_kv_transfer::bench::BenchTransferArgs),
+    /// The child-process side of `bench-transfer` (internal).
+    #[command(hide = true)]
+    KvPeer {
+        /// Arguments of the peer protocol.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
+    },
     /// Manage the model cache.
     #[command(subcommand)]
     Model(ModelCommand),
@@ -51,6 +61,10 @@ fn main() -> ExitCode {
         Command::Generate(a) => generate::run(a),
         Command::Plan(a) => plan::run(a).map(|s| println!("{s}")),
         Command::BenchEngine(a) => bench_engine::run(a).map(|s| println!("{s}")),
+        Command::BenchTransfer(a) => tandem_kv_transfer::bench::run(a.clone()).map(|_| ()),
+        Command::KvPeer { args } => {
+            tandem_kv_transfer::peer::run_cli(std::iter::once("tandem-kv-peer".into()).chain(args.iter().cloned()))
+        }
         Command::Model(ModelCommand::Fetch) => fetch::ensure_default_model().map(|p| println!("{}", p.display())),
         Command::Model(ModelCommand::Path) => {
             println!("{}", fetch::default_model_path().display());
