@@ -16,7 +16,9 @@
 //! `--compute-ms-per-layer` adds streamed runs where layers become ready one by one at that pace,
 //! to show the transfer hiding under compute (total ≈ max(compute, transfer), not their sum).
 //!
-//! Figures are medians over `--iterations` transfers; GB/s is 1e9 payload bytes per second.
+//! Transfers and baselines alternate in `--rounds` rounds so that load from other processes on a
+//! shared machine affects both sides of each ratio. Rates are medians over the `--iterations`
+//! timed transfers; ratios are medians of per-round ratios; GB/s is 1e9 payload bytes per second.
 
 pub mod baseline;
 
@@ -63,6 +65,10 @@ pub struct BenchTransferArgs {
     /// Untimed transfers first.
     #[arg(long, default_value_t = 3)]
     pub warmup: usize,
+    /// Our transfers and the baselines alternate in this many rounds; ratios are the median of
+    /// the per-round ratios.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
     /// Also run streamed transfers with this much simulated compute per layer (0: skip).
     #[arg(long, default_value_t = 0.0)]
     pub compute_ms_per_layer: f64,
@@ -102,6 +108,13 @@ impl Stats {
             p99_ms: percentile(times, 0.99).as_secs_f64() * 1e3,
         }
     }
+}
+
+/// The median of some figures (`None` when empty).
+pub fn median_f64(v: &[f64]) -> Option<f64> {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    (!v.is_empty()).then(|| v[v.len() / 2])
 }
 
 /// The median of some durations (zero when empty).
@@ -161,20 +174,20 @@ pub struct BenchReport {
     pub p50_ms: f64,
     /// 99th-percentile transfer latency, ms.
     pub p99_ms: f64,
-    /// `ucx_perftest ucp_put_bw` at `message_bytes` (UCX only).
+    /// `ucx_perftest ucp_put_bw` at `message_bytes`, median over rounds (UCX only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub perftest_gb_per_s: Option<f64>,
     /// Plain loopback socket copy of `bytes` (TCP only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub socket_gb_per_s: Option<f64>,
-    /// `gb_per_s` over the transport's baseline (perftest at `message_bytes` for UCX, socket
-    /// copy for TCP).
+    /// Median over rounds of (our rate / the transport's baseline in the same round): perftest
+    /// at `message_bytes` for UCX, socket copy for TCP.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ratio: Option<f64>,
     /// `ucx_perftest ucp_put_bw` with one message of the whole transfer's `bytes` (UCX only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub perftest_transfer_gb_per_s: Option<f64>,
-    /// `gb_per_s` over `perftest_transfer_gb_per_s`.
+    /// Median over rounds of (our rate / perftest at the whole transfer's size).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ratio_transfer: Option<f64>,
     /// In-process memcpy of `bytes`.
@@ -229,19 +242,65 @@ async fn run_async(args: &BenchTransferArgs) -> anyhow::Result<BenchReport> {
     let mut peer = PeerProcess::spawn_command(&peer_cmd, &child).await?;
     let addr = peer.addr.clone().context("peer address")?;
 
+    let bytes = layout.pool_bytes(args.blocks) as u64;
+    let layer_bytes = layout.slab_bytes() * args.blocks;
+    let message_bytes = crate::transport::layers_per_chunk(
+        layout.slab_bytes(),
+        args.blocks,
+        args.transport.max_chunk_bytes,
+    )
+    .min(layout.num_layers as u32) as usize
+        * layer_bytes;
+
     let mut id = 0u64;
-    let mut times = Vec::with_capacity(args.iterations);
     let mut data_mode = "";
-    for i in 0..args.warmup + args.iterations {
+    for i in 0..args.warmup {
         id += 1;
-        let (dt, mode) =
-            transfer(&mut peer, &transport, &src, &addr, &ids, id, i == 0, None).await?;
-        data_mode = mode;
-        if i >= args.warmup {
-            times.push(dt);
+        data_mode = transfer(&mut peer, &transport, &src, &addr, &ids, id, i == 0, None)
+            .await?
+            .1;
+    }
+    // Rounds: our transfers, then the baselines, so a change of load on a shared machine hits
+    // both sides of every ratio.
+    let rounds = args.rounds.clamp(1, args.iterations);
+    let mut times = Vec::with_capacity(args.iterations);
+    let (mut perftests, mut perftests_transfer, mut sockets) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut ratios, mut ratios_transfer) = (Vec::new(), Vec::new());
+    for round in 0..rounds {
+        let n = args.iterations / rounds + usize::from(round < args.iterations % rounds);
+        let mut round_times = Vec::with_capacity(n);
+        for _ in 0..n {
+            id += 1;
+            let (dt, mode) =
+                transfer(&mut peer, &transport, &src, &addr, &ids, id, false, None).await?;
+            data_mode = mode;
+            round_times.push(dt);
+        }
+        let ours = Stats::from_times(bytes, &round_times).gb_per_s;
+        times.extend(round_times);
+        if args.no_baseline {
+            continue;
+        }
+        match args.transport.transport {
+            TransportKind::Ucx => {
+                let tls = args.transport.ucx_tls.as_deref();
+                let count = (bytes as usize * n / message_bytes).clamp(20, 20_000);
+                let p = baseline::perftest_put_bw(message_bytes, count, tls).await?;
+                let q = baseline::perftest_put_bw(bytes as usize, n.max(5), tls).await?;
+                perftests.push(p);
+                perftests_transfer.push(q);
+                ratios.push(ours / p);
+                ratios_transfer.push(ours / q);
+            }
+            TransportKind::Tcp => {
+                let chunk = args.transport.max_chunk_bytes;
+                let b =
+                    baseline::socket_copy(&peer_cmd, &pool, bytes as usize, chunk, n, 1).await?;
+                sockets.push(b.gb_per_s);
+                ratios.push(ours / b.gb_per_s);
+            }
         }
     }
-    let bytes = layout.pool_bytes(args.blocks) as u64;
     let stats = Stats::from_times(bytes, &times);
 
     let streaming = if args.compute_ms_per_layer > 0.0 {
@@ -271,43 +330,13 @@ async fn run_async(args: &BenchTransferArgs) -> anyhow::Result<BenchReport> {
     };
     peer.quit().await?;
     drop(src);
-
-    let layer_bytes = layout.slab_bytes() * args.blocks;
-    let message_bytes = crate::transport::layers_per_chunk(
-        layout.slab_bytes(),
-        args.blocks,
-        args.transport.max_chunk_bytes,
-    )
-    .min(layout.num_layers as u32) as usize
-        * layer_bytes;
-    let (mut perftest, mut perftest_transfer, mut socket, mut memcpy) = (None, None, None, None);
-    if !args.no_baseline {
-        match args.transport.transport {
-            TransportKind::Ucx => {
-                let tls = args.transport.ucx_tls.as_deref();
-                let total = bytes as usize * args.iterations;
-                let n = (total / message_bytes).clamp(50, 20_000);
-                perftest = Some(baseline::perftest_put_bw(message_bytes, n, tls).await?);
-                let n = args.iterations.max(10);
-                perftest_transfer = Some(baseline::perftest_put_bw(bytes as usize, n, tls).await?);
-            }
-            TransportKind::Tcp => {
-                let s = baseline::socket_copy(
-                    &peer_cmd,
-                    &pool,
-                    bytes as usize,
-                    args.transport.max_chunk_bytes,
-                    args.iterations,
-                    args.warmup,
-                )
-                .await?;
-                socket = Some(s.gb_per_s);
-            }
-        }
-        memcpy = Some(baseline::memcpy_gb_per_s(&pool, bytes as usize, 5));
-    }
-    let ratio = perftest.or(socket).map(|b| stats.gb_per_s / b);
-    let ratio_transfer = perftest_transfer.map(|b| stats.gb_per_s / b);
+    let memcpy = (!args.no_baseline).then(|| baseline::memcpy_gb_per_s(&pool, bytes as usize, 5));
+    let (perftest, perftest_transfer, socket) = (
+        median_f64(&perftests),
+        median_f64(&perftests_transfer),
+        median_f64(&sockets),
+    );
+    let (ratio, ratio_transfer) = (median_f64(&ratios), median_f64(&ratios_transfer));
     Ok(BenchReport {
         transport: args.transport.transport.as_str(),
         data_mode,

@@ -64,9 +64,9 @@ async fn push(
     send(d, &conn, WriterCmd::Frame(Msg::Begin(begin)), Phase::Begin).await?;
     let outcome = match next_event(d, &conn, &mut events, Phase::Begin).await {
         Ok(Event::BeginReply(None)) => send_chunks(net, src, d, &conn, id, &mut events).await,
-        Ok(Event::BeginReply(Some(e)) | Event::Abort(e)) => {
-            return Err(e.into_error(&peer, Phase::Begin));
-        }
+        Ok(Event::BeginReply(Some(e))) => return Err(e.into_error(&peer, Phase::Begin)),
+        // Accepted, then aborted at once (expiry, cancel): the receiver waits for our ack.
+        Ok(Event::Abort(e)) => Err(Stop::Remote(e.into_error(&peer, Phase::Begin))),
         Ok(Event::Done(_)) => Err(Stop::Local(TransferError::protocol(
             "early_done",
             "Done before any chunk",
