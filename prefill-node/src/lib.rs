@@ -1,3 +1,221 @@
-//! tandem prefill node: chunked prefill and KV push
+//! tandem's prefill node: serves `tandem.v1.Prefill`: runs a prompt (chunked prefill on a
+//! dedicated engine thread), streams the first token as soon as it is sampled, and pushes the
+//! prompt's KV blocks layer by layer into a decode node's reservation over kv-transfer (UCX by
+//! default where available), streaming `KvPushed` once the decode node acknowledged every block.
 //!
-//! Not built yet: see README.md in this folder for what this crate will own.
+//! | module | what |
+//! |---|---|
+//! | [`driver`] | the engine driver: prefill-only requests, layer-wise push, held-block release |
+//! | [`service`] | the gRPC service: validation (layout fingerprint, block count), streams |
+//! | this file | [`PrefillArgs`], [`PrefillNode`] (start / addresses / shutdown), [`run`] |
+//!
+//! Startup: validate flags → bind the gRPC listener → start the KV transport → load the model
+//! on the engine thread (KV pool in transport memory) → serve gRPC (+ health, reflection) →
+//! register in etcd with the bound address → publish load on NATS. Shutdown follows
+//! [`tandem_node::lifecycle`]'s phases.
+
+pub mod driver;
+pub mod service;
+
+use std::ffi::OsString;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use tandem_cluster::{NodeInfo, Role};
+use tandem_engine::KvLayout;
+use tandem_kv_transfer::{KvTransport, TransportKind};
+use tandem_node::engine_thread::{self, EngineHandle, EngineSnapshot};
+use tandem_node::env_names::*;
+use tandem_node::lifecycle::{self, ShutdownPlan};
+use tandem_node::{Coordination, Lifecycle, NodeArgs, NodeError, membership, model, server, transport};
+use tandem_proto::v1::prefill_server::PrefillServer;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::driver::{Command, PrefillDriver, PushSettings, Senders};
+use crate::service::PrefillService;
+
+/// Engine commands queued before callers wait.
+const COMMAND_QUEUE: usize = 256;
+
+/// Flags of `tandem-prefill-node` / `tandem prefill`.
+#[derive(Parser, Clone, Debug)]
+#[command(name = "tandem-prefill-node", version, about = "tandem prefill node: chunked prefill, first token, layer-wise KV push")]
+pub struct PrefillArgs {
+    /// Cluster, listeners, transport, engine.
+    #[command(flatten)]
+    pub node: NodeArgs,
+
+    /// Bound on one KV push (connect, every layer, the decode node's verification), in ms.
+    #[arg(long, env = TANDEM_PUSH_DEADLINE_MS, default_value_t = 30_000)]
+    pub push_deadline_ms: u64,
+
+    /// Inject a fault into every KV push: `corrupt:OFFSET`, `drop:CHUNK`, `cut:BYTES`,
+    /// `delay-ms:N` (fault-injection builds only; for tests and drills).
+    #[cfg(feature = "fault-injection")]
+    #[arg(long, env = TANDEM_KV_FAULT)]
+    pub kv_fault: Option<tandem_kv_transfer::Fault>,
+
+    /// Log filter for stderr (RUST_LOG syntax).
+    #[arg(long, env = "RUST_LOG", default_value = "info")]
+    pub log: String,
+}
+
+impl PrefillArgs {
+    /// Parses `argv` (program name first) with `--config` file layering; `.exit()` the error in
+    /// a binary (it also carries `--help`).
+    pub fn parse_layered(argv: Vec<OsString>) -> Result<Self, clap::Error> {
+        tandem_node::config_file::parse_layered(argv)
+    }
+}
+
+/// A running prefill node.
+pub struct PrefillNode {
+    node_id: String,
+    grpc_addr: SocketAddr,
+    layout: KvLayout,
+    engine: EngineHandle<Command>,
+    plan: ShutdownPlan<Command>,
+    #[cfg(feature = "fault-injection")]
+    fault: Arc<std::sync::Mutex<Option<tandem_kv_transfer::Fault>>>,
+}
+
+impl PrefillNode {
+    /// Starts a node: binds, loads the model, serves, registers. `Coordination::FromArgs`
+    /// requires `--etcd-endpoints` and `--nats-url`.
+    pub async fn start(args: PrefillArgs, coordination: Coordination) -> Result<Self, NodeError> {
+        args.node.validate()?;
+        if matches!(coordination, Coordination::FromArgs) {
+            args.node.validate_control_plane()?;
+        }
+        let listener = lifecycle::bind("gRPC", args.node.listen.grpc_addr).await?;
+        let grpc_addr = listener.local_addr().map_err(|source| NodeError::Bind { what: "gRPC", addr: args.node.listen.grpc_addr, source })?;
+        let (primary, kind) = transport::start(args.node.listen.kv_transport)?;
+        // A UCX node also pushes to TCP decode nodes, over the same pool.
+        let tcp = match kind {
+            TransportKind::Ucx => Some(transport::start(tandem_node::TransportChoice::Tcp)?.0),
+            TransportKind::Tcp => None,
+        };
+        #[cfg(feature = "fault-injection")]
+        let fault = Arc::new(std::sync::Mutex::new(args.kv_fault));
+        let settings = PushSettings {
+            deadline: Duration::from_millis(args.push_deadline_ms),
+            #[cfg(feature = "fault-injection")]
+            fault: Arc::clone(&fault),
+        };
+        let engine_args = args.node.engine.clone();
+        let (engine, (layout, num_blocks, kinds)) = engine_thread::spawn("prefill-engine", COMMAND_QUEUE, move |ctx| {
+            let (engine, registration) = model::build_engine(&engine_args, &*primary)?;
+            let tcp = match tcp {
+                Some(t) => {
+                    let reg = t
+                        .register(Arc::clone(registration.pool()))
+                        .map_err(|source| NodeError::Transport { transport: "tcp", source })?;
+                    Some((t, reg))
+                }
+                None => None,
+            };
+            let senders = Senders { primary: (kind, primary, registration), tcp };
+            let kinds = senders.kinds();
+            let layout = *engine.kv_layout();
+            let blocks = engine.scheduler().blocks().num_blocks();
+            let driver = PrefillDriver::new(ctx.runtime, ctx.engine, senders, settings, layout.block_size_tokens);
+            Ok((engine, driver, (layout, blocks, kinds)))
+        })
+        .await?;
+        let lifecycle = Lifecycle::new();
+        let service = PrefillService::new(engine.clone(), lifecycle.clone(), layout.fingerprint(), layout.block_size_tokens, kinds);
+        let routes = tonic::service::Routes::new(PrefillServer::new(service));
+        let server = match server::spawn(listener, routes, "tandem.v1.Prefill").await {
+            Ok(s) => s,
+            Err(e) => {
+                engine.shutdown().await;
+                return Err(e);
+            }
+        };
+        let background = CancellationToken::new();
+        let node_id = args.node.cluster.node_id.clone().unwrap_or_else(|| lifecycle::default_node_id("prefill"));
+        let grpc_url = format!("http://{}", args.node.listen.advertised(grpc_addr));
+        let info = NodeInfo::new(&node_id, Role::Prefill, &grpc_url, layout, num_blocks as u64);
+        let mut plan = ShutdownPlan {
+            lifecycle,
+            server,
+            membership: None,
+            engine: engine.clone(),
+            background,
+            drain_timeout: args.node.listen.drain_timeout(),
+        };
+        match membership::join(&args.node, coordination, info, engine.snapshot(), &plan.background).await {
+            Ok(m) => plan.membership = Some(m),
+            Err(e) => {
+                plan.run().await;
+                return Err(e);
+            }
+        }
+        tracing::info!(node_id = %node_id, grpc = %grpc_url, kv_blocks = num_blocks, "prefill node serving");
+        Ok(PrefillNode {
+            node_id,
+            grpc_addr,
+            layout,
+            engine,
+            plan,
+            #[cfg(feature = "fault-injection")]
+            fault,
+        })
+    }
+
+    /// This node's id in the cluster.
+    pub fn node_id(&self) -> &str {
+        &self.node_id
+    }
+
+    /// The bound gRPC address.
+    pub fn grpc_addr(&self) -> SocketAddr {
+        self.grpc_addr
+    }
+
+    /// The KV layout (its fingerprint is what targets must carry).
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    /// The engine's latest snapshot (free/total blocks, queue, tokens/s).
+    pub fn snapshot(&self) -> watch::Receiver<EngineSnapshot> {
+        self.engine.snapshot()
+    }
+
+    /// Sets (or clears) a fault applied to every push from now on (tests and drills).
+    #[cfg(feature = "fault-injection")]
+    pub fn set_fault(&self, fault: Option<tandem_kv_transfer::Fault>) {
+        *self.fault.lock().unwrap_or_else(|p| p.into_inner()) = fault;
+    }
+
+    /// Phased shutdown: draining, drain, stop, deregister.
+    pub async fn shutdown(self) {
+        self.plan.run().await;
+    }
+}
+
+/// Runs a prefill node with etcd and NATS from the flags until `shutdown` resolves, then shuts
+/// it down in phases. Prints `tandem-prefill-node listening grpc=ADDR node_id=ID` on stdout once
+/// it serves.
+pub async fn run(args: PrefillArgs, shutdown: impl Future<Output = ()>) -> Result<(), NodeError> {
+    let node = PrefillNode::start(args, Coordination::FromArgs).await?;
+    println!("tandem-prefill-node listening grpc={} node_id={}", node.grpc_addr(), node.node_id());
+    shutdown.await;
+    node.shutdown().await;
+    Ok(())
+}
+
+/// The binary's body (also `tandem prefill`): parse `argv` with file layering, log to stderr,
+/// run on a multi-threaded runtime until SIGTERM or Ctrl-C. Errors are startup failures.
+pub fn main_with_args(argv: Vec<OsString>) -> anyhow::Result<()> {
+    let args = PrefillArgs::parse_layered(argv).unwrap_or_else(|e| e.exit());
+    lifecycle::init_logging(&args.log);
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("prefill-rt").build()?;
+    rt.block_on(run(args, lifecycle::shutdown_signal()))?;
+    Ok(())
+}

@@ -1,0 +1,39 @@
+//! Every environment variable a node reads, in one place (STYLE.md §4). Each one is the
+//! fallback of the flag named in its doc; flags win over variables, variables over a `--config`
+//! file, the file over built-in defaults.
+//!
+//! The engine's own flags (`TANDEM_MODEL`, `TANDEM_KV_DTYPE`, ...) are listed in
+//! `tandem_engine::EngineArgs`; `RUST_LOG` sets the log filter.
+
+/// `--config`: a TOML file with flag values.
+pub const TANDEM_CONFIG: &str = "TANDEM_CONFIG";
+/// `--etcd-endpoints`: comma-separated etcd client URLs.
+pub const TANDEM_ETCD_ENDPOINTS: &str = "TANDEM_ETCD_ENDPOINTS";
+/// `--nats-url`: the NATS server URL.
+pub const TANDEM_NATS_URL: &str = "TANDEM_NATS_URL";
+/// `--cluster`: the cluster name.
+pub const TANDEM_CLUSTER: &str = "TANDEM_CLUSTER";
+/// `--node-id`: this node's id.
+pub const TANDEM_NODE_ID: &str = "TANDEM_NODE_ID";
+/// `--lease-ttl-secs`: etcd lease TTL.
+pub const TANDEM_LEASE_TTL_SECS: &str = "TANDEM_LEASE_TTL_SECS";
+/// `--load-report-ms`: load report period.
+pub const TANDEM_LOAD_REPORT_MS: &str = "TANDEM_LOAD_REPORT_MS";
+/// `--startup-timeout-secs`: how long registration keeps retrying at start.
+pub const TANDEM_STARTUP_TIMEOUT_SECS: &str = "TANDEM_STARTUP_TIMEOUT_SECS";
+/// `--grpc-addr`: where the gRPC server binds.
+pub const TANDEM_GRPC_ADDR: &str = "TANDEM_GRPC_ADDR";
+/// `--kv-addr`: where the KV-transfer receiver binds.
+pub const TANDEM_KV_ADDR: &str = "TANDEM_KV_ADDR";
+/// `--advertise-host`: the host peers use to reach this node.
+pub const TANDEM_ADVERTISE_HOST: &str = "TANDEM_ADVERTISE_HOST";
+/// `--kv-transport`: ucx, tcp or auto.
+pub const TANDEM_KV_TRANSPORT: &str = "TANDEM_KV_TRANSPORT";
+/// `--drain-timeout-secs`: bound on finishing in-flight work at shutdown.
+pub const TANDEM_DRAIN_TIMEOUT_SECS: &str = "TANDEM_DRAIN_TIMEOUT_SECS";
+/// `--push-deadline-ms` (prefill): bound on one KV push.
+pub const TANDEM_PUSH_DEADLINE_MS: &str = "TANDEM_PUSH_DEADLINE_MS";
+/// `--reservation-ttl-ms` (decode): how long an unclaimed reservation lives.
+pub const TANDEM_RESERVATION_TTL_MS: &str = "TANDEM_RESERVATION_TTL_MS";
+/// `--kv-fault` (prefill, fault-injection builds only): a fault applied to every push.
+pub const TANDEM_KV_FAULT: &str = "TANDEM_KV_FAULT";

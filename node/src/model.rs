@@ -1,0 +1,57 @@
+//! Building a node's engine: resolve the model (fetching the default one on first use, as
+//! `tandem generate` does), load it, allocate the KV pool in transport memory and wrap it.
+//!
+//! Runs on the engine thread (loading takes 1–2 s for the default model and allocates the
+//! weights there); nothing here touches tokio.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use tandem_engine::kv::KvPool;
+use tandem_engine::{Engine, EngineArgs, Model, ModelSource, loader};
+use tandem_kv_transfer::{KvTransport, PoolRegistration};
+
+use crate::error::NodeError;
+use crate::fetch;
+use crate::transport::TransferBacking;
+
+/// Where the weights come from: `--model`, `--dummy-weights`, or the default model (fetched
+/// into the cache if missing).
+pub fn resolve_source(args: &EngineArgs) -> Result<ModelSource, NodeError> {
+    Ok(match args.source(fetch::default_model_path) {
+        ModelSource::Path(p) if args.model.is_none() => {
+            let path = fetch::ensure_default_model()
+                .map_err(|e| NodeError::ModelFetch { path: p.clone(), reason: format!("{e:#}") })?;
+            ModelSource::Path(path.canonicalize().unwrap_or(path))
+        }
+        s => s,
+    })
+}
+
+/// Loads the model and builds an engine whose KV pool lives in memory `transport` allocated;
+/// returns the engine and the pool's registration (to push from or receive into).
+pub fn build_engine(args: &EngineArgs, transport: &dyn KvTransport) -> Result<(Engine, PoolRegistration), NodeError> {
+    let source = resolve_source(args)?;
+    let cfg = args.engine_config().map_err(NodeError::Engine)?;
+    let t0 = Instant::now();
+    let loaded = loader::load(&source, args.dtype).map_err(NodeError::Engine)?;
+    let model = Model::new(loaded.weights);
+    let (layout, num_blocks) = Engine::pool_shape(&model, &cfg).map_err(NodeError::Engine)?;
+    let transport_name = transport.capabilities().name;
+    let registration = transport
+        .allocate(layout, num_blocks)
+        .map_err(|source| NodeError::Transport { transport: transport_name, source })?;
+    let pool = KvPool::external(layout, num_blocks, Arc::new(TransferBacking(registration.clone()))).map_err(NodeError::Engine)?;
+    let engine = Engine::with_pool(model, loaded.tokenizer, cfg, pool).map_err(NodeError::Engine)?;
+    tracing::info!(
+        model = ?source,
+        dtype = args.dtype.as_str(),
+        kv_blocks = num_blocks,
+        kv_layout = %layout,
+        fingerprint = format_args!("{:016x}", layout.fingerprint()),
+        transport = transport_name,
+        load_ms = t0.elapsed().as_millis() as u64,
+        "engine ready"
+    );
+    Ok((engine, registration))
+}
