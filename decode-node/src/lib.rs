@@ -1,3 +1,215 @@
-//! tandem decode node: KV receive, continuous batching, token streams
+//! tandem's decode node: serves `tandem.v1.Decode`: reserves KV blocks with an expiry
+//! (`Reserve`/`Release`), receives and verifies the KV a prefill node pushes (fail closed: a
+//! corrupt or partial transfer is never decoded), then runs the request in its continuous batch
+//! and streams tokens (`Decode`).
 //!
-//! Not built yet: see README.md in this folder for what this crate will own.
+//! | module | what |
+//! |---|---|
+//! | [`driver`] | the engine driver: reserve/release, adopt KV with the first token, batched streams |
+//! | [`reservations`] | unclaimed reservations, their inbound transfers, expiry, fenced release |
+//! | [`service`] | the gRPC service |
+//! | this file | [`DecodeArgs`], [`DecodeNode`] (start / addresses / shutdown), [`run`] |
+//!
+//! Startup: validate flags → bind the gRPC and KV listeners → start the KV transport → load the
+//! model on the engine thread (KV pool in transport memory) → serve KV (InboundRegistry) and
+//! gRPC (+ health, reflection) → register in etcd with the bound addresses → publish load on
+//! NATS. Shutdown follows [`tandem_node::lifecycle`]'s phases.
+
+pub mod driver;
+pub mod reservations;
+pub mod service;
+
+use std::ffi::OsString;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use tandem_cluster::{NodeInfo, Role};
+use tandem_engine::KvLayout;
+use tandem_kv_transfer::{InboundRegistry, TransferConfig};
+use tandem_node::engine_thread::{self, EngineHandle, EngineSnapshot};
+use tandem_node::env_names::*;
+use tandem_node::lifecycle::{self, ShutdownPlan};
+use tandem_node::{Coordination, KvAddress, Lifecycle, NodeArgs, NodeError, membership, model, server, transport};
+use tandem_proto::v1::decode_server::DecodeServer;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::driver::{Command, DecodeDriver};
+use crate::reservations::Reservations;
+use crate::service::DecodeService;
+
+/// Engine commands queued before callers wait.
+const COMMAND_QUEUE: usize = 256;
+
+/// Flags of `tandem-decode-node` / `tandem decode`.
+#[derive(Parser, Clone, Debug)]
+#[command(name = "tandem-decode-node", version, about = "tandem decode node: KV reservations, verified receive, continuous batching")]
+pub struct DecodeArgs {
+    /// Cluster, listeners, transport, engine.
+    #[command(flatten)]
+    pub node: NodeArgs,
+
+    /// How long a reservation waits for its Decode call and its KV before its blocks are
+    /// freed, in ms.
+    #[arg(long, env = TANDEM_RESERVATION_TTL_MS, default_value_t = 30_000)]
+    pub reservation_ttl_ms: u64,
+
+    /// Log filter for stderr (RUST_LOG syntax).
+    #[arg(long, env = "RUST_LOG", default_value = "info")]
+    pub log: String,
+}
+
+impl DecodeArgs {
+    /// Parses `argv` (program name first) with `--config` file layering; `.exit()` the error in
+    /// a binary (it also carries `--help`).
+    pub fn parse_layered(argv: Vec<OsString>) -> Result<Self, clap::Error> {
+        tandem_node::config_file::parse_layered(argv)
+    }
+}
+
+/// A running decode node.
+pub struct DecodeNode {
+    node_id: String,
+    grpc_addr: SocketAddr,
+    kv_address: KvAddress,
+    layout: KvLayout,
+    engine: EngineHandle<Command>,
+    reservations: Reservations,
+    registry: InboundRegistry,
+    plan: ShutdownPlan<Command>,
+}
+
+impl DecodeNode {
+    /// Starts a node: binds, loads the model, serves KV and gRPC, registers.
+    /// `Coordination::FromArgs` requires `--etcd-endpoints` and `--nats-url`.
+    pub async fn start(args: DecodeArgs, coordination: Coordination) -> Result<Self, NodeError> {
+        args.node.validate()?;
+        if matches!(coordination, Coordination::FromArgs) {
+            args.node.validate_control_plane()?;
+        }
+        if args.reservation_ttl_ms == 0 {
+            return Err(NodeError::InvalidConfig { flag: "--reservation-ttl-ms", value: "0".into(), reason: "must be at least 1".into() });
+        }
+        let listen = &args.node.listen;
+        let grpc_listener = lifecycle::bind("gRPC", listen.grpc_addr).await?;
+        let kv_listener = lifecycle::bind("KV transfer", listen.kv_addr).await?;
+        let local = |l: &tokio::net::TcpListener, what, addr| l.local_addr().map_err(|source| NodeError::Bind { what, addr, source });
+        let grpc_addr = local(&grpc_listener, "gRPC", listen.grpc_addr)?;
+        let kv_bound = local(&kv_listener, "KV transfer", listen.kv_addr)?;
+        let (net, kind) = transport::start(listen.kv_transport)?;
+        let kv_address = KvAddress { kind, host_port: listen.advertised(kv_bound) };
+
+        let engine_args = args.node.engine.clone();
+        let alloc = Arc::clone(&net);
+        let (engine, (layout, num_blocks, registration)) = engine_thread::spawn("decode-engine", COMMAND_QUEUE, move |_ctx| {
+            let (engine, registration) = model::build_engine(&engine_args, &*alloc)?;
+            let layout = *engine.kv_layout();
+            let blocks = engine.scheduler().blocks().num_blocks();
+            Ok((engine, DecodeDriver::new(), (layout, blocks, registration)))
+        })
+        .await?;
+        let registry = InboundRegistry::new(registration, TransferConfig::default().fence_timeout);
+        let background = CancellationToken::new();
+        {
+            let (net, registry, stop) = (Arc::clone(&net), registry.clone(), background.child_token());
+            tokio::spawn(async move {
+                if let Err(e) = net.serve(kv_listener, registry, stop).await {
+                    tracing::error!(error = %e, "KV receiver stopped");
+                }
+            });
+        }
+        let node_id = args.node.cluster.node_id.clone().unwrap_or_else(|| lifecycle::default_node_id("decode"));
+        let lifecycle = Lifecycle::new();
+        let ttl = Duration::from_millis(args.reservation_ttl_ms);
+        let reservations = Reservations::new(registry.clone(), engine.clone(), ttl, layout.block_size_tokens, lifecycle::boot_nonce() | 1);
+        let service =
+            DecodeService::new(engine.clone(), reservations.clone(), lifecycle.clone(), node_id.clone(), kv_address.clone(), layout.fingerprint());
+        let routes = tonic::service::Routes::new(DecodeServer::new(service));
+        let server = match server::spawn(grpc_listener, routes, "tandem.v1.Decode").await {
+            Ok(s) => s,
+            Err(e) => {
+                background.cancel();
+                engine.shutdown().await;
+                return Err(e);
+            }
+        };
+        let grpc_url = format!("http://{}", listen.advertised(grpc_addr));
+        let info = NodeInfo::new(&node_id, Role::Decode, &grpc_url, layout, num_blocks as u64).with_kv_transfer_addr(kv_address.to_string());
+        let mut plan = ShutdownPlan { lifecycle, server, membership: None, engine: engine.clone(), background, drain_timeout: listen.drain_timeout() };
+        match membership::join(&args.node, coordination, info, engine.snapshot(), &plan.background).await {
+            Ok(m) => plan.membership = Some(m),
+            Err(e) => {
+                plan.run().await;
+                return Err(e);
+            }
+        }
+        // The transport lives as long as its serve task and the pool's registration.
+        drop(net);
+        tracing::info!(node_id = %node_id, grpc = %grpc_url, kv = %kv_address, kv_blocks = num_blocks, "decode node serving");
+        Ok(DecodeNode { node_id, grpc_addr, kv_address, layout, engine, reservations, registry, plan })
+    }
+
+    /// This node's id in the cluster.
+    pub fn node_id(&self) -> &str {
+        &self.node_id
+    }
+
+    /// The bound gRPC address.
+    pub fn grpc_addr(&self) -> SocketAddr {
+        self.grpc_addr
+    }
+
+    /// Where it receives KV.
+    pub fn kv_address(&self) -> &KvAddress {
+        &self.kv_address
+    }
+
+    /// The KV layout.
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    /// The engine's latest snapshot (free/total blocks, reserved blocks, queue, tokens/s).
+    pub fn snapshot(&self) -> watch::Receiver<EngineSnapshot> {
+        self.engine.snapshot()
+    }
+
+    /// Reservations not yet claimed by a Decode call.
+    pub fn unclaimed_reservations(&self) -> usize {
+        self.reservations.len()
+    }
+
+    /// Reservations the KV receiver still waits on (claimed or not).
+    pub fn inbound_reservations(&self) -> usize {
+        self.registry.live_reservations()
+    }
+
+    /// Phased shutdown: draining, drain, stop, deregister.
+    pub async fn shutdown(self) {
+        self.plan.run().await;
+    }
+}
+
+/// Runs a decode node with etcd and NATS from the flags until `shutdown` resolves, then shuts
+/// it down in phases. Prints `tandem-decode-node listening grpc=ADDR kv=KV_ADDR node_id=ID` on
+/// stdout once it serves.
+pub async fn run(args: DecodeArgs, shutdown: impl Future<Output = ()>) -> Result<(), NodeError> {
+    let node = DecodeNode::start(args, Coordination::FromArgs).await?;
+    println!("tandem-decode-node listening grpc={} kv={} node_id={}", node.grpc_addr(), node.kv_address(), node.node_id());
+    shutdown.await;
+    node.shutdown().await;
+    Ok(())
+}
+
+/// The binary's body (also `tandem decode`): parse `argv` with file layering, log to stderr,
+/// run on a multi-threaded runtime until SIGTERM or Ctrl-C. Errors are startup failures.
+pub fn main_with_args(argv: Vec<OsString>) -> anyhow::Result<()> {
+    let args = DecodeArgs::parse_layered(argv).unwrap_or_else(|e| e.exit());
+    lifecycle::init_logging(&args.log);
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("decode-rt").build()?;
+    rt.block_on(run(args, lifecycle::shutdown_signal()))?;
+    Ok(())
+}

@@ -1,0 +1,232 @@
+//! The decode node's engine driver: reservations (blocks set aside for KV a prefill node
+//! pushes), adopting verified KV with the first token, continuous batching, and one token
+//! stream per request.
+//!
+//! ```text
+//!  Reserve ─▶ engine.reserve(id, prompt + max_new tokens) ─▶ blocks (the service expects the
+//!             prompt's blocks in the InboundRegistry)
+//!  Start   ─▶ engine.add_prefilled(req, id, first token) ─▶ stream: first token's text
+//!  step    ─▶ one TokenBatch per request per step ─▶ … ─▶ DecodeFinal (finish reason, usage)
+//! ```
+//!
+//! Streams are bounded. Output that does not fit (a slow client) is coalesced into the
+//! request's pending batch and sent when there is room, so the engine never blocks on a
+//! client and no token is lost. A closed stream (client cancelled or disconnected) aborts the
+//! request at the next loop iteration and frees its blocks.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use tandem_engine::{Engine, EngineError, Request, StepOutput};
+use tandem_node::engine_thread::Driver;
+use tandem_node::{InFlightGuard, convert, status};
+use tandem_proto::v1::decode_response::Event;
+use tandem_proto::v1::{DecodeFinal, DecodeResponse, TokenBatch};
+use tokio::sync::mpsc::{self, error::TrySendError};
+use tokio::sync::oneshot;
+use tonic::Status;
+
+/// The events of one Decode stream.
+pub type Events = mpsc::Sender<Result<DecodeResponse, Status>>;
+
+/// A request whose KV arrived and verified, ready to join the batch.
+pub struct Start {
+    /// The engine request (its id is the reservation id).
+    pub request: Request,
+    /// The reservation holding its KV.
+    pub reservation_id: u64,
+    /// The first token, sampled by the prefill node.
+    pub first_token: u32,
+    /// Prompt tokens the prefill node served from its prefix cache.
+    pub cached_prompt_tokens: usize,
+    /// The caller's request id (logs).
+    pub label: String,
+    /// The client's stream.
+    pub events: Events,
+    /// Held until the stream's last message.
+    pub in_flight: InFlightGuard,
+}
+
+/// Commands of the decode engine thread.
+pub enum Command {
+    /// Reserve blocks for `tokens` tokens; replies with the block ids.
+    Reserve {
+        /// The reservation's id.
+        reservation_id: u64,
+        /// Prompt + output tokens.
+        tokens: usize,
+        /// The blocks, or why not (OutOfBlocks: RESOURCE_EXHAUSTED).
+        reply: oneshot::Sender<Result<Vec<u32>, EngineError>>,
+    },
+    /// Return an unadopted reservation's blocks (released, expired, failed transfer).
+    ReleaseReservation {
+        /// The reservation.
+        reservation_id: u64,
+    },
+    /// Adopt a reservation's KV and start decoding.
+    Start(Box<Start>),
+}
+
+struct Stream {
+    label: String,
+    events: Events,
+    pending: Option<TokenBatch>,
+    finish: Option<DecodeFinal>,
+    finished_in_engine: bool,
+    _in_flight: InFlightGuard,
+}
+
+enum Flush {
+    /// Everything produced so far was handed over.
+    Delivered,
+    /// The stream is full; try again later.
+    Blocked,
+    /// The client is gone.
+    Gone,
+}
+
+impl Stream {
+    fn push(&mut self, o: &StepOutput) {
+        let b = self.pending.get_or_insert_with(TokenBatch::default);
+        b.token_ids.push(o.token);
+        b.text.push_str(&o.text);
+        if let Some(reason) = o.finished {
+            self.finished_in_engine = true;
+            self.finish = Some(DecodeFinal { finish_reason: convert::finish_reason(reason) as i32, usage: Some(convert::usage(o.usage)) });
+        }
+    }
+
+    fn flush(&mut self) -> Flush {
+        if self.events.is_closed() {
+            return Flush::Gone;
+        }
+        if let Some(b) = &self.pending {
+            match self.events.try_send(Ok(DecodeResponse { event: Some(Event::Tokens(b.clone())) })) {
+                Ok(()) => self.pending = None,
+                Err(TrySendError::Full(_)) => return Flush::Blocked,
+                Err(TrySendError::Closed(_)) => return Flush::Gone,
+            }
+        }
+        if let Some(f) = &self.finish {
+            match self.events.try_send(Ok(DecodeResponse { event: Some(Event::Final(f.clone())) })) {
+                Ok(()) => self.finish = None,
+                Err(TrySendError::Full(_)) => return Flush::Blocked,
+                Err(TrySendError::Closed(_)) => return Flush::Gone,
+            }
+        }
+        Flush::Delivered
+    }
+
+    fn undelivered(&self) -> bool {
+        self.pending.is_some() || self.finish.is_some()
+    }
+}
+
+/// The decode role's [`Driver`].
+#[derive(Default)]
+pub struct DecodeDriver {
+    streams: HashMap<u64, Stream>,
+}
+
+impl DecodeDriver {
+    /// A driver with no streams.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Delivers what `id` has; ends it when finished and delivered, aborts it if the client left.
+    fn flush(&mut self, engine: &mut Engine, id: u64) {
+        let Some(s) = self.streams.get_mut(&id) else { return };
+        match s.flush() {
+            Flush::Blocked => {}
+            Flush::Delivered if s.finished_in_engine => {
+                self.streams.remove(&id);
+            }
+            Flush::Delivered => {}
+            Flush::Gone => {
+                if !s.finished_in_engine {
+                    engine.abort(id);
+                }
+                tracing::debug!(request = %s.label, "client went away; request aborted, blocks freed");
+                self.streams.remove(&id);
+            }
+        }
+    }
+
+    fn fail_all(&mut self, engine: &mut Engine, status: impl Fn() -> Status) {
+        for (id, s) in self.streams.drain() {
+            if !s.finished_in_engine {
+                engine.abort(id);
+            }
+            let _ = s.events.try_send(Err(status()));
+        }
+    }
+}
+
+impl Driver for DecodeDriver {
+    type Command = Command;
+
+    fn on_command(&mut self, engine: &mut Engine, cmd: Command) {
+        match cmd {
+            Command::Reserve { reservation_id, tokens, reply } => {
+                let _ = reply.send(engine.reserve(reservation_id, tokens));
+            }
+            Command::ReleaseReservation { reservation_id } => {
+                engine.release_reservation(reservation_id);
+            }
+            Command::Start(start) => {
+                let Start { request, reservation_id, first_token, cached_prompt_tokens, label, events, in_flight } = *start;
+                let id = request.id;
+                match engine.add_prefilled(request, reservation_id, first_token, cached_prompt_tokens, Instant::now()) {
+                    Err(e) => {
+                        // Nothing adopted the blocks: give them back (false if already gone).
+                        engine.release_reservation(reservation_id);
+                        let _ = events.try_send(Err(status::engine_status(&e)));
+                    }
+                    Ok(first) => {
+                        let mut s = Stream { label, events, pending: None, finish: None, finished_in_engine: false, _in_flight: in_flight };
+                        s.push(&first);
+                        self.streams.insert(id, s);
+                        self.flush(engine, id);
+                    }
+                }
+            }
+        }
+    }
+
+    fn step(&mut self, engine: &mut Engine) -> Result<usize, EngineError> {
+        let outputs = engine.step()?;
+        for o in &outputs {
+            match self.streams.get_mut(&o.request_id) {
+                Some(s) => s.push(o),
+                None => {
+                    engine.abort(o.request_id);
+                }
+            }
+        }
+        for o in &outputs {
+            self.flush(engine, o.request_id);
+        }
+        Ok(outputs.len())
+    }
+
+    fn housekeeping(&mut self, engine: &mut Engine) {
+        let ids: Vec<u64> = self.streams.iter().filter(|(_, s)| s.events.is_closed() || s.undelivered()).map(|(&id, _)| id).collect();
+        for id in ids {
+            self.flush(engine, id);
+        }
+    }
+
+    fn has_undelivered(&self) -> bool {
+        self.streams.values().any(Stream::undelivered)
+    }
+
+    fn on_step_error(&mut self, engine: &mut Engine, error: &EngineError) {
+        let s = status::engine_status(error);
+        self.fail_all(engine, || s.clone());
+    }
+
+    fn shutdown(&mut self, engine: &mut Engine) {
+        self.fail_all(engine, || status::unavailable("decode node is shutting down"));
+    }
+}

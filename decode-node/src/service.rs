@@ -1,0 +1,157 @@
+//! The `tandem.v1.Decode` service: `Reserve`, `Release`, `Decode`.
+//!
+//! `Decode` claims the reservation, then a task waits for its KV (the inbound transfer resolves
+//! once every layer of every block verified, or with the error that ended it, bounded by the
+//! reservation's TTL):
+//! - verified: the engine adopts the blocks with the first token and streams tokens;
+//! - failed (checksum, partial, expired, sender gone): DATA_LOSS when a re-prefill may succeed
+//!   (`tandem-retry-safe: true`), nothing is decoded, the blocks go back.
+//!
+//! A client that leaves while the KV is still in flight is noticed once the transfer resolves:
+//! the router cancels the Prefill call too, whose push then aborts, so that is prompt; at worst
+//! the reservation's TTL bounds it. (kv-transfer's `InboundTransfer` can only be cancelled by
+//! value, so a wait in progress cannot be fenced early from here.)
+
+use tandem_node::engine_thread::EngineHandle;
+use tandem_node::{KvAddress, Lifecycle, convert, status};
+use tandem_proto::v1::decode_server::Decode;
+use tandem_proto::v1::{DecodeRequest, DecodeResponse, KvTarget, ReleaseRequest, ReleaseResponse, ReserveRequest, ReserveResponse};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+use crate::driver::{Command, Start};
+use crate::reservations::{Claimed, Pending, Reservations};
+
+/// Messages buffered per stream before output is coalesced (see the driver).
+const STREAM_BUFFER: usize = 64;
+
+/// The Decode service of one node.
+pub struct DecodeService {
+    engine: EngineHandle<Command>,
+    reservations: Reservations,
+    lifecycle: Lifecycle,
+    node_id: String,
+    kv_address: KvAddress,
+    fingerprint: u64,
+}
+
+impl DecodeService {
+    /// A service for node `node_id`, receiving KV at `kv_address` in layout `fingerprint`.
+    pub fn new(
+        engine: EngineHandle<Command>,
+        reservations: Reservations,
+        lifecycle: Lifecycle,
+        node_id: String,
+        kv_address: KvAddress,
+        fingerprint: u64,
+    ) -> Self {
+        DecodeService { engine, reservations, lifecycle, node_id, kv_address, fingerprint }
+    }
+}
+
+#[tonic::async_trait]
+impl Decode for DecodeService {
+    async fn reserve(&self, request: Request<ReserveRequest>) -> Result<Response<ReserveResponse>, Status> {
+        let in_flight = self.lifecycle.admit()?;
+        let r = request.into_inner();
+        if r.prompt_tokens == 0 {
+            return Err(status::invalid("prompt_tokens", "must be at least 1"));
+        }
+        if r.max_new_tokens == 0 {
+            return Err(status::invalid("max_new_tokens", "must be at least 1"));
+        }
+        let reserved = self.reservations.reserve(r.request_id, r.prompt_tokens as usize, r.max_new_tokens as usize, in_flight).await?;
+        Ok(Response::new(ReserveResponse {
+            target: Some(KvTarget {
+                decode_node_id: self.node_id.clone(),
+                kv_address: self.kv_address.to_string(),
+                reservation_id: reserved.reservation_id,
+                epoch: reserved.epoch,
+                block_ids: reserved.prompt_blocks,
+                layout_fingerprint: self.fingerprint,
+            }),
+            expires_at_unix_ms: reserved.expires_at_unix_ms,
+        }))
+    }
+
+    async fn release(&self, request: Request<ReleaseRequest>) -> Result<Response<ReleaseResponse>, Status> {
+        let r = request.into_inner();
+        let released = self.reservations.release(r.reservation_id, r.epoch).await;
+        Ok(Response::new(ReleaseResponse { released }))
+    }
+
+    type DecodeStream = ReceiverStream<Result<DecodeResponse, Status>>;
+
+    async fn decode(&self, request: Request<DecodeRequest>) -> Result<Response<Self::DecodeStream>, Status> {
+        let r = request.into_inner();
+        let (pending, claimed) = self.reservations.claim(r.reservation_id, r.epoch)?;
+        let params = convert::sampling_params(r.sampling.as_ref(), &r.request_id, pending.max_new_tokens);
+        let invalid = if r.prompt_token_ids.len() != pending.prompt_tokens {
+            Some(status::invalid(
+                "prompt_token_ids",
+                format!("has {} tokens; reservation {} was made for {}", r.prompt_token_ids.len(), r.reservation_id, pending.prompt_tokens),
+            ))
+        } else if params.max_new_tokens > pending.max_new_tokens {
+            Some(status::invalid(
+                "sampling.max_tokens",
+                format!("{} exceeds the {} output tokens reserved", params.max_new_tokens, pending.max_new_tokens),
+            ))
+        } else {
+            None
+        };
+        if let Some(s) = invalid {
+            // The claim consumed the reservation: fence its transfer, then free the blocks.
+            tokio::spawn(async move {
+                let _ = pending.inbound.cancel().await;
+                drop(claimed);
+            });
+            return Err(s);
+        }
+        let request = tandem_engine::Request {
+            id: r.reservation_id,
+            prompt: r.prompt_token_ids,
+            params,
+            priority: convert::priority(r.priority),
+        };
+        let (events, rx) = mpsc::channel(STREAM_BUFFER);
+        let start = Start {
+            request,
+            reservation_id: r.reservation_id,
+            first_token: r.first_token_id,
+            cached_prompt_tokens: r.cached_prompt_tokens as usize,
+            label: r.request_id,
+            events,
+            in_flight: self.lifecycle.track(),
+        };
+        tokio::spawn(await_kv_then_decode(self.engine.clone(), pending, claimed, start));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// Waits for the reservation's KV; on success hands the request to the engine, otherwise
+/// reports why and gives the blocks back (`claimed` drops after the transfer resolved).
+async fn await_kv_then_decode(engine: EngineHandle<Command>, pending: Pending, claimed: Claimed, start: Start) {
+    let Pending { inbound, label, in_flight: reservation_unit, .. } = pending;
+    let result = inbound.wait().await;
+    drop(reservation_unit); // the stream's own unit (in `start`) covers the rest
+    match result {
+        Err(e) => {
+            tracing::warn!(request = %label, error = %e, retry_safe = e.retry_safe(), "KV did not arrive intact; nothing decoded");
+            let _ = start.events.send(Err(status::inbound_status(&e))).await;
+            drop(claimed);
+        }
+        Ok(report) if start.events.is_closed() => {
+            tracing::debug!(request = %label, bytes = report.bytes, "client left while the KV arrived; blocks freed");
+            drop(claimed);
+        }
+        Ok(report) => {
+            tracing::debug!(request = %label, bytes = report.bytes, blocks = report.dst_blocks.len(), "KV verified");
+            match engine.send(Command::Start(Box::new(start))).await {
+                Ok(()) => claimed.hand_over(),
+                // The engine thread is gone, and its blocks with it.
+                Err(_) => claimed.hand_over(),
+            }
+        }
+    }
+}
