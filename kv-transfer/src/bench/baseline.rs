@@ -12,9 +12,11 @@ use super::{Stats, median};
 use crate::peer::{PeerCommand, PeerProcess};
 use crate::pool::KvPool;
 
-/// `ucx_perftest` `ucp_put_bw` at `message_bytes`, between two processes on this host.
-/// Returns GB/s (1e9 bytes/s) from its "Final" overall bandwidth (which it prints in MiB/s).
-pub async fn perftest_put_bw(
+/// `ucx_perftest -t <test>` (`ucp_put_bw` or `tag_bw`) at `message_bytes`, between two
+/// processes on this host. Returns GB/s (1e9 bytes/s) from its "Final" overall bandwidth (which
+/// it prints in MiB/s).
+pub async fn perftest_bw(
+    test: &str,
     message_bytes: usize,
     iterations: usize,
     tls: Option<&str>,
@@ -37,7 +39,7 @@ pub async fn perftest_put_bw(
     for _ in 0..50 {
         tokio::time::sleep(Duration::from_millis(100)).await;
         let out = Command::new("ucx_perftest")
-            .args(["127.0.0.1", "-p", &port.to_string(), "-t", "ucp_put_bw"])
+            .args(["127.0.0.1", "-p", &port.to_string(), "-t", test])
             .args([
                 "-s",
                 &message_bytes.to_string(),

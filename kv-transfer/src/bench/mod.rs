@@ -6,8 +6,8 @@
 //! (outside the timed region, as a router's reserve RPC would be), and times `push` → receiver's
 //! `Done`. The first warm-up transfer is checked byte for byte by the receiver.
 //!
-//! Baselines (skipped with `--no-baseline`): for UCX, `ucx_perftest -t ucp_put_bw` (same
-//! `UCX_TLS`) twice: at our message size (one chunk: the bytes written and then committed with one
+//! Baselines (skipped with `--no-baseline`): for UCX, `ucx_perftest` (`ucp_put_bw` for RMA,
+//! `tag_bw` when the transport uses tagged sends; same `UCX_TLS`) twice: at our message size (one chunk: the bytes written and then committed with one
 //! `Chunk` frame, `--max-chunk-bytes` rounded to whole layers) and at the whole transfer's size.
 //! perftest reuses one buffer per message, so at small sizes it copies cache-resident data while
 //! a transfer streams a pool from DRAM; the whole-transfer run has the same working set. For
@@ -110,6 +110,16 @@ impl Stats {
     }
 }
 
+/// The `ucx_perftest` test that does what a data mode does: tagged sends for `tag`, puts
+/// otherwise.
+fn perftest_test(data_mode: &str) -> &'static str {
+    if data_mode == "tag" {
+        "tag_bw"
+    } else {
+        "ucp_put_bw"
+    }
+}
+
 /// The median of some figures (`None` when empty).
 pub fn median_f64(v: &[f64]) -> Option<f64> {
     let mut v = v.to_vec();
@@ -174,9 +184,12 @@ pub struct BenchReport {
     pub p50_ms: f64,
     /// 99th-percentile transfer latency, ms.
     pub p99_ms: f64,
-    /// `ucx_perftest ucp_put_bw` at `message_bytes`, median over rounds (UCX only).
+    /// `ucx_perftest` at `message_bytes`, median over rounds (UCX only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub perftest_gb_per_s: Option<f64>,
+    /// The perftest test run: `ucp_put_bw` for RMA, `tag_bw` for tagged sends.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub perftest_test: Option<&'static str>,
     /// Plain loopback socket copy of `bytes` (TCP only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub socket_gb_per_s: Option<f64>,
@@ -184,7 +197,7 @@ pub struct BenchReport {
     /// at `message_bytes` for UCX, socket copy for TCP.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ratio: Option<f64>,
-    /// `ucx_perftest ucp_put_bw` with one message of the whole transfer's `bytes` (UCX only).
+    /// `ucx_perftest` with one message of the whole transfer's `bytes` (UCX only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub perftest_transfer_gb_per_s: Option<f64>,
     /// Median over rounds of (our rate / perftest at the whole transfer's size).
@@ -284,9 +297,10 @@ async fn run_async(args: &BenchTransferArgs) -> anyhow::Result<BenchReport> {
         match args.transport.transport {
             TransportKind::Ucx => {
                 let tls = args.transport.ucx_tls.as_deref();
+                let test = perftest_test(data_mode);
                 let count = (bytes as usize * n / message_bytes).clamp(20, 20_000);
-                let p = baseline::perftest_put_bw(message_bytes, count, tls).await?;
-                let q = baseline::perftest_put_bw(bytes as usize, n.max(5), tls).await?;
+                let p = baseline::perftest_bw(test, message_bytes, count, tls).await?;
+                let q = baseline::perftest_bw(test, bytes as usize, n.max(5), tls).await?;
                 perftests.push(p);
                 perftests_transfer.push(q);
                 ratios.push(ours / p);
@@ -350,6 +364,7 @@ async fn run_async(args: &BenchTransferArgs) -> anyhow::Result<BenchReport> {
         p50_ms: stats.p50_ms,
         p99_ms: stats.p99_ms,
         perftest_gb_per_s: perftest,
+        perftest_test: perftest.map(|_| perftest_test(data_mode)),
         socket_gb_per_s: socket,
         ratio,
         perftest_transfer_gb_per_s: perftest_transfer,
@@ -413,8 +428,9 @@ fn print_text(r: &BenchReport) {
         r.gb_per_s, r.p50_ms, r.p99_ms
     );
     if let Some(p) = r.perftest_gb_per_s {
+        let test = r.perftest_test.unwrap_or("?");
         println!(
-            "  ucx_perftest ucp_put_bw at {} bytes: {:.2} GB/s",
+            "  ucx_perftest {test} at {} bytes: {:.2} GB/s",
             r.message_bytes, p
         );
     }
@@ -426,7 +442,7 @@ fn print_text(r: &BenchReport) {
     }
     if let (Some(p), Some(x)) = (r.perftest_transfer_gb_per_s, r.ratio_transfer) {
         println!(
-            "  ucx_perftest ucp_put_bw at {} bytes (whole transfer): {:.2} GB/s, ratio {:.3}",
+            "  ucx_perftest at {} bytes (whole transfer): {:.2} GB/s, ratio {:.3}",
             r.bytes, p, x
         );
     }
