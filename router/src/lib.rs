@@ -1,3 +1,45 @@
-//! tandem router: gRPC and OpenAI HTTP ingress, admission, routing
+//! tandem's router: the gRPC (`tandem.v1.Inference`) and OpenAI-compatible HTTP ingresses,
+//! admission, routing across prefill and decode nodes, and the request pipeline that ties a
+//! reservation, a prefill and a decode together. It never links the engine: it tokenizes with
+//! `tandem-tokenizer` and talks to nodes over gRPC.
 //!
-//! Not built yet: see README.md in this folder for what this crate will own.
+//! ```text
+//!  grpc.rs ──┐                                             ┌─ nodes.rs (prefill pool) ─ routing/prefill_queue.rs
+//!  http/ ────┴─▶ pipeline::Router::generate ─ request.rs ─┤                              routing/in_flight.rs (fallback)
+//!                 (validate, tokenize)                     └─ nodes.rs (decode pool) ── routing/decode_blocks.rs
+//!                 admission.rs (API keys, bounded priority queue)
+//!                 pipeline/attempt.rs (Reserve → Prefill → Decode), pipeline/reservation.rs (RAII release)
+//!  config.rs (flags, env, TOML) ─ server.rs (run both servers) ─ model.rs (tokenizer, context length)
+//!  error.rs (RouterError, NodeFault: classified once) ─ stats.rs (counters)
+//! ```
+//!
+//! Servers take bound listeners and a shutdown future ([`serve`], [`grpc::serve`],
+//! [`http::serve`]), so tests run them on port 0. The core is generic over
+//! `Arc<dyn Discovery>` and `Arc<dyn LoadSignals>` (etcd + NATS in production, the in-memory
+//! twins in tests and embedded mode).
+
+#![warn(missing_docs)]
+
+pub mod admission;
+pub mod config;
+pub mod error;
+pub mod grpc;
+pub mod http;
+pub mod model;
+pub mod nodes;
+pub mod pipeline;
+pub mod request;
+pub mod routing;
+pub mod server;
+pub mod stats;
+
+pub use admission::{Admission, AdmissionLimits, ApiKeys};
+pub use config::{RouterArgs, RouterConfig};
+pub use error::{NodeFault, RouterError, Step};
+pub use model::ServedModel;
+pub use pipeline::{
+    FinishReason, GenerationEvent, GenerationFinal, GenerationStream, Router, RouterOptions, Usage,
+};
+pub use request::{Field, GenerateRequest, Priority, PromptInput, Sampling, TokenLimits};
+pub use server::{run, run_blocking, serve};
+pub use stats::StatsSnapshot;

@@ -1,0 +1,375 @@
+//! Admission at the edge: API keys, and a bounded, priority-aware queue in front of a fixed
+//! number of in-flight slots (STYLE.md §5: fail fast instead of queueing without limit).
+//!
+//! ```text
+//!  acquire(priority) ── slot free? ──yes──▶ Permit (RAII: dropping it frees the slot)
+//!        │ no
+//!        ├─ queue full (max_queued waiting) ──▶ Overloaded           (429 / RESOURCE_EXHAUSTED, at once)
+//!        └─ wait in the class's FIFO ──▶ Permit handed over by a releasing Permit
+//!                                    └─ queue_timeout passes ──▶ QueueTimeout (429)
+//! ```
+//!
+//! # Invariants
+//! - At most `max_in_flight` [`Permit`]s exist; at most `max_queued` requests wait.
+//! - A released slot goes straight to the oldest interactive waiter, else the oldest batch
+//!   waiter, else back to the pool: a free slot never coexists with a waiter. (Batch requests
+//!   can starve under a constant interactive load; that is the point of the class.)
+//! - A waiter that gives up (timeout, client gone) leaves the queue at once (its guard removes
+//!   it); a slot handed to a waiter that vanished in the same instant is passed on.
+//!
+//! Cost: one mutex per acquire/release, O(1) except removing a cancelled waiter (O(queue)).
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+
+use crate::error::RouterError;
+use crate::request::Priority;
+
+/// The configured API keys; empty means no authentication.
+#[derive(Clone, Debug, Default)]
+pub struct ApiKeys {
+    keys: Vec<String>,
+}
+
+impl ApiKeys {
+    /// Accepts any of `keys` (none: every request is accepted).
+    pub fn new(keys: impl IntoIterator<Item = String>) -> Self {
+        Self {
+            keys: keys.into_iter().filter(|k| !k.is_empty()).collect(),
+        }
+    }
+
+    /// Whether authentication is on.
+    pub fn enabled(&self) -> bool {
+        !self.keys.is_empty()
+    }
+
+    /// Checks an `Authorization` header value (`Bearer <key>`, or the bare key).
+    pub fn check(&self, authorization: Option<&str>) -> Result<(), RouterError> {
+        if self.keys.is_empty() {
+            return Ok(());
+        }
+        let presented = authorization
+            .map(str::trim)
+            .map(|v| v.strip_prefix("Bearer ").unwrap_or(v).trim())
+            .ok_or(RouterError::Unauthenticated)?;
+        // Compare every key in full, whatever matches, so timing does not reveal a prefix.
+        let matched = self.keys.iter().fold(false, |acc, key| {
+            acc | constant_time_eq(key.as_bytes(), presented.as_bytes())
+        });
+        if matched {
+            Ok(())
+        } else {
+            Err(RouterError::Unauthenticated)
+        }
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Limits of the admission queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AdmissionLimits {
+    /// Requests running at once (each holds a [`Permit`] until its stream ends).
+    pub max_in_flight: usize,
+    /// Requests allowed to wait for a slot; one more is refused at once.
+    pub max_queued: usize,
+    /// How long a request may wait for a slot.
+    pub queue_timeout: Duration,
+}
+
+/// The admission queue. Clones share it.
+#[derive(Clone, Debug)]
+pub struct Admission {
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    limits: AdmissionLimits,
+    state: Mutex<State>,
+}
+
+#[derive(Debug)]
+struct State {
+    available: usize,
+    /// FIFO per class: index 0 interactive, 1 batch.
+    waiting: [VecDeque<Waiter>; 2],
+    next_ticket: u64,
+}
+
+#[derive(Debug)]
+struct Waiter {
+    ticket: u64,
+    slot: oneshot::Sender<Permit>,
+}
+
+fn class(priority: Priority) -> usize {
+    match priority {
+        Priority::Interactive => 0,
+        Priority::Batch => 1,
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // Every critical section leaves the state consistent (single pushes/pops), so a
+        // poisoned lock is still usable.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// One in-flight slot; dropping it hands the slot to the next waiter.
+#[derive(Debug)]
+pub struct Permit {
+    shared: Option<Arc<Shared>>,
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        if let Some(shared) = self.shared.take() {
+            release(shared);
+        }
+    }
+}
+
+/// Hands a freed slot to the next live waiter, or returns it to the pool.
+fn release(shared: Arc<Shared>) {
+    loop {
+        let waiter = {
+            let mut state = shared.lock();
+            let next = state.waiting[0]
+                .pop_front()
+                .or_else(|| state.waiting[1].pop_front());
+            match next {
+                Some(waiter) => waiter,
+                None => {
+                    state.available += 1;
+                    return;
+                }
+            }
+        };
+        // Sent outside the lock: a permit that bounces (the waiter just left) is disarmed and
+        // the loop offers the slot to the next waiter, so no Drop runs under the lock.
+        match waiter.slot.send(Permit {
+            shared: Some(Arc::clone(&shared)),
+        }) {
+            Ok(()) => return,
+            Err(mut bounced) => {
+                bounced.shared = None;
+            }
+        }
+    }
+}
+
+/// Removes a waiter from its queue if it is still there (it gave up).
+struct WaitGuard<'a> {
+    shared: &'a Shared,
+    class: usize,
+    ticket: u64,
+}
+
+impl Drop for WaitGuard<'_> {
+    fn drop(&mut self) {
+        let mut state = self.shared.lock();
+        let queue = &mut state.waiting[self.class];
+        if let Some(i) = queue.iter().position(|w| w.ticket == self.ticket) {
+            queue.remove(i);
+        }
+    }
+}
+
+impl Admission {
+    /// A queue with `limits`.
+    pub fn new(limits: AdmissionLimits) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                limits,
+                state: Mutex::new(State {
+                    available: limits.max_in_flight,
+                    waiting: [VecDeque::new(), VecDeque::new()],
+                    next_ticket: 0,
+                }),
+            }),
+        }
+    }
+
+    /// The limits.
+    pub fn limits(&self) -> AdmissionLimits {
+        self.shared.limits
+    }
+
+    /// Requests holding a slot now.
+    pub fn in_flight(&self) -> usize {
+        self.shared.limits.max_in_flight - self.shared.lock().available
+    }
+
+    /// Requests waiting for a slot now.
+    pub fn queued(&self) -> usize {
+        let state = self.shared.lock();
+        state.waiting[0].len() + state.waiting[1].len()
+    }
+
+    /// Takes a slot, waiting in `priority`'s queue if none is free. Fails at once with
+    /// [`RouterError::Overloaded`] when the queue is full, and with
+    /// [`RouterError::QueueTimeout`] when the wait exceeds the limit.
+    pub async fn acquire(&self, priority: Priority) -> Result<Permit, RouterError> {
+        let limits = self.shared.limits;
+        let class = class(priority);
+        let (ticket, slot) = {
+            let mut state = self.shared.lock();
+            if state.available > 0 {
+                state.available -= 1;
+                return Ok(Permit {
+                    shared: Some(Arc::clone(&self.shared)),
+                });
+            }
+            if state.waiting[0].len() + state.waiting[1].len() >= limits.max_queued {
+                return Err(RouterError::Overloaded {
+                    max_in_flight: limits.max_in_flight,
+                    max_queued: limits.max_queued,
+                });
+            }
+            let ticket = state.next_ticket;
+            state.next_ticket += 1;
+            let (tx, rx) = oneshot::channel();
+            state.waiting[class].push_back(Waiter { ticket, slot: tx });
+            (ticket, rx)
+        };
+        let _guard = WaitGuard {
+            shared: &self.shared,
+            class,
+            ticket,
+        };
+        let started = Instant::now();
+        match tokio::time::timeout(limits.queue_timeout, slot).await {
+            Ok(Ok(permit)) => Ok(permit),
+            // The sender lives in the queue until popped and is always used when popped, so
+            // this only happens if the queue itself is gone.
+            Ok(Err(_)) => Err(RouterError::PipelineLost),
+            Err(_) => Err(RouterError::QueueTimeout {
+                waited: started.elapsed(),
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn admission(in_flight: usize, queued: usize) -> Admission {
+        Admission::new(AdmissionLimits {
+            max_in_flight: in_flight,
+            max_queued: queued,
+            queue_timeout: Duration::from_secs(5),
+        })
+    }
+
+    #[tokio::test]
+    async fn a_full_queue_refuses_at_once_and_a_freed_slot_admits_the_waiter() {
+        let a = admission(1, 1);
+        let first = a.acquire(Priority::Interactive).await.unwrap();
+        let waiter = tokio::spawn({
+            let a = a.clone();
+            async move { a.acquire(Priority::Interactive).await }
+        });
+        while a.queued() == 0 {
+            tokio::task::yield_now().await;
+        }
+        let refused = a.acquire(Priority::Interactive).await.unwrap_err();
+        assert!(matches!(
+            refused,
+            RouterError::Overloaded {
+                max_in_flight: 1,
+                max_queued: 1
+            }
+        ));
+        drop(first);
+        let second = tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("waiter admitted")
+            .unwrap()
+            .unwrap();
+        assert_eq!((a.in_flight(), a.queued()), (1, 0));
+        drop(second);
+        assert_eq!(a.in_flight(), 0);
+    }
+
+    #[tokio::test]
+    async fn interactive_waiters_are_admitted_before_older_batch_waiters() {
+        let a = admission(1, 4);
+        let held = a.acquire(Priority::Interactive).await.unwrap();
+        let (order_tx, mut order_rx) = tokio::sync::mpsc::channel(4);
+        let mut tasks = Vec::new();
+        for (name, priority) in [
+            ("batch", Priority::Batch),
+            ("interactive", Priority::Interactive),
+        ] {
+            let task_admission = a.clone();
+            let order_tx = order_tx.clone();
+            let before = a.queued();
+            tasks.push(tokio::spawn(async move {
+                let permit = task_admission.acquire(priority).await.unwrap();
+                order_tx.send(name).await.unwrap();
+                drop(permit);
+            }));
+            while a.queued() == before {
+                tokio::task::yield_now().await;
+            }
+        }
+        drop(held);
+        let first = tokio::time::timeout(Duration::from_secs(5), order_rx.recv())
+            .await
+            .unwrap();
+        let second = tokio::time::timeout(Duration::from_secs(5), order_rx.recv())
+            .await
+            .unwrap();
+        assert_eq!((first, second), (Some("interactive"), Some("batch")));
+        for t in tasks {
+            t.await.unwrap();
+        }
+        assert_eq!(a.in_flight(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_that_times_out_leaves_the_queue_and_loses_no_slot() {
+        let a = Admission::new(AdmissionLimits {
+            max_in_flight: 1,
+            max_queued: 1,
+            queue_timeout: Duration::from_millis(100),
+        });
+        let held = a.acquire(Priority::Batch).await.unwrap();
+        let err = a.acquire(Priority::Batch).await.unwrap_err();
+        assert!(matches!(err, RouterError::QueueTimeout { .. }), "{err}");
+        assert_eq!(a.queued(), 0);
+        drop(held);
+        let again = a.acquire(Priority::Batch).await.unwrap();
+        assert_eq!(a.in_flight(), 1);
+        drop(again);
+    }
+
+    #[test]
+    fn api_keys_accept_bearer_or_bare_keys_and_refuse_others() {
+        let keys = ApiKeys::new(["k1".to_string(), "secret-2".to_string()]);
+        assert!(keys.check(Some("Bearer secret-2")).is_ok());
+        assert!(keys.check(Some("k1")).is_ok());
+        assert!(matches!(
+            keys.check(Some("Bearer k2")),
+            Err(RouterError::Unauthenticated)
+        ));
+        assert!(matches!(
+            keys.check(None),
+            Err(RouterError::Unauthenticated)
+        ));
+        assert!(ApiKeys::default().check(None).is_ok());
+    }
+}

@@ -1,0 +1,386 @@
+//! OpenAI request bodies (`/v1/completions`, `/v1/chat/completions`) and their conversion to
+//! the core's [`GenerateRequest`].
+//!
+//! Accepted beyond the required fields: `max_tokens` (chat also `max_completion_tokens`),
+//! `temperature`, `top_p`, `top_k` (extension; -1 or 0 = off), `seed`, `stop` (string or
+//! list), `stream`, `stream_options.include_usage`, `n` (must be 1), `user` (ignored), and the
+//! extensions `priority` (`"interactive"` / `"batch"`, or an integer: ≤ 0 interactive, > 0
+//! batch, lower is more urgent as in vLLM), `ignore_eos` and `request_id`. Fields OpenAI has
+//! but tandem cannot honour (`echo`, `logprobs`, `best_of` > 1, non-zero penalties, `tools`)
+//! are refused with a 400 naming them rather than silently ignored; other unknown fields are
+//! ignored, as OpenAI does.
+
+use serde::Deserialize;
+use tandem_tokenizer::ChatMessage;
+
+use crate::error::RouterError;
+use crate::request::{Field, GenerateRequest, Priority, PromptInput, Sampling};
+
+/// `prompt`: a string, a list of one string, or token ids.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum PromptField {
+    /// One prompt.
+    Text(String),
+    /// A batch of prompts (only one is supported).
+    Texts(Vec<String>),
+    /// One tokenized prompt.
+    Tokens(Vec<u32>),
+    /// A batch of tokenized prompts (only one is supported).
+    TokenBatches(Vec<Vec<u32>>),
+}
+
+/// `stop`: one string or a list.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum StopField {
+    /// One stop string.
+    One(String),
+    /// Several.
+    Many(Vec<String>),
+}
+
+/// `priority`: a class name or a vLLM-style integer.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum PriorityField {
+    /// `"interactive"` or `"batch"`.
+    Name(String),
+    /// ≤ 0 interactive, > 0 batch.
+    Level(i64),
+}
+
+/// `stream_options`.
+#[derive(Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    /// Send a last chunk with usage (and `usage: null` on the others).
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// The body of `POST /v1/completions` and `POST /v1/chat/completions` (one struct without
+/// `#[serde(flatten)]`, so type errors keep the field's path): `prompt` is required by the
+/// first, `messages` by the second.
+#[derive(Debug, Default, Deserialize)]
+pub struct RequestBody {
+    /// The prompt (completions).
+    pub prompt: Option<PromptField>,
+    /// The conversation (chat).
+    pub messages: Option<Vec<ChatMessageField>>,
+    /// Model name.
+    #[serde(default)]
+    pub model: String,
+    /// Output limit.
+    pub max_tokens: Option<u32>,
+    /// The newer name of `max_tokens` (chat; wins over it).
+    pub max_completion_tokens: Option<u32>,
+    /// Temperature.
+    pub temperature: Option<f32>,
+    /// Nucleus mass.
+    pub top_p: Option<f32>,
+    /// Top-k (extension).
+    pub top_k: Option<i64>,
+    /// Seed.
+    pub seed: Option<u64>,
+    /// Stop strings.
+    pub stop: Option<StopField>,
+    /// Stream as server-sent events.
+    #[serde(default)]
+    pub stream: bool,
+    /// Streaming options.
+    pub stream_options: Option<StreamOptions>,
+    /// Number of choices (must be 1).
+    pub n: Option<u32>,
+    /// Scheduling class (extension).
+    pub priority: Option<PriorityField>,
+    /// Keep generating past end-of-sequence (extension).
+    #[serde(default)]
+    pub ignore_eos: bool,
+    /// Caller's request id (extension).
+    pub request_id: Option<String>,
+    /// Echo the prompt (unsupported when true).
+    pub echo: Option<bool>,
+    /// Log probabilities (unsupported when set).
+    pub logprobs: Option<serde_json::Value>,
+    /// Best-of sampling (unsupported above 1).
+    pub best_of: Option<u32>,
+    /// Presence penalty (unsupported unless 0).
+    pub presence_penalty: Option<f32>,
+    /// Frequency penalty (unsupported unless 0).
+    pub frequency_penalty: Option<f32>,
+    /// Tool definitions (unsupported).
+    pub tools: Option<serde_json::Value>,
+}
+
+/// A chat message's `content`: a string or a list of text parts.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum ContentField {
+    /// Plain text.
+    Text(String),
+    /// Content parts (`{"type": "text", "text": ...}`).
+    Parts(Vec<ContentPart>),
+}
+
+/// One content part.
+#[derive(Debug, Deserialize)]
+pub struct ContentPart {
+    /// Part type; only `text` is supported.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The text.
+    #[serde(default)]
+    pub text: String,
+}
+
+/// One chat message.
+#[derive(Debug, Deserialize)]
+pub struct ChatMessageField {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// The content (null counts as empty).
+    pub content: Option<ContentField>,
+}
+
+fn missing(field: &str) -> RouterError {
+    RouterError::MalformedBody {
+        message: format!("missing field `{field}`"),
+        path: Some(field.to_string()),
+    }
+}
+
+/// Parses a JSON body, naming the offending field's path in the error.
+pub fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, RouterError> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        let path = (path != "." && !path.is_empty()).then_some(path);
+        let inner = e.into_inner();
+        RouterError::MalformedBody {
+            message: match &path {
+                Some(p) => format!("{p}: {inner}"),
+                None => inner.to_string(),
+            },
+            path,
+        }
+    })?;
+    de.end().map_err(|e| RouterError::MalformedBody {
+        message: e.to_string(),
+        path: None,
+    })?;
+    Ok(value)
+}
+
+impl RequestBody {
+    /// The core request of a completion (`prompt` required).
+    pub fn into_completion(mut self) -> Result<GenerateRequest, RouterError> {
+        let input = match self.prompt.take().ok_or_else(|| missing("prompt"))? {
+            PromptField::Text(text) => PromptInput::Text(text),
+            PromptField::Tokens(ids) => PromptInput::TokenIds(ids),
+            PromptField::Texts(mut texts) if texts.len() == 1 => {
+                PromptInput::Text(texts.pop().expect("one element"))
+            }
+            PromptField::TokenBatches(mut batches) if batches.len() == 1 => {
+                PromptInput::TokenIds(batches.pop().expect("one element"))
+            }
+            PromptField::Texts(texts) if texts.is_empty() => PromptInput::Text(String::new()),
+            PromptField::TokenBatches(b) if b.is_empty() => PromptInput::TokenIds(Vec::new()),
+            _ => {
+                return Err(RouterError::invalid(
+                    Field::Prompt,
+                    "holds several prompts; send one prompt per request",
+                ));
+            }
+        };
+        self.into_core(input)
+    }
+
+    /// The core request of a chat completion (`messages` required).
+    pub fn into_chat(mut self) -> Result<GenerateRequest, RouterError> {
+        let fields = self.messages.take().ok_or_else(|| missing("messages"))?;
+        let mut messages = Vec::with_capacity(fields.len());
+        for (i, m) in fields.into_iter().enumerate() {
+            let content = match m.content {
+                None => String::new(),
+                Some(ContentField::Text(text)) => text,
+                Some(ContentField::Parts(parts)) => {
+                    if let Some(p) = parts.iter().find(|p| p.kind != "text") {
+                        return Err(RouterError::invalid(
+                            Field::Messages,
+                            format!(
+                                "message {i} has a `{}` content part; only text is supported",
+                                p.kind
+                            ),
+                        ));
+                    }
+                    parts.into_iter().map(|p| p.text).collect()
+                }
+            };
+            messages.push(ChatMessage::new(m.role, content));
+        }
+        self.into_core(PromptInput::Chat(messages))
+    }
+
+    /// Whether a final usage chunk is wanted.
+    pub fn include_usage(&self) -> bool {
+        self.stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage)
+    }
+
+    fn into_core(self, input: PromptInput) -> Result<GenerateRequest, RouterError> {
+        if self.n.is_some_and(|n| n != 1) {
+            return Err(RouterError::invalid(Field::N, "only n = 1 is supported"));
+        }
+        let unsupported =
+            |name, reason: &str| RouterError::invalid(Field::Unsupported(name), reason.to_string());
+        if self.echo == Some(true) {
+            return Err(unsupported("echo", "is not supported"));
+        }
+        if self
+            .logprobs
+            .as_ref()
+            .is_some_and(|v| !v.is_null() && *v != serde_json::Value::Bool(false))
+        {
+            return Err(unsupported("logprobs", "is not supported"));
+        }
+        if self.best_of.is_some_and(|b| b > 1) {
+            return Err(unsupported("best_of", "only best_of = 1 is supported"));
+        }
+        if self.presence_penalty.is_some_and(|p| p != 0.0) {
+            return Err(unsupported("presence_penalty", "is not supported (use 0)"));
+        }
+        if self.frequency_penalty.is_some_and(|p| p != 0.0) {
+            return Err(unsupported("frequency_penalty", "is not supported (use 0)"));
+        }
+        if self.tools.as_ref().is_some_and(|t| !t.is_null()) {
+            return Err(unsupported("tools", "are not supported"));
+        }
+        let top_k = match self.top_k {
+            None | Some(-1) | Some(0) => 0,
+            Some(k) if k > 0 && k <= u32::MAX as i64 => k as u32,
+            Some(k) => {
+                return Err(RouterError::invalid(
+                    Field::TopK,
+                    format!("is {k}, expected a positive integer, or -1 / 0 for off"),
+                ));
+            }
+        };
+        let priority = match self.priority {
+            None => Priority::Interactive,
+            Some(PriorityField::Name(name)) => match name.as_str() {
+                "interactive" => Priority::Interactive,
+                "batch" => Priority::Batch,
+                other => {
+                    return Err(RouterError::invalid(
+                        Field::Priority,
+                        format!("is `{other}`, expected `interactive` or `batch`"),
+                    ));
+                }
+            },
+            Some(PriorityField::Level(level)) if level <= 0 => Priority::Interactive,
+            Some(PriorityField::Level(_)) => Priority::Batch,
+        };
+        let stop = match self.stop {
+            None => Vec::new(),
+            Some(StopField::One(s)) => vec![s],
+            Some(StopField::Many(v)) => v,
+        };
+        Ok(GenerateRequest {
+            model: self.model,
+            input,
+            sampling: Sampling {
+                temperature: self.temperature.unwrap_or(0.0),
+                top_p: self.top_p.unwrap_or(0.0),
+                top_k,
+                seed: self.seed,
+                stop,
+                max_tokens: self.max_completion_tokens.or(self.max_tokens),
+                ignore_eos: self.ignore_eos,
+            },
+            priority,
+            request_id: self.request_id,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_type_error_names_the_field_path() {
+        let err =
+            parse_body::<RequestBody>(br#"{"prompt": "hi", "max_tokens": "ten"}"#).unwrap_err();
+        match err {
+            RouterError::MalformedBody { path, message } => {
+                assert_eq!(path.as_deref(), Some("max_tokens"), "{message}");
+                assert!(message.contains("invalid type"), "{message}");
+            }
+            other => panic!("expected MalformedBody, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn prompts_of_every_accepted_shape_convert_and_batches_are_refused() {
+        let one = parse_body::<RequestBody>(br#"{"prompt": ["hi"]}"#).unwrap();
+        assert_eq!(
+            one.into_completion().unwrap().input,
+            PromptInput::Text("hi".into())
+        );
+        let ids = parse_body::<RequestBody>(br#"{"prompt": [1, 2, 3]}"#).unwrap();
+        assert_eq!(
+            ids.into_completion().unwrap().input,
+            PromptInput::TokenIds(vec![1, 2, 3])
+        );
+        let two = parse_body::<RequestBody>(br#"{"prompt": ["a", "b"]}"#).unwrap();
+        assert!(matches!(
+            two.into_completion(),
+            Err(RouterError::InvalidArgument {
+                field: Field::Prompt,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn chat_takes_max_completion_tokens_over_max_tokens_and_text_parts() {
+        let body = br#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+                        "max_tokens": 5, "max_completion_tokens": 7, "priority": "batch", "top_k": -1}"#;
+        let core = parse_body::<RequestBody>(body)
+            .unwrap()
+            .into_chat()
+            .unwrap();
+        assert_eq!(core.sampling.max_tokens, Some(7));
+        assert_eq!(core.sampling.top_k, 0);
+        assert_eq!(core.priority, Priority::Batch);
+        assert_eq!(
+            core.input,
+            PromptInput::Chat(vec![ChatMessage::new("user", "ab")])
+        );
+    }
+
+    #[test]
+    fn features_tandem_cannot_honour_are_refused_by_name() {
+        let body = br#"{"prompt": "x", "presence_penalty": 0.5}"#;
+        let err = parse_body::<RequestBody>(body)
+            .unwrap()
+            .into_completion()
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            RouterError::InvalidArgument {
+                field: Field::Unsupported("presence_penalty"),
+                ..
+            }
+        ));
+        let n = parse_body::<RequestBody>(br#"{"prompt": "x", "n": 2}"#).unwrap();
+        assert!(matches!(
+            n.into_completion(),
+            Err(RouterError::InvalidArgument {
+                field: Field::N,
+                ..
+            })
+        ));
+    }
+}

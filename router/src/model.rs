@@ -1,0 +1,122 @@
+//! The model the router serves, as far as the router needs it: its name, tokenizer and
+//! context length. Read from the same GGUF file the nodes load (metadata only: the tensor
+//! data is never read, so this costs ~0.2 s and a few MB whatever the model size).
+//!
+//! Where the file is: `--model` (env `TANDEM_MODEL`), else the default model in the cache
+//! (`$TANDEM_MODEL_DIR`, else `$XDG_CACHE_HOME/tandem/models`, else
+//! `~/.cache/tandem/models`, file `SmolLM2-135M-Instruct.Q4_1.gguf`): the same rule as
+//! `tandem model fetch`. A missing file is [`RouterError::ModelMissing`], whose message says to
+//! run `tandem model fetch`.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::quantized::gguf_file;
+use tandem_tokenizer::Tokenizer;
+
+use crate::config::env_names;
+use crate::error::RouterError;
+
+/// File name of the default model in the cache (as `tandem model fetch` places it).
+pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// Context length assumed when the GGUF does not say.
+const FALLBACK_CONTEXT_TOKENS: u32 = 2048;
+
+/// The default model's path: the model cache directory joined with [`DEFAULT_MODEL_FILE`].
+pub fn default_model_path() -> PathBuf {
+    let dir = if let Some(dir) = std::env::var_os(env_names::MODEL_DIR) {
+        PathBuf::from(dir)
+    } else {
+        std::env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+            .unwrap_or_else(|| PathBuf::from(".cache"))
+            .join("tandem")
+            .join("models")
+    };
+    dir.join(DEFAULT_MODEL_FILE)
+}
+
+/// What the router knows about the served model. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct ServedModel {
+    /// The name clients pass as `model` (and `ListModels` reports).
+    pub name: String,
+    /// The file it was read from.
+    pub path: PathBuf,
+    /// The model's tokenizer (shared).
+    pub tokenizer: Arc<Tokenizer>,
+    /// Longest prompt + output the model accepts, in tokens.
+    pub context_tokens: u32,
+}
+
+impl ServedModel {
+    /// Reads the tokenizer and context length from the GGUF at `path`. The name is `name`, or
+    /// else the file name without its `.gguf` extension.
+    pub fn from_gguf(path: &Path, name: Option<&str>) -> Result<Self, RouterError> {
+        if !path.is_file() {
+            return Err(RouterError::ModelMissing {
+                path: path.to_path_buf(),
+            });
+        }
+        let read_error = |message: String| RouterError::ModelRead {
+            path: path.to_path_buf(),
+            message,
+        };
+        let mut file = std::fs::File::open(path).map_err(|e| read_error(e.to_string()))?;
+        let content = gguf_file::Content::read(&mut file).map_err(|e| read_error(e.to_string()))?;
+        let tokenizer = Tokenizer::from_gguf(&content)?;
+        let context_tokens = context_length(&content).unwrap_or(FALLBACK_CONTEXT_TOKENS);
+        let name = match name {
+            Some(name) => name.to_string(),
+            None => path
+                .file_name()
+                .map(|f| f.to_string_lossy())
+                .map(|f| f.strip_suffix(".gguf").unwrap_or(&f).to_string())
+                .unwrap_or_else(|| "model".to_string()),
+        };
+        Ok(Self {
+            name,
+            path: path.to_path_buf(),
+            tokenizer: Arc::new(tokenizer),
+            context_tokens,
+        })
+    }
+}
+
+/// `{general.architecture}.context_length` from GGUF metadata.
+fn context_length(content: &gguf_file::Content) -> Option<u32> {
+    let arch = content
+        .metadata
+        .get("general.architecture")?
+        .to_string()
+        .ok()?;
+    let value = content.metadata.get(&format!("{arch}.context_length"))?;
+    value
+        .to_u32()
+        .ok()
+        .or_else(|| value.to_u64().ok().map(|v| v.min(u32::MAX as u64) as u32))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_model_file_says_how_to_fetch_it() {
+        let err = ServedModel::from_gguf(Path::new("/nonexistent/model.gguf"), None).unwrap_err();
+        assert!(matches!(err, RouterError::ModelMissing { .. }));
+        assert!(err.to_string().contains("tandem model fetch"), "{err}");
+    }
+
+    #[test]
+    fn a_file_that_is_not_gguf_is_a_read_error() {
+        let path =
+            std::env::temp_dir().join(format!("tandem-router-notgguf-{}", std::process::id()));
+        std::fs::write(&path, b"definitely not a gguf file").unwrap();
+        let err = ServedModel::from_gguf(&path, None).unwrap_err();
+        let _ = std::fs::remove_file(&path);
+        assert!(matches!(err, RouterError::ModelRead { .. }), "{err}");
+    }
+}

@@ -1,0 +1,388 @@
+//! The router's view of one role's nodes: membership from the discovery watch, load from the
+//! load-signal subscription, a lazily created gRPC channel per node, and the router's own
+//! in-flight counts. [`NodePool::pick`] asks a routing policy for a node.
+//!
+//! ```text
+//!  Discovery::watch(role) ──watch::Receiver<NodeView>──┐
+//!  LoadSignals::subscribe(role) ──watch::Receiver<LoadView>──┤
+//!                                                      ▼
+//!  pick(demand, exclude) ── sync entries with the view ── candidates (accepting work, not excluded)
+//!        ── every candidate fresh? ── yes: load policy   (FreeBlocks / ShortestQueue)
+//!                                  └─ no:  LeastInFlight (log once on each switch, count)
+//!        ──▶ Dispatch (RAII: counts the request on the node until dropped)
+//! ```
+//!
+//! # Invariants
+//! - Membership changes take effect on the next pick (the view is compared on every pick)
+//!   and are logged by a background task. A node that left is never chosen again; requests
+//!   already on it keep their entry (and channel) alive until they finish.
+//! - A draining node is never chosen.
+//! - A node's channel is created on its first use and reused by every later request (one
+//!   HTTP/2 connection per node, multiplexed); a node that re-registers with another address
+//!   gets a new entry.
+//! - In-flight counts are exact: a [`Dispatch`] adds one on creation and removes it on drop.
+//!
+//! Cost: a pick is O(nodes + this router's requests in flight on them) under one mutex.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use tandem_cluster::{LoadView, NodeInfo, NodeView, Role};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::error::RouterError;
+use crate::routing::{Candidate, Demand, LeastInFlightPolicy, LoadEstimate, RoutingPolicy};
+use crate::stats::{RouterStats, bump};
+
+/// How the pool connects to nodes.
+#[derive(Clone, Copy, Debug)]
+pub struct ChannelSettings {
+    /// Limit on establishing a connection.
+    pub connect_timeout: Duration,
+}
+
+/// One node as the pool knows it.
+#[derive(Debug)]
+pub struct NodeEntry {
+    /// Its registration record (as of when the entry was made or last updated).
+    info: Mutex<NodeInfo>,
+    channel: Mutex<Option<Channel>>,
+    settings: ChannelSettings,
+    in_flight: AtomicU32,
+    /// This router's live dispatches to the node: (ticket, when, KV blocks).
+    dispatches: Mutex<Vec<(u64, Instant, u64)>>,
+    next_ticket: AtomicU64,
+}
+
+impl NodeEntry {
+    fn new(info: NodeInfo, settings: ChannelSettings) -> Self {
+        Self {
+            info: Mutex::new(info),
+            channel: Mutex::new(None),
+            settings,
+            in_flight: AtomicU32::new(0),
+            dispatches: Mutex::new(Vec::new()),
+            next_ticket: AtomicU64::new(0),
+        }
+    }
+
+    /// The node's record.
+    pub fn info(&self) -> NodeInfo {
+        lock(&self.info).clone()
+    }
+
+    /// The node id.
+    pub fn node_id(&self) -> String {
+        lock(&self.info).node_id.clone()
+    }
+
+    /// This router's requests in flight on the node.
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight.load(Ordering::SeqCst)
+    }
+
+    /// The node's gRPC channel, created on first use (connecting lazily) and cached.
+    pub fn channel(&self) -> Result<Channel, RouterError> {
+        let mut slot = lock(&self.channel);
+        if let Some(channel) = slot.as_ref() {
+            return Ok(channel.clone());
+        }
+        let info = self.info();
+        let bad = |reason: String| RouterError::BadNodeAddress {
+            role: info.role,
+            node_id: info.node_id.clone(),
+            addr: info.grpc_addr.clone(),
+            reason,
+        };
+        let channel = Endpoint::from_shared(info.grpc_addr.clone())
+            .map_err(|e| bad(e.to_string()))?
+            .connect_timeout(self.settings.connect_timeout)
+            .tcp_nodelay(true)
+            .connect_lazy();
+        *slot = Some(channel.clone());
+        Ok(channel)
+    }
+
+    /// Own dispatches received after `since`: (count, KV blocks).
+    fn dispatched_after(&self, since: Instant) -> (u32, u64) {
+        lock(&self.dispatches)
+            .iter()
+            .filter(|(_, at, _)| *at > since)
+            .fold((0, 0), |(n, b), (_, _, blocks)| (n + 1, b + blocks))
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every critical section here is a single read or update, so a poisoned lock still holds
+    // consistent data.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A request counted on a node; dropping it uncounts it.
+#[derive(Debug)]
+pub struct Dispatch {
+    entry: Arc<NodeEntry>,
+    ticket: u64,
+}
+
+impl Dispatch {
+    fn new(entry: Arc<NodeEntry>, blocks: u64) -> Self {
+        let ticket = entry.next_ticket.fetch_add(1, Ordering::Relaxed);
+        entry.in_flight.fetch_add(1, Ordering::SeqCst);
+        lock(&entry.dispatches).push((ticket, Instant::now(), blocks));
+        Self { entry, ticket }
+    }
+
+    /// The node.
+    pub fn node(&self) -> &Arc<NodeEntry> {
+        &self.entry
+    }
+}
+
+impl Drop for Dispatch {
+    fn drop(&mut self) {
+        self.entry.in_flight.fetch_sub(1, Ordering::SeqCst);
+        lock(&self.entry.dispatches).retain(|(t, _, _)| *t != self.ticket);
+    }
+}
+
+/// The nodes of one role.
+#[derive(Debug)]
+pub struct NodePool {
+    role: Role,
+    load_policy: Box<dyn RoutingPolicy>,
+    max_report_age: Duration,
+    settings: ChannelSettings,
+    stats: Arc<RouterStats>,
+    loads: watch::Receiver<LoadView>,
+    state: Mutex<PoolState>,
+    /// Whether the last pick used the fallback (for the once-per-switch log line).
+    in_fallback: AtomicBool,
+}
+
+#[derive(Debug)]
+struct PoolState {
+    members: watch::Receiver<NodeView>,
+    entries: HashMap<String, Arc<NodeEntry>>,
+}
+
+impl NodePool {
+    /// A pool over the `members` and `loads` views of `role`. Spawns a task that logs
+    /// membership changes until `shutdown` is cancelled.
+    pub fn new(
+        role: Role,
+        members: watch::Receiver<NodeView>,
+        loads: watch::Receiver<LoadView>,
+        load_policy: Box<dyn RoutingPolicy>,
+        max_report_age: Duration,
+        settings: ChannelSettings,
+        stats: Arc<RouterStats>,
+        shutdown: CancellationToken,
+    ) -> Self {
+        tokio::spawn(log_membership(role, members.clone(), shutdown));
+        let mut members = members;
+        members.mark_changed();
+        Self {
+            role,
+            load_policy,
+            max_report_age,
+            settings,
+            stats,
+            loads,
+            state: Mutex::new(PoolState {
+                members,
+                entries: HashMap::new(),
+            }),
+            in_fallback: AtomicBool::new(false),
+        }
+    }
+
+    /// The role.
+    pub fn role(&self) -> Role {
+        self.role
+    }
+
+    /// A receiver of the membership view (it notifies on joins, leaves and draining changes).
+    pub fn members(&self) -> watch::Receiver<NodeView> {
+        lock(&self.state).members.clone()
+    }
+
+    /// Registered nodes that accept work now.
+    pub fn available(&self) -> usize {
+        lock(&self.state)
+            .members
+            .borrow()
+            .values()
+            .filter(|n| n.accepts_work())
+            .count()
+    }
+
+    /// Registered nodes that accept work, with this router's in-flight count on each.
+    pub fn in_flight_by_node(&self) -> Vec<(String, u32)> {
+        let mut state = lock(&self.state);
+        sync(&mut state, self.settings);
+        let mut out: Vec<_> = state
+            .entries
+            .iter()
+            .map(|(id, e)| (id.clone(), e.in_flight()))
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// Chooses a node for a request of `demand`, skipping `exclude`, and counts the request
+    /// on it. [`RouterError::NoNodes`] when no other node accepts work.
+    pub fn pick(&self, demand: Demand, exclude: &HashSet<String>) -> Result<Dispatch, RouterError> {
+        let mut state = lock(&self.state);
+        sync(&mut state, self.settings);
+        let members = state.members.borrow().clone();
+        let nodes: Vec<(&NodeInfo, Arc<NodeEntry>)> = members
+            .values()
+            .filter(|info| info.accepts_work() && !exclude.contains(&info.node_id))
+            .filter_map(|info| {
+                state
+                    .entries
+                    .get(&info.node_id)
+                    .map(|e| (info, Arc::clone(e)))
+            })
+            .collect();
+        if nodes.is_empty() {
+            return Err(RouterError::NoNodes { role: self.role });
+        }
+        let loads = self.loads.borrow();
+        let mut stale = Vec::new();
+        let candidates: Vec<Candidate<'_>> = nodes
+            .iter()
+            .map(|(info, entry)| {
+                let load = loads
+                    .get(&info.node_id)
+                    .filter(|r| r.is_fresh(self.max_report_age))
+                    .map(|r| self.estimate(entry, r));
+                if load.is_none() {
+                    stale.push(info.node_id.as_str());
+                }
+                Candidate {
+                    node_id: &info.node_id,
+                    load,
+                    in_flight: entry.in_flight(),
+                    block_size_tokens: info.layout.block_size_tokens as u64,
+                }
+            })
+            .collect();
+        let role_stats = self.stats.role(self.role);
+        let fallback = !stale.is_empty();
+        let chosen = if fallback {
+            if !self.in_fallback.swap(true, Ordering::SeqCst) {
+                bump(&role_stats.fallback_entered);
+                tracing::warn!(
+                    role = %self.role,
+                    nodes = ?stale,
+                    max_age = ?self.max_report_age,
+                    "load reports stale or absent; routing {} requests by this router's own in-flight counts",
+                    self.role
+                );
+            }
+            bump(&role_stats.fallback_picks);
+            LeastInFlightPolicy.select(&candidates, demand)
+        } else {
+            if self.in_fallback.swap(false, Ordering::SeqCst) {
+                tracing::info!(
+                    role = %self.role,
+                    policy = self.load_policy.name(),
+                    "fresh load reports from every {} node again; routing by load",
+                    self.role
+                );
+            }
+            bump(&role_stats.load_picks);
+            self.load_policy.select(&candidates, demand)
+        };
+        let index = chosen.ok_or(RouterError::NoNodes { role: self.role })?;
+        let entry = Arc::clone(&nodes[index].1);
+        let blocks = candidates[index].blocks_for(demand.tokens);
+        Ok(Dispatch::new(entry, blocks))
+    }
+
+    /// A fresh report plus this router's dispatches to the node since it arrived.
+    fn estimate(
+        &self,
+        entry: &NodeEntry,
+        received: &tandem_cluster::ReceivedReport,
+    ) -> LoadEstimate {
+        let (since, blocks) = entry.dispatched_after(received.received_at);
+        let report = &received.report;
+        let mut estimate = LoadEstimate {
+            queue_len: report.queue_len,
+            running: report.running,
+            free_blocks: report.free_blocks,
+            total_blocks: report.total_blocks,
+        };
+        match self.role {
+            Role::Prefill => estimate.queue_len += since,
+            Role::Decode => {
+                estimate.running += since;
+                estimate.free_blocks = estimate.free_blocks.saturating_sub(blocks);
+            }
+        }
+        estimate
+    }
+}
+
+/// Brings the entries in line with the membership view if it changed.
+fn sync(state: &mut PoolState, settings: ChannelSettings) {
+    if !state.members.has_changed().unwrap_or(false) {
+        return;
+    }
+    let view = state.members.borrow_and_update().clone();
+    state.entries.retain(|id, entry| {
+        view.get(id)
+            .is_some_and(|info| info.grpc_addr == lock(&entry.info).grpc_addr)
+    });
+    for (id, info) in view {
+        match state.entries.get(&id) {
+            Some(entry) => *lock(&entry.info) = info,
+            None => {
+                state
+                    .entries
+                    .insert(id, Arc::new(NodeEntry::new(info, settings)));
+            }
+        }
+    }
+}
+
+/// Logs joins, leaves and draining changes of `role` until `shutdown`.
+async fn log_membership(
+    role: Role,
+    mut members: watch::Receiver<NodeView>,
+    shutdown: CancellationToken,
+) {
+    let mut known = members.borrow_and_update().clone();
+    if !known.is_empty() {
+        tracing::info!(role = %role, nodes = ?known.keys().collect::<Vec<_>>(), "{role} nodes registered");
+    }
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            changed = members.changed() => if changed.is_err() { return },
+        }
+        let view = members.borrow_and_update().clone();
+        for (id, info) in &view {
+            match known.get(id) {
+                None => {
+                    tracing::info!(role = %role, node_id = %id, addr = %info.grpc_addr, "{role} node joined")
+                }
+                Some(old) if old.draining != info.draining => {
+                    tracing::info!(role = %role, node_id = %id, draining = info.draining, "{role} node draining changed")
+                }
+                Some(_) => {}
+            }
+        }
+        for id in known.keys().filter(|id| !view.contains_key(*id)) {
+            tracing::info!(role = %role, node_id = %id, "{role} node left");
+        }
+        known = view;
+    }
+}

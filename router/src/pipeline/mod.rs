@@ -1,0 +1,453 @@
+//! The core both ingresses share: [`Router::generate`] turns a [`GenerateRequest`] into a
+//! stream of [`GenerationEvent`]s, running the disaggregated pipeline across the cluster.
+//!
+//! ```text
+//!  generate(request)
+//!    prepare (validate, tokenize)        ── InvalidArgument / ModelNotFound
+//!    a prefill and a decode node exist?  ── NoNodes (UNAVAILABLE)
+//!    admission.acquire(priority)         ── Overloaded / QueueTimeout (RESOURCE_EXHAUSTED)
+//!    spawn the request task ──────────────────────────────────────────────┐
+//!    wait for its first event (an error here becomes the call's status)   │
+//!    ◀── GenerationStream (first event, then the rest)                    │
+//!                                                                         ▼
+//!  request task: attempt (attempt.rs) ── retry-safe failure, nothing sent yet, attempts left?
+//!                   │ yes: release, count, attempt again on another pair (DATA_LOSS = re-prefill)
+//!                   │ no:  the error ends the stream (Interrupted once output was sent)
+//!                 client gone (stream dropped) ── the task stops at once: node streams are
+//!                   dropped (the nodes see the calls cancelled), the reservation is released
+//!                 the admission permit is held until the task ends
+//! ```
+//!
+//! # Invariants ("nothing lost")
+//! - Every admitted request ends with exactly one `Final` event or one error, unless the client
+//!   went away first.
+//! - The request task owns every resource of the request (permit, node dispatch counts,
+//!   reservation guard, node streams): they are freed when it ends, on every path.
+//! - Events are sent through a bounded channel: a slow client slows the decode stream it reads
+//!   (HTTP/2 flow control reaches the node) instead of buffering without limit.
+
+mod attempt;
+mod reservation;
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use futures_util::Stream;
+use tandem_cluster::{Discovery, LoadSignals, Role};
+use tandem_proto::v1 as pb;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::admission::{Admission, AdmissionLimits, ApiKeys, Permit};
+use crate::error::{NodeFault, RouterError};
+use crate::model::ServedModel;
+use crate::nodes::{ChannelSettings, NodePool};
+use crate::request::{GenerateRequest, PreparedRequest, TokenLimits, prepare};
+use crate::routing::{FreeBlocksDecodePolicy, ShortestQueuePrefillPolicy};
+use crate::stats::{RouterStats, StatsSnapshot, bump};
+
+use attempt::AttemptState;
+
+/// Events buffered between a request's task and its client.
+const EVENT_BUFFER: usize = 16;
+
+/// Why a generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// End of sequence or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// Cancelled on the node.
+    Cancelled,
+}
+
+impl FinishReason {
+    /// From the proto enum (unspecified counts as `Stop`).
+    pub fn from_proto(value: i32) -> Self {
+        match pb::FinishReason::try_from(value) {
+            Ok(pb::FinishReason::Length) => FinishReason::Length,
+            Ok(pb::FinishReason::Cancelled) => FinishReason::Cancelled,
+            _ => FinishReason::Stop,
+        }
+    }
+
+    /// The proto enum.
+    pub fn to_proto(self) -> pb::FinishReason {
+        match self {
+            FinishReason::Stop => pb::FinishReason::Stop,
+            FinishReason::Length => pb::FinishReason::Length,
+            FinishReason::Cancelled => pb::FinishReason::Cancelled,
+        }
+    }
+
+    /// The OpenAI name (`stop`, `length`; a cancel reads as `stop`).
+    pub fn openai(self) -> &'static str {
+        match self {
+            FinishReason::Length => "length",
+            FinishReason::Stop | FinishReason::Cancelled => "stop",
+        }
+    }
+}
+
+/// Token accounting of a finished request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: u32,
+    /// Prompt tokens served from a prefix cache.
+    pub cached_prompt_tokens: u32,
+    /// Generated tokens.
+    pub completion_tokens: u32,
+}
+
+/// The last event of a successful stream.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GenerationFinal {
+    /// Why it ended.
+    pub finish_reason: FinishReason,
+    /// Token accounting.
+    pub usage: Usage,
+    /// The request id.
+    pub request_id: String,
+}
+
+/// One piece of a generation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GenerationEvent {
+    /// New tokens and the text they completed (possibly empty mid-character).
+    Delta {
+        /// Text released by these tokens.
+        text: String,
+        /// The token ids, in order.
+        token_ids: Vec<u32>,
+    },
+    /// The end.
+    Final(GenerationFinal),
+}
+
+/// A generation in progress: a stream of events ending with `Final` or an error. Dropping it
+/// cancels the request on every node.
+#[derive(Debug)]
+pub struct GenerationStream {
+    request_id: String,
+    prompt_tokens: u32,
+    first: Option<Result<GenerationEvent, RouterError>>,
+    events: mpsc::Receiver<Result<GenerationEvent, RouterError>>,
+}
+
+impl GenerationStream {
+    /// The request id.
+    pub fn request_id(&self) -> &str {
+        &self.request_id
+    }
+
+    /// Prompt length in tokens.
+    pub fn prompt_tokens(&self) -> u32 {
+        self.prompt_tokens
+    }
+}
+
+impl Stream for GenerationStream {
+    type Item = Result<GenerationEvent, RouterError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if let Some(first) = self.first.take() {
+            return Poll::Ready(Some(first));
+        }
+        self.events.poll_recv(cx)
+    }
+}
+
+/// Router settings other than the model and the control plane.
+#[derive(Clone, Debug)]
+pub struct RouterOptions {
+    /// Output limits.
+    pub tokens: TokenLimits,
+    /// Admission queue limits.
+    pub admission: AdmissionLimits,
+    /// Accepted API keys (empty: no authentication).
+    pub api_keys: ApiKeys,
+    /// Attempts per request (first try included) on retry-safe failures.
+    pub max_attempts: u32,
+    /// Timeout of unary node calls (Reserve, Release).
+    pub rpc_timeout: Duration,
+    /// Timeout of connecting to a node.
+    pub connect_timeout: Duration,
+    /// Load reports older than this are stale (routing falls back to in-flight counts).
+    pub max_report_age: Duration,
+}
+
+/// Shared state of a router.
+#[derive(Debug)]
+pub(crate) struct Inner {
+    model: ServedModel,
+    options: RouterOptions,
+    admission: Admission,
+    prefill: NodePool,
+    decode: NodePool,
+    stats: Arc<RouterStats>,
+    next_request: AtomicU64,
+    id_prefix: String,
+    shutdown: CancellationToken,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// The router core. Cheap to clone; clones share everything.
+#[derive(Clone, Debug)]
+pub struct Router {
+    inner: Arc<Inner>,
+}
+
+impl Router {
+    /// Starts a router for `model`: watches both roles' membership and load reports. Fails if
+    /// the first listing of either fails (the control plane is unreachable at startup).
+    pub async fn start(
+        model: ServedModel,
+        options: RouterOptions,
+        discovery: Arc<dyn Discovery>,
+        signals: Arc<dyn LoadSignals>,
+    ) -> Result<Self, RouterError> {
+        let stats = Arc::new(RouterStats::default());
+        let shutdown = CancellationToken::new();
+        let settings = ChannelSettings {
+            connect_timeout: options.connect_timeout,
+        };
+        let mut pools = Vec::with_capacity(2);
+        for role in [Role::Prefill, Role::Decode] {
+            let members = discovery.watch(role).await?;
+            let loads = signals.subscribe(role).await?;
+            let policy: Box<dyn crate::routing::RoutingPolicy> = match role {
+                Role::Prefill => Box::new(ShortestQueuePrefillPolicy),
+                Role::Decode => Box::new(FreeBlocksDecodePolicy),
+            };
+            pools.push(NodePool::new(
+                role,
+                members,
+                loads,
+                policy,
+                options.max_report_age,
+                settings,
+                Arc::clone(&stats),
+                shutdown.clone(),
+            ));
+        }
+        let decode = pools.pop().expect("two pools were built");
+        let prefill = pools.pop().expect("two pools were built");
+        let id_prefix = format!(
+            "{:x}{:x}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_millis() as u64)
+                .unwrap_or(0)
+        );
+        Ok(Self {
+            inner: Arc::new(Inner {
+                model,
+                admission: Admission::new(options.admission),
+                options,
+                prefill,
+                decode,
+                stats,
+                next_request: AtomicU64::new(0),
+                id_prefix,
+                shutdown,
+            }),
+        })
+    }
+
+    /// The served model.
+    pub fn model(&self) -> &ServedModel {
+        &self.inner.model
+    }
+
+    /// The settings.
+    pub fn options(&self) -> &RouterOptions {
+        &self.inner.options
+    }
+
+    /// Checks an `Authorization` value against the configured API keys.
+    pub fn authorize(&self, authorization: Option<&str>) -> Result<(), RouterError> {
+        self.inner.options.api_keys.check(authorization)
+    }
+
+    /// Registered nodes accepting work: (prefill, decode).
+    pub fn available_nodes(&self) -> (usize, usize) {
+        (
+            self.inner.prefill.available(),
+            self.inner.decode.available(),
+        )
+    }
+
+    /// Whether at least one prefill and one decode node accept work.
+    pub fn is_ready(&self) -> bool {
+        let (prefill, decode) = self.available_nodes();
+        prefill > 0 && decode > 0
+    }
+
+    /// Resolves when the membership of either role changes (for readiness reporting); never
+    /// resolves once the control-plane views are gone.
+    pub async fn membership_changed(&self) {
+        let mut prefill = self.inner.prefill.members();
+        let mut decode = self.inner.decode.members();
+        tokio::select! {
+            Ok(()) = prefill.changed() => {}
+            Ok(()) = decode.changed() => {}
+            else => std::future::pending().await,
+        }
+    }
+
+    /// This router's in-flight requests per node of `role`, by node id.
+    pub fn in_flight_by_node(&self, role: Role) -> Vec<(String, u32)> {
+        match role {
+            Role::Prefill => self.inner.prefill.in_flight_by_node(),
+            Role::Decode => self.inner.decode.in_flight_by_node(),
+        }
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> StatsSnapshot {
+        self.inner.stats.snapshot()
+    }
+
+    /// The admission queue (for its occupancy).
+    pub fn admission(&self) -> &Admission {
+        &self.inner.admission
+    }
+
+    /// Validates, admits and starts `request`; returns once its first event is known, so an
+    /// early failure is this call's error rather than the stream's. See the module docs.
+    pub async fn generate(
+        &self,
+        request: GenerateRequest,
+    ) -> Result<GenerationStream, RouterError> {
+        let inner = &self.inner;
+        let prepared = prepare(&inner.model, inner.options.tokens, request, || {
+            format!(
+                "req-{}-{}",
+                inner.id_prefix,
+                inner.next_request.fetch_add(1, Ordering::Relaxed)
+            )
+        })?;
+        for (pool, role) in [
+            (&inner.prefill, Role::Prefill),
+            (&inner.decode, Role::Decode),
+        ] {
+            if pool.available() == 0 {
+                return Err(RouterError::NoNodes { role });
+            }
+        }
+        let permit = inner
+            .admission
+            .acquire(prepared.priority)
+            .await
+            .inspect_err(|_| bump(&inner.stats.overloaded))?;
+        bump(&inner.stats.admitted);
+        let (events_tx, mut events) = mpsc::channel(EVENT_BUFFER);
+        let request_id = prepared.request_id.clone();
+        let prompt_tokens = prepared.prompt_tokens();
+        tokio::spawn(run_request(Arc::clone(inner), prepared, permit, events_tx));
+        match events.recv().await {
+            Some(Ok(first)) => Ok(GenerationStream {
+                request_id,
+                prompt_tokens,
+                first: Some(Ok(first)),
+                events,
+            }),
+            Some(Err(error)) => Err(error),
+            None => Err(RouterError::PipelineLost),
+        }
+    }
+}
+
+/// A request's task: attempts until success, a final error, or the client leaving.
+async fn run_request(
+    inner: Arc<Inner>,
+    request: PreparedRequest,
+    permit: Permit,
+    events: mpsc::Sender<Result<GenerationEvent, RouterError>>,
+) {
+    let outcome = tokio::select! {
+        biased;
+        _ = events.closed() => Err(RouterError::Cancelled),
+        outcome = drive(&inner, &request, &events) => outcome,
+    };
+    match outcome {
+        Ok(()) => bump(&inner.stats.completed),
+        Err(RouterError::Cancelled) => {
+            bump(&inner.stats.cancelled);
+            tracing::info!(request_id = %request.request_id, "client went away; request cancelled");
+        }
+        Err(error) => {
+            bump(&inner.stats.failed);
+            tracing::warn!(request_id = %request.request_id, kind = error.kind(), %error, "request failed");
+            // The client may be gone by now; nothing else to tell.
+            let _ = events.send(Err(error)).await;
+        }
+    }
+    drop(permit);
+}
+
+/// Attempts `request` until it succeeds or fails for good.
+async fn drive(
+    inner: &Inner,
+    request: &PreparedRequest,
+    events: &mpsc::Sender<Result<GenerationEvent, RouterError>>,
+) -> Result<(), RouterError> {
+    let mut state = AttemptState {
+        inner,
+        request,
+        events,
+        tokens_sent: 0,
+        failed_prefill: Default::default(),
+    };
+    let max_attempts = inner.options.max_attempts.max(1);
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let error = match state.run().await {
+            Ok(()) => return Ok(()),
+            Err(error) => error,
+        };
+        if matches!(error, RouterError::Cancelled) {
+            return Err(error);
+        }
+        if state.tokens_sent > 0 {
+            return Err(RouterError::Interrupted {
+                tokens_sent: state.tokens_sent,
+                cause: Box::new(error),
+            });
+        }
+        if !error.is_retry_safe() {
+            return Err(error);
+        }
+        if attempts >= max_attempts {
+            return Err(RouterError::RetriesExhausted {
+                attempts,
+                last: Box::new(error),
+            });
+        }
+        bump(&inner.stats.retries);
+        if matches!(
+            error,
+            RouterError::Node {
+                fault: NodeFault::KvCorrupt,
+                ..
+            }
+        ) {
+            bump(&inner.stats.reprefills);
+            tracing::warn!(request_id = %request.request_id, %error, "KV transfer failed verification; re-prefilling on a fresh reservation");
+        } else {
+            tracing::warn!(request_id = %request.request_id, %error, attempt = attempts, "attempt failed before any output; retrying on another pair");
+        }
+    }
+}

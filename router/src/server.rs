@@ -1,0 +1,149 @@
+//! Running a router: both ingresses on bound listeners with one shutdown
+//! ([`serve`]), and the whole process from a [`RouterConfig`] ([`run`], [`run_blocking`]).
+//!
+//! Shutdown: the shutdown future stops both servers from accepting; the HTTP server lets
+//! running responses finish, the gRPC server drains its connections. Requests' node streams
+//! end with them.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use tandem_cluster::{
+    Discovery, EtcdConfig, EtcdDiscovery, LoadSignals, NatsConfig, NatsLoadSignals,
+};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{RouterArgs, RouterConfig};
+use crate::error::RouterError;
+use crate::model::ServedModel;
+use crate::pipeline::Router;
+
+/// Serves the gRPC ingress on `grpc` and the HTTP ingress on `http` until `shutdown`
+/// resolves or either server fails.
+pub async fn serve(
+    router: Router,
+    grpc: TcpListener,
+    http: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), RouterError> {
+    let token = CancellationToken::new();
+    let grpc_server = crate::grpc::serve(grpc, router.clone(), token.clone().cancelled_owned());
+    let http_server = crate::http::serve(http, router, token.clone().cancelled_owned());
+    let trigger = {
+        let token = token.clone();
+        async move {
+            shutdown.await;
+            token.cancel();
+        }
+    };
+    let (grpc_result, http_result, ()) = tokio::join!(
+        async {
+            let r = grpc_server.await;
+            token.cancel();
+            r
+        },
+        async {
+            let r = http_server.await;
+            token.cancel();
+            r
+        },
+        async {
+            tokio::select! {
+                () = trigger => {}
+                () = token.cancelled() => {}
+            }
+        }
+    );
+    grpc_result.and(http_result)
+}
+
+/// Connects to the control plane, loads the model's tokenizer, binds both addresses and
+/// serves until `shutdown` resolves.
+pub async fn run(
+    config: RouterConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), RouterError> {
+    let mut model = ServedModel::from_gguf(&config.model_path, config.model_name.as_deref())?;
+    if let Some(cap) = config.max_context_tokens {
+        model.context_tokens = model.context_tokens.min(cap);
+    }
+    let discovery: Arc<dyn Discovery> = Arc::new(
+        EtcdDiscovery::connect(EtcdConfig::new(
+            config.etcd_endpoints.clone(),
+            config.cluster.clone(),
+        ))
+        .await?,
+    );
+    let signals: Arc<dyn LoadSignals> = Arc::new(
+        NatsLoadSignals::connect(NatsConfig::new(
+            config.nats_url.clone(),
+            config.cluster.clone(),
+        ))
+        .await?,
+    );
+    let router = Router::start(model, config.options.clone(), discovery, signals).await?;
+    let bind = |server: &'static str, addr| async move {
+        TcpListener::bind(addr)
+            .await
+            .map_err(|e| RouterError::Serve {
+                server,
+                message: format!("cannot bind {addr}: {e}"),
+            })
+    };
+    let grpc = bind("grpc", config.grpc_addr).await?;
+    let http = bind("http", config.http_addr).await?;
+    let local = |l: &TcpListener| l.local_addr().map(|a| a.to_string()).unwrap_or_default();
+    tracing::info!(
+        cluster = %config.cluster,
+        model = %router.model().name,
+        context_tokens = router.model().context_tokens,
+        grpc = %local(&grpc),
+        http = %local(&http),
+        "router serving"
+    );
+    // Machine-readable lines for scripts (`tandem up` waits for them).
+    println!("grpc {}", local(&grpc));
+    println!("http {}", local(&http));
+    serve(router, grpc, http, shutdown).await
+}
+
+/// Resolves `args`, builds a multi-threaded runtime and runs the router until Ctrl-C or
+/// SIGTERM. For the `tandem-router` binary and `tandem router`.
+pub fn run_blocking(args: RouterArgs) -> Result<(), RouterError> {
+    let config = args.resolve()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| RouterError::Serve {
+            server: "runtime",
+            message: e.to_string(),
+        })?;
+    runtime.block_on(run(config, shutdown_signal()))
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        // If the handler cannot be installed, only SIGTERM (or a kill) stops the process.
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+    tracing::info!("shutting down");
+}
