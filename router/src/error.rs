@@ -27,6 +27,10 @@ use tandem_tokenizer::TokenizerError;
 
 use crate::request::Field;
 
+/// Status metadata key in which nodes say whether a retry on another pair may succeed
+/// (`true` / `false`).
+pub const RETRY_SAFE_METADATA: &str = "tandem-retry-safe";
+
 /// The pipeline step a node failure happened in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Step {
@@ -182,6 +186,9 @@ pub enum RouterError {
         step: Step,
         /// What the failure means.
         fault: NodeFault,
+        /// Whether another pair may succeed: the node's `tandem-retry-safe` metadata when it
+        /// sent one (it knows the cause best), else [`NodeFault::is_retry_safe`].
+        retry_safe: bool,
         /// The gRPC code the node (or the transport) answered.
         code: tonic::Code,
         /// The status message.
@@ -287,11 +294,22 @@ impl RouterError {
 
     /// Classifies a node's status once, where it is received.
     pub(crate) fn node(role: Role, node_id: &str, step: Step, status: &tonic::Status) -> Self {
+        let fault = NodeFault::from_code(status.code());
+        let retry_safe = match status
+            .metadata()
+            .get(RETRY_SAFE_METADATA)
+            .and_then(|v| v.to_str().ok())
+        {
+            Some("true") => true,
+            Some("false") => false,
+            _ => fault.is_retry_safe(),
+        };
         RouterError::Node {
             role,
             node_id: node_id.to_string(),
             step,
-            fault: NodeFault::from_code(status.code()),
+            fault,
+            retry_safe,
             code: status.code(),
             message: status.message().to_string(),
         }
@@ -302,7 +320,7 @@ impl RouterError {
     /// the client (later failures are [`RouterError::Interrupted`]).
     pub fn is_retry_safe(&self) -> bool {
         match self {
-            RouterError::Node { fault, .. } => fault.is_retry_safe(),
+            RouterError::Node { retry_safe, .. } => *retry_safe,
             RouterError::Protocol { .. } | RouterError::BadNodeAddress { .. } => true,
             _ => false,
         }
@@ -377,6 +395,11 @@ mod tests {
             &tonic::Status::unavailable("gone"),
         );
         assert!(node.is_retry_safe());
+        let mut refused = tonic::Status::unavailable("corrupt and final");
+        refused
+            .metadata_mut()
+            .insert(RETRY_SAFE_METADATA, "false".parse().unwrap());
+        assert!(!RouterError::node(Role::Prefill, "p0", Step::Prefill, &refused).is_retry_safe());
         let interrupted = RouterError::Interrupted {
             tokens_sent: 3,
             cause: Box::new(node),

@@ -145,7 +145,6 @@ impl AttemptState<'_> {
         // 4. Drive both streams: the prefill one until the push is acknowledged (dropping it
         //    earlier would cancel the push), the decode one to the client.
         let mut prefill_dispatch = Some(prefill_dispatch);
-        let mut first_forwarded = false;
         let mut tokens_here = 0u32;
         loop {
             tokio::select! {
@@ -170,11 +169,8 @@ impl AttemptState<'_> {
                 },
                 message = decode_stream.message() => match message {
                     Ok(Some(pb::DecodeResponse { event: Some(pb::decode_response::Event::Tokens(batch)) })) => {
-                        let mut token_ids = batch.token_ids;
-                        if !first_forwarded {
-                            token_ids.insert(0, first.token_id);
-                            first_forwarded = true;
-                        }
+                        // The decode node streams the whole output, the first token included.
+                        let token_ids = batch.token_ids;
                         tokens_here += token_ids.len() as u32;
                         self.tokens_sent += token_ids.len() as u32;
                         self.send(GenerationEvent::Delta { text: batch.text, token_ids }).await?;

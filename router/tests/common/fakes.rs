@@ -1,0 +1,360 @@
+//! Fake prefill and decode nodes: real tonic servers on port 0 implementing the internal proto
+//! with deterministic canned tokens, plus knobs to inject failures and hold streams, and
+//! counters/notifications of what they observed (calls, releases, cancellations).
+//!
+//! Canned output: the prefill node's first token is `first_token(prompt)`; the decode node
+//! streams `first, first + 1, ...` (`max_tokens` tokens, the first one included, one per batch),
+//! each with the text `t{id} `, and finishes with `length`.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
+
+use futures_util::Stream;
+use tandem_cluster::{NodeInfo, Role};
+use tandem_kv_layout::{KvDtype, KvLayout};
+use tandem_proto::v1 as pb;
+use tandem_proto::v1::decode_server::{Decode, DecodeServer};
+use tandem_proto::v1::prefill_server::{Prefill, PrefillServer};
+use tokio::net::TcpListener;
+use tokio::sync::{Notify, mpsc};
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+/// KV block size of the fake nodes' layout, in tokens.
+pub const BLOCK_TOKENS: usize = 16;
+
+/// The layout every fake node registers.
+pub fn layout() -> KvLayout {
+    KvLayout::new(30, 3, 64, BLOCK_TOKENS, KvDtype::F16, 7).expect("valid layout")
+}
+
+/// The first token the fake prefill node samples for `prompt`.
+pub fn first_token(prompt: &[u32]) -> u32 {
+    100 + (prompt.len() as u32 % 50)
+}
+
+/// The text of a canned token.
+pub fn token_text(id: u32) -> String {
+    format!("t{id} ")
+}
+
+/// The whole canned output for a prompt of `prompt_len` tokens and `max_tokens`.
+pub fn expected_output(prompt_len: usize, max_tokens: u32) -> (Vec<u32>, String) {
+    let first = 100 + (prompt_len as u32 % 50);
+    let ids: Vec<u32> = (0..max_tokens).map(|i| first + i).collect();
+    let text = ids.iter().map(|&id| token_text(id)).collect();
+    (ids, text)
+}
+
+type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+/// What a fake decode node saw, and how it misbehaves.
+#[derive(Debug, Default)]
+pub struct DecodeBehaviour {
+    /// Reserve calls answered (granted or refused).
+    pub reserve_calls: AtomicU32,
+    /// Decode calls received.
+    pub decode_calls: AtomicU32,
+    /// Reservation ids released (Release calls).
+    pub released: Mutex<Vec<u64>>,
+    /// Decode streams that saw their caller go away before finishing.
+    pub cancelled_streams: AtomicU32,
+    /// Decode streams that finished.
+    pub completed_streams: AtomicU32,
+    /// Refuse the next N Reserve calls with RESOURCE_EXHAUSTED.
+    pub refuse_reserves: AtomicU32,
+    /// Fail the next N Decode calls with DATA_LOSS (a corrupt transfer).
+    pub data_loss: AtomicU32,
+    /// Hold every stream after this many batches (-1: never) until `resume` or cancellation.
+    pub hold_after_batches: AtomicI64,
+    /// Wakes held streams.
+    pub resume: Notify,
+    /// Streams that reached their hold point.
+    pub held: AtomicU32,
+    /// Notified when a stream holds.
+    pub holding: Notify,
+    /// Notified on every Release and every cancelled stream.
+    pub changed: Notify,
+    next_reservation: AtomicU64,
+}
+
+/// What a fake prefill node saw, and how it misbehaves.
+#[derive(Debug, Default)]
+pub struct PrefillBehaviour {
+    /// Prefill calls received.
+    pub prefill_calls: AtomicU32,
+    /// Streams that saw their caller go away before finishing.
+    pub cancelled_streams: AtomicU32,
+    /// Fail the next N calls with UNAVAILABLE before the first token.
+    pub fail_before_first: AtomicU32,
+    /// Hold every stream before the first token (until cancelled) when nonzero.
+    pub hold_before_first: AtomicU32,
+    /// Streams that reached their hold point.
+    pub held: AtomicU32,
+    /// Notified when a stream holds.
+    pub holding: Notify,
+    /// Notified when a stream is cancelled.
+    pub changed: Notify,
+}
+
+/// A running fake node.
+pub struct FakeNode<B> {
+    /// Its node id.
+    pub node_id: String,
+    /// Its role.
+    pub role: Role,
+    /// `http://127.0.0.1:port`.
+    pub grpc_addr: String,
+    /// Observations and knobs.
+    pub behaviour: Arc<B>,
+    stop: CancellationToken,
+}
+
+impl<B> FakeNode<B> {
+    /// The record to register in discovery.
+    pub fn info(&self) -> NodeInfo {
+        NodeInfo::new(&self.node_id, self.role, &self.grpc_addr, layout(), 1024)
+            .with_kv_transfer_addr("tcp://127.0.0.1:1")
+    }
+}
+
+impl<B> Drop for FakeNode<B> {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+#[derive(Clone)]
+struct DecodeService {
+    node_id: String,
+    b: Arc<DecodeBehaviour>,
+}
+
+fn take_one(counter: &AtomicU32) -> bool {
+    counter
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+        .is_ok()
+}
+
+#[tonic::async_trait]
+impl Decode for DecodeService {
+    async fn reserve(
+        &self,
+        request: Request<pb::ReserveRequest>,
+    ) -> Result<Response<pb::ReserveResponse>, Status> {
+        self.b.reserve_calls.fetch_add(1, Ordering::SeqCst);
+        if take_one(&self.b.refuse_reserves) {
+            return Err(Status::resource_exhausted("no free blocks (fake)"));
+        }
+        let r = request.into_inner();
+        let id = self.b.next_reservation.fetch_add(1, Ordering::SeqCst) + 1;
+        let blocks = (r.prompt_tokens as usize).div_ceil(BLOCK_TOKENS) as u32;
+        Ok(Response::new(pb::ReserveResponse {
+            target: Some(pb::KvTarget {
+                decode_node_id: self.node_id.clone(),
+                kv_address: "tcp://127.0.0.1:1".into(),
+                reservation_id: id,
+                epoch: 1,
+                block_ids: (0..blocks).collect(),
+                layout_fingerprint: layout().fingerprint(),
+            }),
+            expires_at_unix_ms: u64::MAX,
+        }))
+    }
+
+    async fn release(
+        &self,
+        request: Request<pb::ReleaseRequest>,
+    ) -> Result<Response<pb::ReleaseResponse>, Status> {
+        self.b
+            .released
+            .lock()
+            .unwrap()
+            .push(request.into_inner().reservation_id);
+        self.b.changed.notify_waiters();
+        Ok(Response::new(pb::ReleaseResponse { released: true }))
+    }
+
+    type DecodeStream = EventStream<pb::DecodeResponse>;
+
+    async fn decode(
+        &self,
+        request: Request<pb::DecodeRequest>,
+    ) -> Result<Response<Self::DecodeStream>, Status> {
+        self.b.decode_calls.fetch_add(1, Ordering::SeqCst);
+        if take_one(&self.b.data_loss) {
+            return Err(Status::data_loss("block 0 failed its checksum (fake)"));
+        }
+        let r = request.into_inner();
+        let max_tokens = r.sampling.map(|s| s.max_tokens).unwrap_or(1).max(1);
+        let (tx, rx) = mpsc::channel(4);
+        let b = Arc::clone(&self.b);
+        let prompt_tokens = r.prompt_token_ids.len() as u32;
+        tokio::spawn(async move {
+            let hold_at = b.hold_after_batches.load(Ordering::SeqCst);
+            for i in 0..max_tokens {
+                if i as i64 == hold_at {
+                    b.held.fetch_add(1, Ordering::SeqCst);
+                    b.holding.notify_waiters();
+                    tokio::select! {
+                        _ = b.resume.notified() => {}
+                        _ = tx.closed() => {
+                            b.cancelled_streams.fetch_add(1, Ordering::SeqCst);
+                            b.changed.notify_waiters();
+                            return;
+                        }
+                    }
+                }
+                let id = r.first_token_id + i;
+                let batch = pb::DecodeResponse {
+                    event: Some(pb::decode_response::Event::Tokens(pb::TokenBatch {
+                        token_ids: vec![id],
+                        text: token_text(id),
+                    })),
+                };
+                if tx.send(Ok(batch)).await.is_err() {
+                    b.cancelled_streams.fetch_add(1, Ordering::SeqCst);
+                    b.changed.notify_waiters();
+                    return;
+                }
+            }
+            let done = pb::DecodeResponse {
+                event: Some(pb::decode_response::Event::Final(pb::DecodeFinal {
+                    finish_reason: pb::FinishReason::Length as i32,
+                    usage: Some(pb::Usage {
+                        prompt_tokens,
+                        cached_prompt_tokens: r.cached_prompt_tokens,
+                        completion_tokens: max_tokens,
+                    }),
+                })),
+            };
+            if tx.send(Ok(done)).await.is_ok() {
+                b.completed_streams.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+#[derive(Clone)]
+struct PrefillService {
+    b: Arc<PrefillBehaviour>,
+}
+
+#[tonic::async_trait]
+impl Prefill for PrefillService {
+    type PrefillStream = EventStream<pb::PrefillResponse>;
+
+    async fn prefill(
+        &self,
+        request: Request<pb::PrefillRequest>,
+    ) -> Result<Response<Self::PrefillStream>, Status> {
+        self.b.prefill_calls.fetch_add(1, Ordering::SeqCst);
+        if take_one(&self.b.fail_before_first) {
+            return Err(Status::unavailable("engine restarting (fake)"));
+        }
+        let r = request.into_inner();
+        let target = r
+            .target
+            .ok_or_else(|| Status::invalid_argument("target is required"))?;
+        if target.layout_fingerprint != layout().fingerprint() {
+            return Err(Status::failed_precondition("layout mismatch"));
+        }
+        let (tx, rx) = mpsc::channel(4);
+        let b = Arc::clone(&self.b);
+        tokio::spawn(async move {
+            if b.hold_before_first.load(Ordering::SeqCst) > 0 {
+                b.held.fetch_add(1, Ordering::SeqCst);
+                b.holding.notify_waiters();
+                tx.closed().await;
+                b.cancelled_streams.fetch_add(1, Ordering::SeqCst);
+                b.changed.notify_waiters();
+                return;
+            }
+            let first = pb::PrefillResponse {
+                event: Some(pb::prefill_response::Event::FirstToken(pb::FirstToken {
+                    token_id: first_token(&r.prompt_token_ids),
+                    cached_prompt_tokens: 0,
+                })),
+            };
+            let pushed = pb::PrefillResponse {
+                event: Some(pb::prefill_response::Event::KvPushed(pb::KvPushed {
+                    bytes: 1024,
+                    blocks: target.block_ids.len() as u32,
+                    transfer_us: 10,
+                })),
+            };
+            for event in [first, pushed] {
+                if tx.send(Ok(event)).await.is_err() {
+                    b.cancelled_streams.fetch_add(1, Ordering::SeqCst);
+                    b.changed.notify_waiters();
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+async fn bind() -> (TcpListener, String) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind port 0");
+    let addr = format!("http://{}", listener.local_addr().unwrap());
+    (listener, addr)
+}
+
+/// Starts a fake decode node.
+pub async fn start_decode(node_id: &str) -> FakeNode<DecodeBehaviour> {
+    let (listener, grpc_addr) = bind().await;
+    let behaviour = Arc::new(DecodeBehaviour {
+        hold_after_batches: AtomicI64::new(-1),
+        ..Default::default()
+    });
+    let stop = CancellationToken::new();
+    let service = DecodeService {
+        node_id: node_id.to_string(),
+        b: Arc::clone(&behaviour),
+    };
+    let token = stop.clone();
+    tokio::spawn(async move {
+        tonic::transport::Server::builder()
+            .add_service(DecodeServer::new(service))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), token.cancelled_owned())
+            .await
+            .expect("fake decode server");
+    });
+    FakeNode {
+        node_id: node_id.to_string(),
+        role: Role::Decode,
+        grpc_addr,
+        behaviour,
+        stop,
+    }
+}
+
+/// Starts a fake prefill node.
+pub async fn start_prefill(node_id: &str) -> FakeNode<PrefillBehaviour> {
+    let (listener, grpc_addr) = bind().await;
+    let behaviour = Arc::new(PrefillBehaviour::default());
+    let stop = CancellationToken::new();
+    let service = PrefillService {
+        b: Arc::clone(&behaviour),
+    };
+    let token = stop.clone();
+    tokio::spawn(async move {
+        tonic::transport::Server::builder()
+            .add_service(PrefillServer::new(service))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), token.cancelled_owned())
+            .await
+            .expect("fake prefill server");
+    });
+    FakeNode {
+        node_id: node_id.to_string(),
+        role: Role::Prefill,
+        grpc_addr,
+        behaviour,
+        stop,
+    }
+}
