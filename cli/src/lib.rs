@@ -8,9 +8,11 @@
 //! | [`bench_engine`] | `tandem bench-engine` — prefill/decode throughput vs the bandwidth bound |
 //! | [`fetch`] | `tandem model fetch` — download and verify the default model |
 //! | [`load`] | building an engine from flags |
+//! | [`up`] | `tandem up` — a local cluster (etcd, NATS, nodes, router) from one command |
 
 pub mod bench_engine;
 pub mod fetch;
 pub mod generate;
 pub mod load;
 pub mod plan;
+pub mod up;

@@ -37,6 +37,9 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<std::ffi::OsString>,
     },
+    /// Start a local cluster (etcd, NATS, decode and prefill nodes, router), stream a sample
+    /// answer through it, and serve until Ctrl-C.
+    Up(tandem_cli::up::UpArgs),
     /// Manage the model cache.
     #[command(subcommand)]
     Model(ModelCommand),
@@ -60,6 +63,7 @@ fn main() -> ExitCode {
     let result = match &cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Plan(a) => plan::run(a).map(|s| println!("{s}")),
+        Command::Up(a) => tandem_cli::up::run(a),
         Command::BenchEngine(a) => bench_engine::run(a).map(|s| println!("{s}")),
         Command::BenchTransfer(a) => tandem_kv_transfer::bench::run(a.clone()).map(|_| ()),
         Command::KvPeer { args } => {
