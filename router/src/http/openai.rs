@@ -154,7 +154,8 @@ pub fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Rout
     let mut de = serde_json::Deserializer::from_slice(body);
     let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();
-        let path = (path != "." && !path.is_empty()).then_some(path);
+        // serde_path_to_error writes `.` for the root and `?` where it lost track.
+        let path = (!matches!(path.as_str(), "" | "." | "?")).then_some(path);
         let inner = e.into_inner();
         RouterError::MalformedBody {
             message: match &path {
