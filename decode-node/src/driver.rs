@@ -92,7 +92,10 @@ impl Stream {
         b.text.push_str(&o.text);
         if let Some(reason) = o.finished {
             self.finished_in_engine = true;
-            self.finish = Some(DecodeFinal { finish_reason: convert::finish_reason(reason) as i32, usage: Some(convert::usage(o.usage)) });
+            self.finish = Some(DecodeFinal {
+                finish_reason: convert::finish_reason(reason) as i32,
+                usage: Some(convert::usage(o.usage)),
+            });
         }
     }
 
@@ -101,14 +104,18 @@ impl Stream {
             return Flush::Gone;
         }
         if let Some(b) = &self.pending {
-            match self.events.try_send(Ok(DecodeResponse { event: Some(Event::Tokens(b.clone())) })) {
+            match self.events.try_send(Ok(DecodeResponse {
+                event: Some(Event::Tokens(b.clone())),
+            })) {
                 Ok(()) => self.pending = None,
                 Err(TrySendError::Full(_)) => return Flush::Blocked,
                 Err(TrySendError::Closed(_)) => return Flush::Gone,
             }
         }
         if let Some(f) = &self.finish {
-            match self.events.try_send(Ok(DecodeResponse { event: Some(Event::Final(f.clone())) })) {
+            match self.events.try_send(Ok(DecodeResponse {
+                event: Some(Event::Final(*f)),
+            })) {
                 Ok(()) => self.finish = None,
                 Err(TrySendError::Full(_)) => return Flush::Blocked,
                 Err(TrySendError::Closed(_)) => return Flush::Gone,
@@ -136,7 +143,9 @@ impl DecodeDriver {
 
     /// Delivers what `id` has; ends it when finished and delivered, aborts it if the client left.
     fn flush(&mut self, engine: &mut Engine, id: u64) {
-        let Some(s) = self.streams.get_mut(&id) else { return };
+        let Some(s) = self.streams.get_mut(&id) else {
+            return;
+        };
         match s.flush() {
             Flush::Blocked => {}
             Flush::Delivered if s.finished_in_engine => {
@@ -168,23 +177,48 @@ impl Driver for DecodeDriver {
 
     fn on_command(&mut self, engine: &mut Engine, cmd: Command) {
         match cmd {
-            Command::Reserve { reservation_id, tokens, reply } => {
+            Command::Reserve {
+                reservation_id,
+                tokens,
+                reply,
+            } => {
                 let _ = reply.send(engine.reserve(reservation_id, tokens));
             }
             Command::ReleaseReservation { reservation_id } => {
                 engine.release_reservation(reservation_id);
             }
             Command::Start(start) => {
-                let Start { request, reservation_id, first_token, cached_prompt_tokens, label, events, in_flight } = *start;
+                let Start {
+                    request,
+                    reservation_id,
+                    first_token,
+                    cached_prompt_tokens,
+                    label,
+                    events,
+                    in_flight,
+                } = *start;
                 let id = request.id;
-                match engine.add_prefilled(request, reservation_id, first_token, cached_prompt_tokens, Instant::now()) {
+                match engine.add_prefilled(
+                    request,
+                    reservation_id,
+                    first_token,
+                    cached_prompt_tokens,
+                    Instant::now(),
+                ) {
                     Err(e) => {
                         // Nothing adopted the blocks: give them back (false if already gone).
                         engine.release_reservation(reservation_id);
                         let _ = events.try_send(Err(status::engine_status(&e)));
                     }
                     Ok(first) => {
-                        let mut s = Stream { label, events, pending: None, finish: None, finished_in_engine: false, _in_flight: in_flight };
+                        let mut s = Stream {
+                            label,
+                            events,
+                            pending: None,
+                            finish: None,
+                            finished_in_engine: false,
+                            _in_flight: in_flight,
+                        };
                         s.push(&first);
                         self.streams.insert(id, s);
                         self.flush(engine, id);
@@ -211,7 +245,12 @@ impl Driver for DecodeDriver {
     }
 
     fn housekeeping(&mut self, engine: &mut Engine) {
-        let ids: Vec<u64> = self.streams.iter().filter(|(_, s)| s.events.is_closed() || s.undelivered()).map(|(&id, _)| id).collect();
+        let ids: Vec<u64> = self
+            .streams
+            .iter()
+            .filter(|(_, s)| s.events.is_closed() || s.undelivered())
+            .map(|(&id, _)| id)
+            .collect();
         for id in ids {
             self.flush(engine, id);
         }
@@ -227,6 +266,8 @@ impl Driver for DecodeDriver {
     }
 
     fn shutdown(&mut self, engine: &mut Engine) {
-        self.fail_all(engine, || status::unavailable("decode node is shutting down"));
+        self.fail_all(engine, || {
+            status::unavailable("decode node is shutting down")
+        });
     }
 }

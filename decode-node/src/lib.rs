@@ -32,7 +32,9 @@ use tandem_kv_transfer::{InboundRegistry, TransferConfig};
 use tandem_node::engine_thread::{self, EngineHandle, EngineSnapshot};
 use tandem_node::env_names::*;
 use tandem_node::lifecycle::{self, ShutdownPlan};
-use tandem_node::{Coordination, KvAddress, Lifecycle, NodeArgs, NodeError, membership, model, server, transport};
+use tandem_node::{
+    Coordination, KvAddress, Lifecycle, NodeArgs, NodeError, membership, model, server, transport,
+};
 use tandem_proto::v1::decode_server::DecodeServer;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -46,7 +48,11 @@ const COMMAND_QUEUE: usize = 256;
 
 /// Flags of `tandem-decode-node` / `tandem decode`.
 #[derive(Parser, Clone, Debug)]
-#[command(name = "tandem-decode-node", version, about = "tandem decode node: KV reservations, verified receive, continuous batching")]
+#[command(
+    name = "tandem-decode-node",
+    version,
+    about = "tandem decode node: KV reservations, verified receive, continuous batching"
+)]
 pub struct DecodeArgs {
     /// Cluster, listeners, transport, engine.
     #[command(flatten)]
@@ -91,42 +97,71 @@ impl DecodeNode {
             args.node.validate_control_plane()?;
         }
         if args.reservation_ttl_ms == 0 {
-            return Err(NodeError::InvalidConfig { flag: "--reservation-ttl-ms", value: "0".into(), reason: "must be at least 1".into() });
+            return Err(NodeError::InvalidConfig {
+                flag: "--reservation-ttl-ms",
+                value: "0".into(),
+                reason: "must be at least 1".into(),
+            });
         }
         let listen = &args.node.listen;
         let grpc_listener = lifecycle::bind("gRPC", listen.grpc_addr).await?;
         let kv_listener = lifecycle::bind("KV transfer", listen.kv_addr).await?;
-        let local = |l: &tokio::net::TcpListener, what, addr| l.local_addr().map_err(|source| NodeError::Bind { what, addr, source });
+        let local = |l: &tokio::net::TcpListener, what, addr| {
+            l.local_addr()
+                .map_err(|source| NodeError::Bind { what, addr, source })
+        };
         let grpc_addr = local(&grpc_listener, "gRPC", listen.grpc_addr)?;
         let kv_bound = local(&kv_listener, "KV transfer", listen.kv_addr)?;
         let (net, kind) = transport::start(listen.kv_transport)?;
-        let kv_address = KvAddress { kind, host_port: listen.advertised(kv_bound) };
+        let kv_address = KvAddress {
+            kind,
+            host_port: listen.advertised(kv_bound),
+        };
 
         let engine_args = args.node.engine.clone();
         let alloc = Arc::clone(&net);
-        let (engine, (layout, num_blocks, registration)) = engine_thread::spawn("decode-engine", COMMAND_QUEUE, move |_ctx| {
-            let (engine, registration) = model::build_engine(&engine_args, &*alloc)?;
-            let layout = *engine.kv_layout();
-            let blocks = engine.scheduler().blocks().num_blocks();
-            Ok((engine, DecodeDriver::new(), (layout, blocks, registration)))
-        })
-        .await?;
+        let (engine, (layout, num_blocks, registration)) =
+            engine_thread::spawn("decode-engine", COMMAND_QUEUE, move |_ctx| {
+                let (engine, registration) = model::build_engine(&engine_args, &*alloc)?;
+                let layout = *engine.kv_layout();
+                let blocks = engine.scheduler().blocks().num_blocks();
+                Ok((engine, DecodeDriver::new(), (layout, blocks, registration)))
+            })
+            .await?;
         let registry = InboundRegistry::new(registration, TransferConfig::default().fence_timeout);
         let background = CancellationToken::new();
         {
-            let (net, registry, stop) = (Arc::clone(&net), registry.clone(), background.child_token());
+            let (net, registry, stop) =
+                (Arc::clone(&net), registry.clone(), background.child_token());
             tokio::spawn(async move {
                 if let Err(e) = net.serve(kv_listener, registry, stop).await {
                     tracing::error!(error = %e, "KV receiver stopped");
                 }
             });
         }
-        let node_id = args.node.cluster.node_id.clone().unwrap_or_else(|| lifecycle::default_node_id("decode"));
+        let node_id = args
+            .node
+            .cluster
+            .node_id
+            .clone()
+            .unwrap_or_else(|| lifecycle::default_node_id("decode"));
         let lifecycle = Lifecycle::new();
         let ttl = Duration::from_millis(args.reservation_ttl_ms);
-        let reservations = Reservations::new(registry.clone(), engine.clone(), ttl, layout.block_size_tokens, lifecycle::boot_nonce() | 1);
-        let service =
-            DecodeService::new(engine.clone(), reservations.clone(), lifecycle.clone(), node_id.clone(), kv_address.clone(), layout.fingerprint());
+        let reservations = Reservations::new(
+            registry.clone(),
+            engine.clone(),
+            ttl,
+            layout.block_size_tokens,
+            lifecycle::boot_nonce() | 1,
+        );
+        let service = DecodeService::new(
+            engine.clone(),
+            reservations.clone(),
+            lifecycle.clone(),
+            node_id.clone(),
+            kv_address.clone(),
+            layout.fingerprint(),
+        );
         let routes = tonic::service::Routes::new(DecodeServer::new(service));
         let server = match server::spawn(grpc_listener, routes, "tandem.v1.Decode").await {
             Ok(s) => s,
@@ -137,9 +172,25 @@ impl DecodeNode {
             }
         };
         let grpc_url = format!("http://{}", listen.advertised(grpc_addr));
-        let info = NodeInfo::new(&node_id, Role::Decode, &grpc_url, layout, num_blocks as u64).with_kv_transfer_addr(kv_address.to_string());
-        let mut plan = ShutdownPlan { lifecycle, server, membership: None, engine: engine.clone(), background, drain_timeout: listen.drain_timeout() };
-        match membership::join(&args.node, coordination, info, engine.snapshot(), &plan.background).await {
+        let info = NodeInfo::new(&node_id, Role::Decode, &grpc_url, layout, num_blocks as u64)
+            .with_kv_transfer_addr(kv_address.to_string());
+        let mut plan = ShutdownPlan {
+            lifecycle,
+            server,
+            membership: None,
+            engine: engine.clone(),
+            background,
+            drain_timeout: listen.drain_timeout(),
+        };
+        match membership::join(
+            &args.node,
+            coordination,
+            info,
+            engine.snapshot(),
+            &plan.background,
+        )
+        .await
+        {
             Ok(m) => plan.membership = Some(m),
             Err(e) => {
                 plan.run().await;
@@ -149,7 +200,16 @@ impl DecodeNode {
         // The transport lives as long as its serve task and the pool's registration.
         drop(net);
         tracing::info!(node_id = %node_id, grpc = %grpc_url, kv = %kv_address, kv_blocks = num_blocks, "decode node serving");
-        Ok(DecodeNode { node_id, grpc_addr, kv_address, layout, engine, reservations, registry, plan })
+        Ok(DecodeNode {
+            node_id,
+            grpc_addr,
+            kv_address,
+            layout,
+            engine,
+            reservations,
+            registry,
+            plan,
+        })
     }
 
     /// This node's id in the cluster.
@@ -198,7 +258,12 @@ impl DecodeNode {
 /// stdout once it serves.
 pub async fn run(args: DecodeArgs, shutdown: impl Future<Output = ()>) -> Result<(), NodeError> {
     let node = DecodeNode::start(args, Coordination::FromArgs).await?;
-    println!("tandem-decode-node listening grpc={} kv={} node_id={}", node.grpc_addr(), node.kv_address(), node.node_id());
+    println!(
+        "tandem-decode-node listening grpc={} kv={} node_id={}",
+        node.grpc_addr(),
+        node.kv_address(),
+        node.node_id()
+    );
     shutdown.await;
     node.shutdown().await;
     Ok(())
@@ -209,7 +274,10 @@ pub async fn run(args: DecodeArgs, shutdown: impl Future<Output = ()>) -> Result
 pub fn main_with_args(argv: Vec<OsString>) -> anyhow::Result<()> {
     let args = DecodeArgs::parse_layered(argv).unwrap_or_else(|e| e.exit());
     lifecycle::init_logging(&args.log);
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("decode-rt").build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("decode-rt")
+        .build()?;
     rt.block_on(run(args, lifecycle::shutdown_signal()))?;
     Ok(())
 }

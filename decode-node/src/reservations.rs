@@ -71,8 +71,22 @@ pub struct Reservations {
 impl Reservations {
     /// A table over `registry` (the KV receiver's) and `engine`; reservations live `ttl`, and
     /// carry `epoch` (this process's: a restarted node refuses writes meant for its past life).
-    pub fn new(registry: InboundRegistry, engine: EngineHandle<Command>, ttl: Duration, block_size: usize, epoch: u64) -> Self {
-        Reservations { table: Arc::default(), registry, engine, ttl, block_size, epoch, next_id: Arc::new(AtomicU64::new(1)) }
+    pub fn new(
+        registry: InboundRegistry,
+        engine: EngineHandle<Command>,
+        ttl: Duration,
+        block_size: usize,
+        epoch: u64,
+    ) -> Self {
+        Reservations {
+            table: Arc::default(),
+            registry,
+            engine,
+            ttl,
+            block_size,
+            epoch,
+            next_id: Arc::new(AtomicU64::new(1)),
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Pending>> {
@@ -91,26 +105,59 @@ impl Reservations {
     }
 
     /// Reserves blocks for `prompt_tokens + max_new_tokens` and expects the prompt's KV.
-    pub async fn reserve(&self, label: String, prompt_tokens: usize, max_new_tokens: usize, in_flight: InFlightGuard) -> Result<Reserved, Status> {
+    pub async fn reserve(
+        &self,
+        label: String,
+        prompt_tokens: usize,
+        max_new_tokens: usize,
+        in_flight: InFlightGuard,
+    ) -> Result<Reserved, Status> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let tokens = prompt_tokens + max_new_tokens;
         let blocks = self
             .engine
-            .request(|reply| Command::Reserve { reservation_id: id, tokens, reply })
+            .request(|reply| Command::Reserve {
+                reservation_id: id,
+                tokens,
+                reply,
+            })
             .await
             .map_err(|_| status::unavailable("the decode engine has stopped"))?
             .map_err(|e| status::engine_status(&e))?;
         let prompt_blocks = blocks[..prompt_tokens.div_ceil(self.block_size)].to_vec();
-        let expect = Reservation { reservation_id: id, epoch: self.epoch, dst_blocks: prompt_blocks.clone(), ttl: self.ttl };
+        let expect = Reservation {
+            reservation_id: id,
+            epoch: self.epoch,
+            dst_blocks: prompt_blocks.clone(),
+            ttl: self.ttl,
+        };
         let inbound = match self.registry.expect(expect) {
             Ok(i) => i,
             Err(e) => {
-                let _ = self.engine.send(Command::ReleaseReservation { reservation_id: id }).await;
-                return Err(status::status(Code::Internal, format!("KV receiver refused the reservation: {e}"), "inbound_refused", false));
+                let _ = self
+                    .engine
+                    .send(Command::ReleaseReservation { reservation_id: id })
+                    .await;
+                return Err(status::status(
+                    Code::Internal,
+                    format!("KV receiver refused the reservation: {e}"),
+                    "inbound_refused",
+                    false,
+                ));
             }
         };
-        let expires_at_unix_ms = (SystemTime::now() + self.ttl).duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
-        let pending = Pending { inbound, epoch: self.epoch, prompt_tokens, max_new_tokens, label, in_flight };
+        let expires_at_unix_ms = (SystemTime::now() + self.ttl)
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        let pending = Pending {
+            inbound,
+            epoch: self.epoch,
+            prompt_tokens,
+            max_new_tokens,
+            label,
+            in_flight,
+        };
         self.lock().insert(id, pending);
         let this = self.clone();
         tokio::spawn(async move {
@@ -121,7 +168,12 @@ impl Reservations {
                 this.release_fenced(id, p).await;
             }
         });
-        Ok(Reserved { reservation_id: id, epoch: self.epoch, prompt_blocks, expires_at_unix_ms })
+        Ok(Reserved {
+            reservation_id: id,
+            epoch: self.epoch,
+            prompt_blocks,
+            expires_at_unix_ms,
+        })
     }
 
     /// Claims a reservation for a Decode call: NOT_FOUND if it is not (or no longer) held,
@@ -131,19 +183,30 @@ impl Reservations {
         match t.get(&reservation_id) {
             None => Err(status::status(
                 Code::NotFound,
-                format!("reservation {reservation_id} is not held (expired, released or already claimed)"),
+                format!(
+                    "reservation {reservation_id} is not held (expired, released or already claimed)"
+                ),
                 "unknown_reservation",
                 true,
             )),
             Some(p) if p.epoch != epoch => Err(status::status(
                 Code::FailedPrecondition,
-                format!("reservation {reservation_id} has epoch {}, not {epoch}", p.epoch),
+                format!(
+                    "reservation {reservation_id} has epoch {}, not {epoch}",
+                    p.epoch
+                ),
                 "stale_epoch",
                 true,
             )),
             Some(_) => {
                 let p = t.remove(&reservation_id).expect("checked above");
-                Ok((p, Claimed { reservation_id, engine: Some(self.engine.clone()) }))
+                Ok((
+                    p,
+                    Claimed {
+                        reservation_id,
+                        engine: Some(self.engine.clone()),
+                    },
+                ))
             }
         }
     }
@@ -171,7 +234,10 @@ impl Reservations {
         if let Err(e) = p.inbound.cancel().await {
             tracing::debug!(reservation = reservation_id, error = %e, "inbound transfer ended");
         }
-        let _ = self.engine.send(Command::ReleaseReservation { reservation_id }).await;
+        let _ = self
+            .engine
+            .send(Command::ReleaseReservation { reservation_id })
+            .await;
         drop(p.in_flight);
     }
 }
@@ -193,7 +259,9 @@ impl Claimed {
 impl Drop for Claimed {
     fn drop(&mut self) {
         if let Some(engine) = self.engine.take() {
-            engine.send_from_drop(Command::ReleaseReservation { reservation_id: self.reservation_id });
+            engine.send_from_drop(Command::ReleaseReservation {
+                reservation_id: self.reservation_id,
+            });
         }
     }
 }

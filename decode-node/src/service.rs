@@ -15,7 +15,10 @@
 use tandem_node::engine_thread::EngineHandle;
 use tandem_node::{KvAddress, Lifecycle, convert, status};
 use tandem_proto::v1::decode_server::Decode;
-use tandem_proto::v1::{DecodeRequest, DecodeResponse, KvTarget, ReleaseRequest, ReleaseResponse, ReserveRequest, ReserveResponse};
+use tandem_proto::v1::{
+    DecodeRequest, DecodeResponse, KvTarget, ReleaseRequest, ReleaseResponse, ReserveRequest,
+    ReserveResponse,
+};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
@@ -46,13 +49,23 @@ impl DecodeService {
         kv_address: KvAddress,
         fingerprint: u64,
     ) -> Self {
-        DecodeService { engine, reservations, lifecycle, node_id, kv_address, fingerprint }
+        DecodeService {
+            engine,
+            reservations,
+            lifecycle,
+            node_id,
+            kv_address,
+            fingerprint,
+        }
     }
 }
 
 #[tonic::async_trait]
 impl Decode for DecodeService {
-    async fn reserve(&self, request: Request<ReserveRequest>) -> Result<Response<ReserveResponse>, Status> {
+    async fn reserve(
+        &self,
+        request: Request<ReserveRequest>,
+    ) -> Result<Response<ReserveResponse>, Status> {
         let in_flight = self.lifecycle.admit()?;
         let r = request.into_inner();
         if r.prompt_tokens == 0 {
@@ -61,7 +74,15 @@ impl Decode for DecodeService {
         if r.max_new_tokens == 0 {
             return Err(status::invalid("max_new_tokens", "must be at least 1"));
         }
-        let reserved = self.reservations.reserve(r.request_id, r.prompt_tokens as usize, r.max_new_tokens as usize, in_flight).await?;
+        let reserved = self
+            .reservations
+            .reserve(
+                r.request_id,
+                r.prompt_tokens as usize,
+                r.max_new_tokens as usize,
+                in_flight,
+            )
+            .await?;
         Ok(Response::new(ReserveResponse {
             target: Some(KvTarget {
                 decode_node_id: self.node_id.clone(),
@@ -75,7 +96,10 @@ impl Decode for DecodeService {
         }))
     }
 
-    async fn release(&self, request: Request<ReleaseRequest>) -> Result<Response<ReleaseResponse>, Status> {
+    async fn release(
+        &self,
+        request: Request<ReleaseRequest>,
+    ) -> Result<Response<ReleaseResponse>, Status> {
         let r = request.into_inner();
         let released = self.reservations.release(r.reservation_id, r.epoch).await;
         Ok(Response::new(ReleaseResponse { released }))
@@ -83,19 +107,31 @@ impl Decode for DecodeService {
 
     type DecodeStream = ReceiverStream<Result<DecodeResponse, Status>>;
 
-    async fn decode(&self, request: Request<DecodeRequest>) -> Result<Response<Self::DecodeStream>, Status> {
+    async fn decode(
+        &self,
+        request: Request<DecodeRequest>,
+    ) -> Result<Response<Self::DecodeStream>, Status> {
         let r = request.into_inner();
         let (pending, claimed) = self.reservations.claim(r.reservation_id, r.epoch)?;
-        let params = convert::sampling_params(r.sampling.as_ref(), &r.request_id, pending.max_new_tokens);
+        let params =
+            convert::sampling_params(r.sampling.as_ref(), &r.request_id, pending.max_new_tokens);
         let invalid = if r.prompt_token_ids.len() != pending.prompt_tokens {
             Some(status::invalid(
                 "prompt_token_ids",
-                format!("has {} tokens; reservation {} was made for {}", r.prompt_token_ids.len(), r.reservation_id, pending.prompt_tokens),
+                format!(
+                    "has {} tokens; reservation {} was made for {}",
+                    r.prompt_token_ids.len(),
+                    r.reservation_id,
+                    pending.prompt_tokens
+                ),
             ))
         } else if params.max_new_tokens > pending.max_new_tokens {
             Some(status::invalid(
                 "sampling.max_tokens",
-                format!("{} exceeds the {} output tokens reserved", params.max_new_tokens, pending.max_new_tokens),
+                format!(
+                    "{} exceeds the {} output tokens reserved",
+                    params.max_new_tokens, pending.max_new_tokens
+                ),
             ))
         } else {
             None
@@ -124,15 +160,30 @@ impl Decode for DecodeService {
             events,
             in_flight: self.lifecycle.track(),
         };
-        tokio::spawn(await_kv_then_decode(self.engine.clone(), pending, claimed, start));
+        tokio::spawn(await_kv_then_decode(
+            self.engine.clone(),
+            pending,
+            claimed,
+            start,
+        ));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 }
 
 /// Waits for the reservation's KV; on success hands the request to the engine, otherwise
 /// reports why and gives the blocks back (`claimed` drops after the transfer resolved).
-async fn await_kv_then_decode(engine: EngineHandle<Command>, pending: Pending, claimed: Claimed, start: Start) {
-    let Pending { inbound, label, in_flight: reservation_unit, .. } = pending;
+async fn await_kv_then_decode(
+    engine: EngineHandle<Command>,
+    pending: Pending,
+    claimed: Claimed,
+    start: Start,
+) {
+    let Pending {
+        inbound,
+        label,
+        in_flight: reservation_unit,
+        ..
+    } = pending;
     let result = inbound.wait().await;
     drop(reservation_unit); // the stream's own unit (in `start`) covers the rest
     match result {

@@ -17,7 +17,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use tandem_cluster::{Discovery, EtcdConfig, EtcdDiscovery, LoadSignals, NatsConfig, NatsLoadSignals, Role};
+use tandem_cluster::{
+    Discovery, EtcdConfig, EtcdDiscovery, LoadSignals, NatsConfig, NatsLoadSignals, Role,
+};
 use tandem_kv_transfer::Fault;
 use tandem_node::status;
 use tandem_proto::v1 as pb;
@@ -31,7 +33,11 @@ macro_rules! scenarios {
 
 fn main() {
     let only = std::env::args().skip(1).find(|a| !a.starts_with('-'));
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
     let t0 = Instant::now();
     let cluster = Arc::new(rt.block_on(Cluster::start()));
     eprintln!("cluster up in {:.1} s", t0.elapsed().as_secs_f64());
@@ -61,7 +67,9 @@ fn main() {
             }
         }
     }
-    let cluster = Arc::try_unwrap(cluster).ok().expect("scenarios hold no cluster reference at the end");
+    let cluster = Arc::try_unwrap(cluster)
+        .ok()
+        .expect("scenarios hold no cluster reference at the end");
     rt.block_on(async {
         cluster.prefill.shutdown().await;
         cluster.decode.shutdown().await;
@@ -75,20 +83,47 @@ fn main() {
     eprintln!("all passed in {:.1} s", t0.elapsed().as_secs_f64());
 }
 
-const CHAT: &[&str] = &["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers and explain why they are prime."];
-const PLAIN: &[&str] = &["The quick brown fox", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", "In 1969, the first humans landed on"];
+const CHAT: &[&str] = &[
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers and explain why they are prime.",
+];
+const PLAIN: &[&str] = &[
+    "The quick brown fox",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "In 1969, the first humans landed on",
+];
 
 async fn greedy_and_seeded_output_equals_the_colocated_engine_token_for_token(c: Arc<Cluster>) {
     let mut cases: Vec<(String, Vec<u32>, pb::SamplingParams)> = Vec::new();
     for (i, p) in CHAT.iter().chain(PLAIN).enumerate() {
-        cases.push((format!("greedy-{i}"), c.tokenize(p, i < CHAT.len()), greedy(MAX_TOKENS)));
+        cases.push((
+            format!("greedy-{i}"),
+            c.tokenize(p, i < CHAT.len()),
+            greedy(MAX_TOKENS),
+        ));
     }
-    let sampled = |seed| pb::SamplingParams { temperature: 0.8, top_p: 0.95, seed, ..greedy(MAX_TOKENS) };
+    let sampled = |seed| pb::SamplingParams {
+        temperature: 0.8,
+        top_p: 0.95,
+        seed,
+        ..greedy(MAX_TOKENS)
+    };
     cases.push(("seeded".into(), c.tokenize(CHAT[0], true), sampled(Some(7))));
-    cases.push(("unseeded-sampled".into(), c.tokenize(PLAIN[2], false), sampled(None)));
-    let reqs = cases.iter().enumerate().map(|(i, (id, p, s))| reference_request(i as u64, id, p.clone(), s)).collect();
+    cases.push((
+        "unseeded-sampled".into(),
+        c.tokenize(PLAIN[2], false),
+        sampled(None),
+    ));
+    let reqs = cases
+        .iter()
+        .enumerate()
+        .map(|(i, (id, p, s))| reference_request(i as u64, id, p.clone(), s))
+        .collect();
     let cc = Arc::clone(&c);
-    let want = tokio::task::spawn_blocking(move || cc.colocated(reqs)).await.unwrap();
+    let want = tokio::task::spawn_blocking(move || cc.colocated(reqs))
+        .await
+        .unwrap();
     // All at once: the decode node batches them, the prefill node chunks them together.
     let router = c.router().await;
     let runs = cases.iter().map(|(id, p, s)| {
@@ -100,35 +135,69 @@ async fn greedy_and_seeded_output_equals_the_colocated_engine_token_for_token(c:
         got.push(r.await.unwrap().expect("generation succeeds"));
     }
     for ((id, prompt, _), (g, (tokens, text))) in cases.iter().zip(got.iter().zip(&want)) {
-        assert_eq!(&g.tokens, tokens, "{id}: disaggregated tokens differ from colocated");
+        assert_eq!(
+            &g.tokens, tokens,
+            "{id}: disaggregated tokens differ from colocated"
+        );
         assert_eq!(&g.text, text, "{id}: text differs");
         assert_eq!(g.finish.finish_reason(), pb::FinishReason::Length, "{id}");
         let u = g.finish.usage.unwrap();
-        assert_eq!((u.prompt_tokens as usize, u.completion_tokens), (prompt.len(), MAX_TOKENS), "{id}: usage");
-        assert_eq!(g.pushed.blocks as usize, prompt.len().div_ceil(16), "{id}: every prompt block pushed");
+        assert_eq!(
+            (u.prompt_tokens as usize, u.completion_tokens),
+            (prompt.len(), MAX_TOKENS),
+            "{id}: usage"
+        );
+        assert_eq!(
+            g.pushed.blocks as usize,
+            prompt.len().div_ceil(16),
+            "{id}: every prompt block pushed"
+        );
         assert!(g.pushed.bytes > 0, "{id}");
     }
     c.wait_quiescent("after the equality run").await;
 }
 
 async fn nodes_register_in_etcd_and_report_load_on_nats(c: Arc<Cluster>) {
-    let etcd = EtcdDiscovery::connect(EtcdConfig::new(vec![c.etcd.endpoint()], CLUSTER)).await.unwrap();
+    let etcd = EtcdDiscovery::connect(EtcdConfig::new(vec![c.etcd.endpoint()], CLUSTER))
+        .await
+        .unwrap();
     let decoders = etcd.list(Role::Decode).await.unwrap();
-    let d = decoders.get(c.decode.node_id()).expect("the decode node is registered");
+    let d = decoders
+        .get(c.decode.node_id())
+        .expect("the decode node is registered");
     assert_eq!(d.grpc_addr, format!("http://{}", c.decode.grpc_addr()));
     assert_eq!(d.kv_transfer_addrs, [c.decode.kv_address().to_string()]);
     assert_eq!(d.layout_fingerprint, c.decode.layout().fingerprint());
     assert_eq!(d.capacity_blocks, 256);
     assert!(!d.draining);
     let p = etcd.list(Role::Prefill).await.unwrap();
-    assert_eq!(p.get(c.prefill.node_id()).expect("the prefill node is registered").layout_fingerprint, c.prefill.layout().fingerprint());
-    let nats = NatsLoadSignals::connect(NatsConfig::new(c.nats.url(), CLUSTER)).await.unwrap();
-    for (role, id) in [(Role::Decode, c.decode.node_id()), (Role::Prefill, c.prefill.node_id())] {
+    assert_eq!(
+        p.get(c.prefill.node_id())
+            .expect("the prefill node is registered")
+            .layout_fingerprint,
+        c.prefill.layout().fingerprint()
+    );
+    let nats = NatsLoadSignals::connect(NatsConfig::new(c.nats.url(), CLUSTER))
+        .await
+        .unwrap();
+    for (role, id) in [
+        (Role::Decode, c.decode.node_id()),
+        (Role::Prefill, c.prefill.node_id()),
+    ] {
         let mut view = nats.subscribe(role).await.unwrap();
-        let seen = tokio::time::timeout(Duration::from_secs(5), view.wait_for(|v| v.get(id).is_some_and(|r| r.report.seq > 0))).await.is_ok();
+        let seen = tokio::time::timeout(
+            Duration::from_secs(5),
+            view.wait_for(|v| v.get(id).is_some_and(|r| r.report.seq > 0)),
+        )
+        .await
+        .is_ok();
         assert!(seen, "no load report from {id} within 5 s");
         let report = view.borrow().get(id).unwrap().report.clone();
-        assert_eq!((report.total_blocks, report.free_blocks), (256, 256), "{id}: an idle node reports every block free");
+        assert_eq!(
+            (report.total_blocks, report.free_blocks),
+            (256, 256),
+            "{id}: an idle node reports every block free"
+        );
         assert_eq!(report.role, role);
     }
 }
@@ -136,45 +205,81 @@ async fn nodes_register_in_etcd_and_report_load_on_nats(c: Arc<Cluster>) {
 async fn health_and_reflection_answer_on_both_nodes(c: Arc<Cluster>) {
     use tonic_health::pb::health_client::HealthClient;
     use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
-    use tonic_reflection::pb::v1::{ServerReflectionRequest, server_reflection_request, server_reflection_response};
-    for (addr, service) in [(c.prefill.grpc_addr(), "tandem.v1.Prefill"), (c.decode.grpc_addr(), "tandem.v1.Decode")] {
-        let ch = tonic::transport::Channel::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
+    use tonic_reflection::pb::v1::{
+        ServerReflectionRequest, server_reflection_request, server_reflection_response,
+    };
+    for (addr, service) in [
+        (c.prefill.grpc_addr(), "tandem.v1.Prefill"),
+        (c.decode.grpc_addr(), "tandem.v1.Decode"),
+    ] {
+        let ch = tonic::transport::Channel::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
         let health = HealthClient::new(ch.clone())
-            .check(tonic_health::pb::HealthCheckRequest { service: service.into() })
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: service.into(),
+            })
             .await
             .unwrap()
             .into_inner();
-        assert_eq!(health.status(), tonic_health::pb::health_check_response::ServingStatus::Serving, "{service}");
+        assert_eq!(
+            health.status(),
+            tonic_health::pb::health_check_response::ServingStatus::Serving,
+            "{service}"
+        );
         let req = ServerReflectionRequest {
             host: String::new(),
-            message_request: Some(server_reflection_request::MessageRequest::ListServices(String::new())),
+            message_request: Some(server_reflection_request::MessageRequest::ListServices(
+                String::new(),
+            )),
         };
-        let mut stream = ServerReflectionClient::new(ch).server_reflection_info(tokio_stream::once(req)).await.unwrap().into_inner();
-        let Some(server_reflection_response::MessageResponse::ListServicesResponse(list)) = stream.message().await.unwrap().unwrap().message_response
+        let mut stream = ServerReflectionClient::new(ch)
+            .server_reflection_info(tokio_stream::once(req))
+            .await
+            .unwrap()
+            .into_inner();
+        let Some(server_reflection_response::MessageResponse::ListServicesResponse(list)) =
+            stream.message().await.unwrap().unwrap().message_response
         else {
             panic!("reflection did not list services");
         };
         let names: Vec<_> = list.service.iter().map(|s| s.name.as_str()).collect();
-        assert!(names.contains(&service) && names.contains(&"grpc.health.v1.Health"), "{names:?}");
+        assert!(
+            names.contains(&service) && names.contains(&"grpc.health.v1.Health"),
+            "{names:?}"
+        );
     }
 }
 
 async fn cancelling_mid_stream_frees_every_block_on_both_nodes(c: Arc<Cluster>) {
     let router = c.router().await;
     let prompt = c.tokenize(CHAT[2], true);
-    let mut f = router.start("cancel-me", &prompt, greedy(1000)).await.unwrap();
+    let mut f = router
+        .start("cancel-me", &prompt, greedy(1000))
+        .await
+        .unwrap();
     let mut batches = 0;
     while batches < 3 {
         match f.stream.message().await.unwrap() {
-            Some(pb::DecodeResponse { event: Some(pb::decode_response::Event::Tokens(_)) }) => batches += 1,
+            Some(pb::DecodeResponse {
+                event: Some(pb::decode_response::Event::Tokens(_)),
+            }) => batches += 1,
             other => panic!("expected tokens, got {other:?}"),
         }
     }
-    assert!(c.decode.snapshot().borrow().running >= 1, "the request is running");
+    assert!(
+        c.decode.snapshot().borrow().running >= 1,
+        "the request is running"
+    );
     drop(f.stream); // the client goes away mid-stream
     c.wait_quiescent("after a mid-stream cancel").await;
     // And a cancel between the first token and the Decode call: the reservation is released.
-    let f = router.start("cancel-early", &prompt, greedy(8)).await.unwrap();
+    let f = router
+        .start("cancel-early", &prompt, greedy(8))
+        .await
+        .unwrap();
     drop(f.stream);
     let _ = f.prefill.await;
     c.wait_quiescent("after an early cancel").await;
@@ -183,20 +288,30 @@ async fn cancelling_mid_stream_frees_every_block_on_both_nodes(c: Arc<Cluster>) 
 async fn a_corrupted_transfer_is_data_loss_and_nothing_is_decoded(c: Arc<Cluster>) {
     let router = c.router().await;
     let prompt = c.tokenize(CHAT[1], true);
-    c.prefill.set_fault(Some(Fault::CorruptByte { offset: 1000 }));
+    c.prefill
+        .set_fault(Some(Fault::CorruptByte { offset: 1000 }));
     let started = router.start("corrupt", &prompt, greedy(16)).await;
     c.prefill.set_fault(None);
     let mut f = started.expect("reserve, prefill and the decode call are accepted");
     let first = f.stream.message().await;
     let err = first.expect_err("a corrupt transfer must not produce tokens");
     assert_eq!(err.code(), Code::DataLoss, "{err:?}");
-    assert!(status::is_retry_safe(&err), "re-prefilling is safe: {err:?}");
+    assert!(
+        status::is_retry_safe(&err),
+        "re-prefilling is safe: {err:?}"
+    );
     assert_eq!(status::error_kind(&err), Some("checksum_mismatch"));
     let pushed = f.prefill.await.unwrap();
-    assert!(pushed.is_err(), "the prefill node reports the failed push, not KvPushed: {pushed:?}");
+    assert!(
+        pushed.is_err(),
+        "the prefill node reports the failed push, not KvPushed: {pushed:?}"
+    );
     c.wait_quiescent("after a corrupt transfer").await;
     // The cluster keeps serving.
-    let g = router.generate("after-corrupt", &prompt, greedy(4)).await.unwrap();
+    let g = router
+        .generate("after-corrupt", &prompt, greedy(4))
+        .await
+        .unwrap();
     assert_eq!(g.tokens.len(), 4);
     c.wait_quiescent("after the follow-up request").await;
 }
@@ -205,39 +320,124 @@ async fn prefill_refuses_a_target_with_another_layout_fingerprint(c: Arc<Cluster
     let router = c.router().await;
     let prompt = c.tokenize(PLAIN[0], false);
     let mut decode = router.decode.clone();
-    let reserve = pb::ReserveRequest { request_id: "fp".into(), prompt_tokens: prompt.len() as u32, max_new_tokens: 4 };
-    let mut target = decode.reserve(reserve).await.unwrap().into_inner().target.unwrap();
+    let reserve = pb::ReserveRequest {
+        request_id: "fp".into(),
+        prompt_tokens: prompt.len() as u32,
+        max_new_tokens: 4,
+    };
+    let mut target = decode
+        .reserve(reserve)
+        .await
+        .unwrap()
+        .into_inner()
+        .target
+        .unwrap();
     let good = target.clone();
     target.layout_fingerprint ^= 1;
-    let req = pb::PrefillRequest { request_id: "fp".into(), prompt_token_ids: prompt, sampling: Some(greedy(4)), target: Some(target), priority: 0 };
-    let err = router.prefill.clone().prefill(req).await.expect_err("a foreign layout is refused");
+    let req = pb::PrefillRequest {
+        request_id: "fp".into(),
+        prompt_token_ids: prompt,
+        sampling: Some(greedy(4)),
+        target: Some(target),
+        priority: 0,
+    };
+    let err = router
+        .prefill
+        .clone()
+        .prefill(req)
+        .await
+        .expect_err("a foreign layout is refused");
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
     assert!(!status::is_retry_safe(&err));
-    let released = decode.release(pb::ReleaseRequest { reservation_id: good.reservation_id, epoch: good.epoch }).await.unwrap();
+    let released = decode
+        .release(pb::ReleaseRequest {
+            reservation_id: good.reservation_id,
+            epoch: good.epoch,
+        })
+        .await
+        .unwrap();
     assert!(released.into_inner().released);
     c.wait_quiescent("after a refused prefill").await;
 }
 
 async fn release_returns_a_reservation_once_and_bad_decode_calls_name_the_field(c: Arc<Cluster>) {
     let mut decode = c.router().await.decode;
-    let too_big = pb::ReserveRequest { request_id: "big".into(), prompt_tokens: 100, max_new_tokens: 256 * 16 };
-    let err = decode.reserve(too_big).await.expect_err("more blocks than the pool holds");
+    let too_big = pb::ReserveRequest {
+        request_id: "big".into(),
+        prompt_tokens: 100,
+        max_new_tokens: 256 * 16,
+    };
+    let err = decode
+        .reserve(too_big)
+        .await
+        .expect_err("more blocks than the pool holds");
     assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
-    let empty = pb::ReserveRequest { request_id: "empty".into(), prompt_tokens: 0, max_new_tokens: 4 };
-    let err = decode.reserve(empty).await.expect_err("an empty prompt is refused");
+    let empty = pb::ReserveRequest {
+        request_id: "empty".into(),
+        prompt_tokens: 0,
+        max_new_tokens: 4,
+    };
+    let err = decode
+        .reserve(empty)
+        .await
+        .expect_err("an empty prompt is refused");
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(err.message().contains("prompt_tokens"), "{err:?}");
-    let r = pb::ReserveRequest { request_id: "rel".into(), prompt_tokens: 20, max_new_tokens: 8 };
-    let t = decode.reserve(r).await.unwrap().into_inner().target.unwrap();
+    let r = pb::ReserveRequest {
+        request_id: "rel".into(),
+        prompt_tokens: 20,
+        max_new_tokens: 8,
+    };
+    let t = decode
+        .reserve(r)
+        .await
+        .unwrap()
+        .into_inner()
+        .target
+        .unwrap();
     assert_eq!(t.block_ids.len(), 2, "one block per 16 prompt tokens");
     assert!(c.decode.snapshot().borrow().reserved_or_held_blocks >= 2);
-    let wrong_len = pb::DecodeRequest { reservation_id: t.reservation_id, epoch: t.epoch ^ 1, prompt_token_ids: vec![1; 20], ..Default::default() };
-    let err = decode.decode(wrong_len).await.expect_err("a stale epoch is refused");
+    let wrong_len = pb::DecodeRequest {
+        reservation_id: t.reservation_id,
+        epoch: t.epoch ^ 1,
+        prompt_token_ids: vec![1; 20],
+        ..Default::default()
+    };
+    let err = decode
+        .decode(wrong_len)
+        .await
+        .expect_err("a stale epoch is refused");
     assert_eq!(err.code(), Code::FailedPrecondition);
-    let rel = |id, epoch| pb::ReleaseRequest { reservation_id: id, epoch };
-    assert!(decode.release(rel(t.reservation_id, t.epoch)).await.unwrap().into_inner().released);
-    assert!(!decode.release(rel(t.reservation_id, t.epoch)).await.unwrap().into_inner().released, "idempotent");
-    let gone = pb::DecodeRequest { reservation_id: t.reservation_id, epoch: t.epoch, prompt_token_ids: vec![1; 20], ..Default::default() };
-    assert_eq!(decode.decode(gone).await.expect_err("released").code(), Code::NotFound);
+    let rel = |id, epoch| pb::ReleaseRequest {
+        reservation_id: id,
+        epoch,
+    };
+    assert!(
+        decode
+            .release(rel(t.reservation_id, t.epoch))
+            .await
+            .unwrap()
+            .into_inner()
+            .released
+    );
+    assert!(
+        !decode
+            .release(rel(t.reservation_id, t.epoch))
+            .await
+            .unwrap()
+            .into_inner()
+            .released,
+        "idempotent"
+    );
+    let gone = pb::DecodeRequest {
+        reservation_id: t.reservation_id,
+        epoch: t.epoch,
+        prompt_token_ids: vec![1; 20],
+        ..Default::default()
+    };
+    assert_eq!(
+        decode.decode(gone).await.expect_err("released").code(),
+        Code::NotFound
+    );
     c.wait_quiescent("after release").await;
 }

@@ -111,7 +111,11 @@ impl NodeArgs {
     /// Checks what clap cannot: non-zero periods, an advertisable host, the engine settings.
     /// Errors name the flag. See also [`validate_control_plane`](Self::validate_control_plane).
     pub fn validate(&self) -> Result<(), NodeError> {
-        let invalid = |flag: &'static str, value: String, reason: &str| NodeError::InvalidConfig { flag, value, reason: reason.to_string() };
+        let invalid = |flag: &'static str, value: String, reason: &str| NodeError::InvalidConfig {
+            flag,
+            value,
+            reason: reason.to_string(),
+        };
         if self.cluster.cluster.is_empty() {
             return Err(invalid("--cluster", String::new(), "must not be empty"));
         }
@@ -119,10 +123,18 @@ impl NodeArgs {
             return Err(invalid("--node-id", String::new(), "must not be empty"));
         }
         if self.cluster.lease_ttl_secs == 0 {
-            return Err(invalid("--lease-ttl-secs", "0".into(), "must be at least 1"));
+            return Err(invalid(
+                "--lease-ttl-secs",
+                "0".into(),
+                "must be at least 1",
+            ));
         }
         if self.cluster.load_report_ms == 0 {
-            return Err(invalid("--load-report-ms", "0".into(), "must be at least 1"));
+            return Err(invalid(
+                "--load-report-ms",
+                "0".into(),
+                "must be at least 1",
+            ));
         }
         self.listen.validate()?;
         self.engine.engine_config().map_err(NodeError::Engine)?;
@@ -132,18 +144,32 @@ impl NodeArgs {
     /// Checks that etcd and NATS are configured (required unless the caller provides the
     /// control plane in-process). Errors name the flag and its environment variable.
     pub fn validate_control_plane(&self) -> Result<(), NodeError> {
-        if self.cluster.etcd_endpoints.iter().all(|e| e.trim().is_empty()) {
+        if self
+            .cluster
+            .etcd_endpoints
+            .iter()
+            .all(|e| e.trim().is_empty())
+        {
             return Err(NodeError::InvalidConfig {
                 flag: "--etcd-endpoints",
                 value: String::new(),
-                reason: format!("is required (or set {TANDEM_ETCD_ENDPOINTS}): nodes register in etcd"),
+                reason: format!(
+                    "is required (or set {TANDEM_ETCD_ENDPOINTS}): nodes register in etcd"
+                ),
             });
         }
-        if self.cluster.nats_url.as_deref().is_none_or(|u| u.trim().is_empty()) {
+        if self
+            .cluster
+            .nats_url
+            .as_deref()
+            .is_none_or(|u| u.trim().is_empty())
+        {
             return Err(NodeError::InvalidConfig {
                 flag: "--nats-url",
                 value: String::new(),
-                reason: format!("is required (or set {TANDEM_NATS_URL}): nodes publish load reports on NATS"),
+                reason: format!(
+                    "is required (or set {TANDEM_NATS_URL}): nodes publish load reports on NATS"
+                ),
             });
         }
         Ok(())
@@ -168,7 +194,9 @@ impl ListenArgs {
                 return Err(NodeError::InvalidConfig {
                     flag,
                     value: addr.to_string(),
-                    reason: "binds every interface, so peers need --advertise-host to reach this node".into(),
+                    reason:
+                        "binds every interface, so peers need --advertise-host to reach this node"
+                            .into(),
                 });
             }
         }
@@ -202,7 +230,9 @@ mod tests {
     }
 
     fn parse(args: &[&str]) -> NodeArgs {
-        Cli::try_parse_from(std::iter::once("node").chain(args.iter().copied())).unwrap().node
+        Cli::try_parse_from(std::iter::once("node").chain(args.iter().copied()))
+            .unwrap()
+            .node
     }
 
     #[test]
@@ -210,25 +240,60 @@ mod tests {
         let a = parse(&["--nats-url", "nats://x:1"]);
         a.validate().unwrap();
         match a.validate_control_plane() {
-            Err(NodeError::InvalidConfig { flag: "--etcd-endpoints", .. }) => {}
+            Err(NodeError::InvalidConfig {
+                flag: "--etcd-endpoints",
+                ..
+            }) => {}
             other => panic!("expected --etcd-endpoints error, got {other:?}"),
         }
         let a = parse(&["--etcd-endpoints", "http://a:1,http://b:2"]);
         assert_eq!(a.cluster.etcd_endpoints, ["http://a:1", "http://b:2"]);
         match a.validate_control_plane() {
-            Err(NodeError::InvalidConfig { flag: "--nats-url", .. }) => {}
+            Err(NodeError::InvalidConfig {
+                flag: "--nats-url", ..
+            }) => {}
             other => panic!("expected --nats-url error, got {other:?}"),
         }
-        parse(&["--etcd-endpoints", "http://a:1", "--nats-url", "nats://b:2"]).validate_control_plane().unwrap();
+        parse(&["--etcd-endpoints", "http://a:1", "--nats-url", "nats://b:2"])
+            .validate_control_plane()
+            .unwrap();
     }
 
     #[test]
     fn binding_every_interface_needs_an_advertised_host() {
-        let a = parse(&["--etcd-endpoints", "e", "--nats-url", "n", "--grpc-addr", "0.0.0.0:5000"]);
-        assert!(matches!(a.validate(), Err(NodeError::InvalidConfig { flag: "--grpc-addr", .. })));
-        let a = parse(&["--etcd-endpoints", "e", "--nats-url", "n", "--grpc-addr", "0.0.0.0:5000", "--advertise-host", "10.0.0.7"]);
+        let a = parse(&[
+            "--etcd-endpoints",
+            "e",
+            "--nats-url",
+            "n",
+            "--grpc-addr",
+            "0.0.0.0:5000",
+        ]);
+        assert!(matches!(
+            a.validate(),
+            Err(NodeError::InvalidConfig {
+                flag: "--grpc-addr",
+                ..
+            })
+        ));
+        let a = parse(&[
+            "--etcd-endpoints",
+            "e",
+            "--nats-url",
+            "n",
+            "--grpc-addr",
+            "0.0.0.0:5000",
+            "--advertise-host",
+            "10.0.0.7",
+        ]);
         a.validate().unwrap();
-        assert_eq!(a.listen.advertised("0.0.0.0:5000".parse().unwrap()), "10.0.0.7:5000");
-        assert_eq!(a.listen.advertised("127.0.0.1:9".parse().unwrap()), "10.0.0.7:9");
+        assert_eq!(
+            a.listen.advertised("0.0.0.0:5000".parse().unwrap()),
+            "10.0.0.7:5000"
+        );
+        assert_eq!(
+            a.listen.advertised("127.0.0.1:9".parse().unwrap()),
+            "10.0.0.7:9"
+        );
     }
 }

@@ -20,13 +20,17 @@ use crate::env_names::TANDEM_CONFIG;
 /// Parses `argv` (program name first) into `T`, layering the `--config` file (or
 /// `$TANDEM_CONFIG`) under env vars and flags. Errors (including `--help`) are clap errors:
 /// call `.exit()` on them in a binary.
-pub fn parse_layered<T: CommandFactory + FromArgMatches>(argv: Vec<OsString>) -> Result<T, clap::Error> {
+pub fn parse_layered<T: CommandFactory + FromArgMatches>(
+    argv: Vec<OsString>,
+) -> Result<T, clap::Error> {
     let mut cmd = T::command().args_override_self(true);
-    let path = config_path(&argv).or_else(|| std::env::var_os(TANDEM_CONFIG).filter(|p| !p.is_empty()));
+    let path =
+        config_path(&argv).or_else(|| std::env::var_os(TANDEM_CONFIG).filter(|p| !p.is_empty()));
     let argv = match path {
         None => argv,
         Some(path) => {
-            let file_args = file_flags(&cmd, Path::new(&path)).map_err(|msg| cmd.error(ErrorKind::InvalidValue, msg))?;
+            let file_args = file_flags(&cmd, Path::new(&path))
+                .map_err(|msg| cmd.error(ErrorKind::InvalidValue, msg))?;
             let mut out = Vec::with_capacity(argv.len() + file_args.len());
             let mut it = argv.into_iter();
             out.extend(it.next());
@@ -55,8 +59,10 @@ fn config_path(argv: &[OsString]) -> Option<OsString> {
 
 /// The flags a config file stands for, in file order; a message naming the problem otherwise.
 fn file_flags(cmd: &clap::Command, path: &Path) -> Result<Vec<OsString>, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read config file {}: {e}", path.display()))?;
-    let table: toml::Table = toml::from_str(&text).map_err(|e| format!("config file {}: {e}", path.display()))?;
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read config file {}: {e}", path.display()))?;
+    let table: toml::Table =
+        toml::from_str(&text).map_err(|e| format!("config file {}: {e}", path.display()))?;
     let mut pairs = Vec::new();
     flatten(&table, &mut pairs);
     let mut out = Vec::new();
@@ -65,8 +71,16 @@ fn file_flags(cmd: &clap::Command, path: &Path) -> Result<Vec<OsString>, String>
         let arg = cmd
             .get_arguments()
             .find(|a| a.get_long() == Some(long.as_str()) && long != "config")
-            .ok_or_else(|| format!("config file {}: unknown key `{key}` (no flag --{long})", path.display()))?;
-        if arg.get_env().is_some_and(|env| std::env::var_os(env).is_some()) {
+            .ok_or_else(|| {
+                format!(
+                    "config file {}: unknown key `{key}` (no flag --{long})",
+                    path.display()
+                )
+            })?;
+        if arg
+            .get_env()
+            .is_some_and(|env| std::env::var_os(env).is_some())
+        {
             continue; // the environment outranks the file
         }
         let flag = format!("--{long}");
@@ -77,7 +91,7 @@ fn file_flags(cmd: &clap::Command, path: &Path) -> Result<Vec<OsString>, String>
                 }
             }
             toml::Value::Table(_) => unreachable!("tables are flattened"),
-            v => out.push(format!("{flag}={}", scalar(v, &key, path)?).into()),
+            v => out.push(format!("{flag}={}", scalar(v, key, path)?).into()),
         }
     }
     Ok(out)
@@ -103,7 +117,12 @@ fn scalar(v: &toml::Value, key: &str, path: &Path) -> Result<String, String> {
             let parts: Result<Vec<_>, _> = items.iter().map(|i| scalar(i, key, path)).collect();
             parts?.join(",")
         }
-        toml::Value::Table(_) => return Err(format!("config file {}: `{key}` cannot be a table here", path.display())),
+        toml::Value::Table(_) => {
+            return Err(format!(
+                "config file {}: `{key}` cannot be a table here",
+                path.display()
+            ));
+        }
     })
 }
 
@@ -120,13 +139,19 @@ mod tests {
     }
 
     fn write(name: &str, text: &str) -> std::path::PathBuf {
-        let p = std::env::temp_dir().join(format!("tandem-node-cfg-{}-{name}.toml", std::process::id()));
+        let p = std::env::temp_dir().join(format!(
+            "tandem-node-cfg-{}-{name}.toml",
+            std::process::id()
+        ));
         std::fs::write(&p, text).unwrap();
         p
     }
 
     fn argv(args: &[&str]) -> Vec<OsString> {
-        std::iter::once("node").chain(args.iter().copied()).map(OsString::from).collect()
+        std::iter::once("node")
+            .chain(args.iter().copied())
+            .map(OsString::from)
+            .collect()
     }
 
     #[test]
@@ -136,7 +161,13 @@ mod tests {
             "cluster = \"from-file\"\nkv_transport = \"tcp\"\n[engine]\nkv-blocks = 64\nno_prefix_caching = true\n\
              [cluster_section]\netcd_endpoints = [\"http://a:1\", \"http://b:2\"]\n",
         );
-        let cli: Cli = parse_layered(argv(&["--config", p.to_str().unwrap(), "--cluster", "from-flag"])).unwrap();
+        let cli: Cli = parse_layered(argv(&[
+            "--config",
+            p.to_str().unwrap(),
+            "--cluster",
+            "from-flag",
+        ]))
+        .unwrap();
         let a = cli.node;
         assert_eq!(a.cluster.cluster, "from-flag", "a flag beats the file");
         assert_eq!(a.listen.kv_transport, crate::config::TransportChoice::Tcp);

@@ -11,9 +11,16 @@ use tandem_engine::{FinishReason, Priority, SamplingParams, Usage};
 use tandem_proto::v1;
 
 /// The engine's sampling parameters for a request. `max_tokens == 0` takes `default_max_tokens`.
-pub fn sampling_params(p: Option<&v1::SamplingParams>, request_id: &str, default_max_tokens: usize) -> SamplingParams {
+pub fn sampling_params(
+    p: Option<&v1::SamplingParams>,
+    request_id: &str,
+    default_max_tokens: usize,
+) -> SamplingParams {
     let Some(p) = p else {
-        return SamplingParams { max_new_tokens: default_max_tokens, ..SamplingParams::default() };
+        return SamplingParams {
+            max_new_tokens: default_max_tokens,
+            ..SamplingParams::default()
+        };
     };
     let seed = match p.seed {
         Some(s) => Some(s),
@@ -25,7 +32,11 @@ pub fn sampling_params(p: Option<&v1::SamplingParams>, request_id: &str, default
         top_k: p.top_k as usize,
         top_p: if p.top_p == 0.0 { 1.0 } else { p.top_p },
         seed,
-        max_new_tokens: if p.max_tokens == 0 { default_max_tokens } else { p.max_tokens as usize },
+        max_new_tokens: if p.max_tokens == 0 {
+            default_max_tokens
+        } else {
+            p.max_tokens as usize
+        },
         stop: p.stop.clone(),
         ignore_eos: p.ignore_eos,
     }
@@ -68,7 +79,11 @@ mod tests {
 
     #[test]
     fn unseeded_sampling_gets_the_same_seed_on_every_node_and_greedy_stays_unseeded() {
-        let sampled = v1::SamplingParams { temperature: 0.7, max_tokens: 5, ..Default::default() };
+        let sampled = v1::SamplingParams {
+            temperature: 0.7,
+            max_tokens: 5,
+            ..Default::default()
+        };
         let a = sampling_params(Some(&sampled), "req-1", 16);
         let b = sampling_params(Some(&sampled), "req-1", 16);
         assert_eq!(a.seed, b.seed);
@@ -78,16 +93,29 @@ mod tests {
         assert_eq!(greedy.seed, None);
         assert_eq!(greedy.max_new_tokens, 16, "0 takes the default");
         assert_eq!(greedy.top_p, 1.0, "0 means off");
-        let seeded = v1::SamplingParams { temperature: 0.7, seed: Some(3), ..Default::default() };
+        let seeded = v1::SamplingParams {
+            temperature: 0.7,
+            seed: Some(3),
+            ..Default::default()
+        };
         assert_eq!(sampling_params(Some(&seeded), "x", 1).seed, Some(3));
     }
 
     #[test]
     fn finish_reasons_and_priorities_map_to_their_proto_names() {
         assert_eq!(finish_reason(FinishReason::Eos), v1::FinishReason::Stop);
-        assert_eq!(finish_reason(FinishReason::StopString), v1::FinishReason::Stop);
-        assert_eq!(finish_reason(FinishReason::Length), v1::FinishReason::Length);
-        assert_eq!(finish_reason(FinishReason::Aborted), v1::FinishReason::Cancelled);
+        assert_eq!(
+            finish_reason(FinishReason::StopString),
+            v1::FinishReason::Stop
+        );
+        assert_eq!(
+            finish_reason(FinishReason::Length),
+            v1::FinishReason::Length
+        );
+        assert_eq!(
+            finish_reason(FinishReason::Aborted),
+            v1::FinishReason::Cancelled
+        );
         assert_eq!(priority(v1::Priority::Batch as i32), Priority::Batch);
         assert_eq!(priority(99), Priority::Interactive);
     }

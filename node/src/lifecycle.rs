@@ -62,7 +62,9 @@ impl Lifecycle {
     /// Admits new work, or refuses it with UNAVAILABLE while draining.
     pub fn admit(&self) -> Result<InFlightGuard, tonic::Status> {
         if self.is_draining() {
-            return Err(status::unavailable("node is draining; retry on another node"));
+            return Err(status::unavailable(
+                "node is draining; retry on another node",
+            ));
         }
         Ok(self.track())
     }
@@ -71,7 +73,9 @@ impl Lifecycle {
     /// Decode call for a reservation made earlier).
     pub fn track(&self) -> InFlightGuard {
         self.inner.in_flight.fetch_add(1, Ordering::AcqRel);
-        InFlightGuard { inner: Arc::clone(&self.inner) }
+        InFlightGuard {
+            inner: Arc::clone(&self.inner),
+        }
     }
 
     /// True once [`start_draining`](Self::start_draining) was called.
@@ -131,7 +135,10 @@ impl<C: Send + 'static> ShutdownPlan<C> {
         }
         tracing::info!(in_flight = self.lifecycle.in_flight(), timeout = ?self.drain_timeout, "draining: no new work, finishing in-flight requests");
         if !self.lifecycle.drained(self.drain_timeout).await {
-            tracing::warn!(in_flight = self.lifecycle.in_flight(), "drain timeout reached; ending the remaining requests");
+            tracing::warn!(
+                in_flight = self.lifecycle.in_flight(),
+                "drain timeout reached; ending the remaining requests"
+            );
         }
         self.engine.shutdown().await;
         if let Err(e) = self.server.stop(GRPC_STOP_GRACE).await {
@@ -147,8 +154,13 @@ impl<C: Send + 'static> ShutdownPlan<C> {
 
 /// Binds `addr` for `what` (a listener is bound before anything is registered, so port 0
 /// works and the registered address is the real one).
-pub async fn bind(what: &'static str, addr: std::net::SocketAddr) -> Result<TcpListener, NodeError> {
-    TcpListener::bind(addr).await.map_err(|source| NodeError::Bind { what, addr, source })
+pub async fn bind(
+    what: &'static str,
+    addr: std::net::SocketAddr,
+) -> Result<TcpListener, NodeError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| NodeError::Bind { what, addr, source })
 }
 
 /// Resolves on SIGTERM or Ctrl-C (SIGINT), saying which.
@@ -178,12 +190,18 @@ pub async fn shutdown_signal() {
 /// call twice (the second call changes nothing).
 pub fn init_logging(filter: &str) {
     let filter = tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|_| "info".into());
-    let _ = tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter(filter).try_init();
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(filter)
+        .try_init();
 }
 
 /// 64 bits that differ between processes and starts (node id suffixes, reservation epochs).
 pub fn boot_nonce() -> u64 {
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
     let local = 0u8;
     let seed = format!("{nanos}-{}-{:p}", std::process::id(), &local);
     xxhash_rust::xxh3::xxh3_64(seed.as_bytes())
@@ -207,7 +225,10 @@ mod tests {
         assert_eq!(refused.code(), tonic::Code::Unavailable);
         let b = life.track();
         assert_eq!(life.in_flight(), 2);
-        assert!(!life.drained(Duration::from_millis(20)).await, "two units still in flight");
+        assert!(
+            !life.drained(Duration::from_millis(20)).await,
+            "two units still in flight"
+        );
         drop(a);
         let waiter = {
             let life = life.clone();
@@ -215,13 +236,19 @@ mod tests {
         };
         tokio::task::yield_now().await;
         drop(b);
-        assert!(waiter.await.unwrap(), "the drain ends when the last guard drops");
+        assert!(
+            waiter.await.unwrap(),
+            "the drain ends when the last guard drops"
+        );
     }
 
     #[test]
     fn default_node_ids_carry_the_role_and_differ() {
         let a = default_node_id("decode");
-        assert!(a.starts_with("decode-") && a.len() == "decode-".len() + 8, "{a}");
+        assert!(
+            a.starts_with("decode-") && a.len() == "decode-".len() + 8,
+            "{a}"
+        );
         std::thread::sleep(Duration::from_millis(1));
         assert_ne!(a, default_node_id("decode"));
     }

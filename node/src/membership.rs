@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tandem_cluster::{
-    ClusterError, Discovery, EtcdConfig, EtcdDiscovery, LoadPublisher, LoadReport, LoadSignals, NatsConfig, NatsLoadSignals,
-    NodeInfo, Registration,
+    ClusterError, Discovery, EtcdConfig, EtcdDiscovery, LoadPublisher, LoadReport, LoadSignals,
+    NatsConfig, NatsLoadSignals, NodeInfo, Registration,
 };
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -55,31 +55,58 @@ pub async fn join(
         Coordination::Provided { discovery, signals } => (discovery, signals),
         Coordination::FromArgs => {
             let c = &args.cluster;
-            let etcd = EtcdConfig::new(c.etcd_endpoints.clone(), &c.cluster).with_lease_ttl(args.lease_ttl());
-            let discovery = EtcdDiscovery::connect(etcd)
-                .await
-                .map_err(|source| NodeError::Cluster { step: "connect to etcd (--etcd-endpoints)", source })?;
+            let etcd = EtcdConfig::new(c.etcd_endpoints.clone(), &c.cluster)
+                .with_lease_ttl(args.lease_ttl());
+            let discovery =
+                EtcdDiscovery::connect(etcd)
+                    .await
+                    .map_err(|source| NodeError::Cluster {
+                        step: "connect to etcd (--etcd-endpoints)",
+                        source,
+                    })?;
             let url = c.nats_url.clone().unwrap_or_default();
             let nats = NatsLoadSignals::connect(NatsConfig::new(&url, &c.cluster))
                 .await
-                .map_err(|source| NodeError::Cluster { step: "connect to NATS (--nats-url)", source })?;
-            if !nats.status().borrow().connected {
+                .map_err(|source| NodeError::Cluster {
+                    step: "connect to NATS (--nats-url)",
+                    source,
+                })?;
+            // The first connection is made in the background; give it a moment before warning.
+            let mut status = nats.status();
+            let connected =
+                tokio::time::timeout(Duration::from_secs(1), status.wait_for(|s| s.connected))
+                    .await
+                    .is_ok();
+            if !connected {
                 tracing::warn!(nats_url = %url, "NATS is not reachable yet; load reports start when it is");
             }
             (Arc::new(discovery), Arc::new(nats))
         }
     };
     let (node_id, role, total) = (info.node_id.clone(), info.role, info.capacity_blocks);
-    let registration = register(&*discovery, info, Duration::from_secs(args.cluster.startup_timeout_secs)).await?;
+    let registration = register(
+        &*discovery,
+        info,
+        Duration::from_secs(args.cluster.startup_timeout_secs),
+    )
+    .await?;
     let (load_tx, load_rx) = watch::channel(LoadReport::idle(node_id, role, total));
     let forwarder = tokio::spawn(forward(snapshots, load_tx));
     let publisher = LoadPublisher::spawn(signals, load_rx, args.load_report_period(), cancel);
-    Ok(Membership { registration, publisher, forwarder })
+    Ok(Membership {
+        registration,
+        publisher,
+        forwarder,
+    })
 }
 
 /// Registers, retrying retryable failures (etcd unreachable, a dead predecessor's record not yet
 /// expired) until `timeout`; a layout refusal ends it at once with a clear error log.
-pub async fn register(discovery: &dyn Discovery, info: NodeInfo, timeout: Duration) -> Result<Registration, NodeError> {
+pub async fn register(
+    discovery: &dyn Discovery,
+    info: NodeInfo,
+    timeout: Duration,
+) -> Result<Registration, NodeError> {
     let deadline = Instant::now() + timeout;
     let mut delay = Duration::from_millis(100);
     let mut warned = false;
@@ -105,7 +132,12 @@ pub async fn register(discovery: &dyn Discovery, info: NodeInfo, timeout: Durati
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(Duration::from_secs(2));
             }
-            Err(source) => return Err(NodeError::Cluster { step: "register in etcd (check --etcd-endpoints)", source }),
+            Err(source) => {
+                return Err(NodeError::Cluster {
+                    step: "register in etcd (check --etcd-endpoints)",
+                    source,
+                });
+            }
         }
     }
 }

@@ -20,8 +20,10 @@ use crate::transport::TransferBacking;
 pub fn resolve_source(args: &EngineArgs) -> Result<ModelSource, NodeError> {
     Ok(match args.source(fetch::default_model_path) {
         ModelSource::Path(p) if args.model.is_none() => {
-            let path = fetch::ensure_default_model()
-                .map_err(|e| NodeError::ModelFetch { path: p.clone(), reason: format!("{e:#}") })?;
+            let path = fetch::ensure_default_model().map_err(|e| NodeError::ModelFetch {
+                path: p.clone(),
+                reason: format!("{e:#}"),
+            })?;
             ModelSource::Path(path.canonicalize().unwrap_or(path))
         }
         s => s,
@@ -30,7 +32,10 @@ pub fn resolve_source(args: &EngineArgs) -> Result<ModelSource, NodeError> {
 
 /// Loads the model and builds an engine whose KV pool lives in memory `transport` allocated;
 /// returns the engine and the pool's registration (to push from or receive into).
-pub fn build_engine(args: &EngineArgs, transport: &dyn KvTransport) -> Result<(Engine, PoolRegistration), NodeError> {
+pub fn build_engine(
+    args: &EngineArgs,
+    transport: &dyn KvTransport,
+) -> Result<(Engine, PoolRegistration), NodeError> {
     let source = resolve_source(args)?;
     let cfg = args.engine_config().map_err(NodeError::Engine)?;
     let t0 = Instant::now();
@@ -38,11 +43,21 @@ pub fn build_engine(args: &EngineArgs, transport: &dyn KvTransport) -> Result<(E
     let model = Model::new(loaded.weights);
     let (layout, num_blocks) = Engine::pool_shape(&model, &cfg).map_err(NodeError::Engine)?;
     let transport_name = transport.capabilities().name;
-    let registration = transport
-        .allocate(layout, num_blocks)
-        .map_err(|source| NodeError::Transport { transport: transport_name, source })?;
-    let pool = KvPool::external(layout, num_blocks, Arc::new(TransferBacking(registration.clone()))).map_err(NodeError::Engine)?;
-    let engine = Engine::with_pool(model, loaded.tokenizer, cfg, pool).map_err(NodeError::Engine)?;
+    let registration =
+        transport
+            .allocate(layout, num_blocks)
+            .map_err(|source| NodeError::Transport {
+                transport: transport_name,
+                source,
+            })?;
+    let pool = KvPool::external(
+        layout,
+        num_blocks,
+        Arc::new(TransferBacking(registration.clone())),
+    )
+    .map_err(NodeError::Engine)?;
+    let engine =
+        Engine::with_pool(model, loaded.tokenizer, cfg, pool).map_err(NodeError::Engine)?;
     tracing::info!(
         model = ?source,
         dtype = args.dtype.as_str(),

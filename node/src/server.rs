@@ -29,9 +29,15 @@ pub struct GrpcServer {
 /// Serves `routes` (the role's service) plus health and reflection on `listener`.
 /// `service_name` is the role service's full name (e.g. `tandem.v1.Prefill`). Must be called
 /// inside a tokio runtime.
-pub async fn spawn(listener: TcpListener, routes: Routes, service_name: &'static str) -> Result<GrpcServer, NodeError> {
+pub async fn spawn(
+    listener: TcpListener,
+    routes: Routes,
+    service_name: &'static str,
+) -> Result<GrpcServer, NodeError> {
     let (health, health_service) = tonic_health::server::health_reporter();
-    health.set_service_status(service_name, ServingStatus::Serving).await;
+    health
+        .set_service_status(service_name, ServingStatus::Serving)
+        .await;
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(tandem_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -39,7 +45,11 @@ pub async fn spawn(listener: TcpListener, routes: Routes, service_name: &'static
         .with_service_name("grpc.health.v1.Health")
         .with_service_name("grpc.reflection.v1.ServerReflection")
         .build_v1()
-        .map_err(|e| NodeError::InvalidConfig { flag: "reflection", value: service_name.into(), reason: e.to_string() })?;
+        .map_err(|e| NodeError::InvalidConfig {
+            flag: "reflection",
+            value: service_name.into(),
+            reason: e.to_string(),
+        })?;
     let routes = routes.add_service(health_service).add_service(reflection);
     let stop = CancellationToken::new();
     let signal = stop.clone();
@@ -49,14 +59,23 @@ pub async fn spawn(listener: TcpListener, routes: Routes, service_name: &'static
             .serve_with_incoming_shutdown(TcpIncoming::from(listener), signal.cancelled_owned())
             .await
     });
-    Ok(GrpcServer { service_name, health, stop, task })
+    Ok(GrpcServer {
+        service_name,
+        health,
+        stop,
+        task,
+    })
 }
 
 impl GrpcServer {
     /// Marks the node NOT_SERVING (draining): health checkers stop routing new work here.
     pub async fn set_not_serving(&self) {
-        self.health.set_service_status(self.service_name, ServingStatus::NotServing).await;
-        self.health.set_service_status("", ServingStatus::NotServing).await;
+        self.health
+            .set_service_status(self.service_name, ServingStatus::NotServing)
+            .await;
+        self.health
+            .set_service_status("", ServingStatus::NotServing)
+            .await;
     }
 
     /// Stops accepting, lets open calls end for up to `grace`, then drops the rest.
@@ -67,7 +86,10 @@ impl GrpcServer {
             Ok(Ok(r)) => r.map_err(NodeError::Grpc),
             Ok(Err(_join)) => Ok(()),
             Err(_) => {
-                tracing::warn!(?grace, "gRPC connections still open after the grace period; closing them");
+                tracing::warn!(
+                    ?grace,
+                    "gRPC connections still open after the grace period; closing them"
+                );
                 task.abort();
                 Ok(())
             }

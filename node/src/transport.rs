@@ -16,7 +16,9 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use tandem_engine::kv::KvBacking;
-use tandem_kv_transfer::{NetTransport, PoolRegistration, TransferConfig, TransportKind, UcxConfig};
+use tandem_kv_transfer::{
+    NetTransport, PoolRegistration, TransferConfig, TransportKind, UcxConfig,
+};
 
 use crate::config::TransportChoice;
 use crate::error::NodeError;
@@ -27,7 +29,10 @@ pub fn start(choice: TransportChoice) -> Result<(Arc<NetTransport>, TransportKin
     let make = |kind: TransportKind| {
         NetTransport::new(kind, TransferConfig::default(), UcxConfig::default())
             .map(Arc::new)
-            .map_err(|source| NodeError::Transport { transport: kind.as_str(), source })
+            .map_err(|source| NodeError::Transport {
+                transport: kind.as_str(),
+                source,
+            })
     };
     match choice {
         TransportChoice::Ucx => Ok((make(TransportKind::Ucx)?, TransportKind::Ucx)),
@@ -76,7 +81,10 @@ impl FromStr for KvAddress {
         if host.is_empty() || port.parse::<u16>().is_err() {
             return Err(bad());
         }
-        Ok(KvAddress { kind, host_port: rest.to_string() })
+        Ok(KvAddress {
+            kind,
+            host_port: rest.to_string(),
+        })
     }
 }
 
@@ -112,7 +120,13 @@ mod tests {
         assert_eq!(a.to_string(), "ucx://127.0.0.1:4000");
         let v6: KvAddress = "tcp://[::1]:9".parse().unwrap();
         assert_eq!(v6.host_port, "[::1]:9");
-        for bad in ["127.0.0.1:4000", "http://a:1", "tcp://a", "tcp://:1", "tcp://a:99999"] {
+        for bad in [
+            "127.0.0.1:4000",
+            "http://a:1",
+            "tcp://a",
+            "tcp://:1",
+            "tcp://a:99999",
+        ] {
             assert!(bad.parse::<KvAddress>().is_err(), "{bad}");
         }
     }
@@ -120,7 +134,8 @@ mod tests {
     #[test]
     fn a_transport_backing_exposes_the_whole_pool() {
         let (t, _) = start(TransportChoice::Tcp).unwrap();
-        let layout = tandem_engine::KvLayout::new(2, 1, 8, 4, tandem_engine::KvDtype::F32, 1).unwrap();
+        let layout =
+            tandem_engine::KvLayout::new(2, 1, 8, 4, tandem_engine::KvDtype::F32, 1).unwrap();
         let reg = tandem_kv_transfer::KvTransport::allocate(&*t, layout, 3).unwrap();
         let b = TransferBacking(reg.clone());
         assert_eq!(b.len(), layout.pool_bytes(3));

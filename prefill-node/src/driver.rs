@@ -24,7 +24,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tandem_engine::{Engine, EngineError, LayerDone, Request};
-use tandem_kv_transfer::{KvTransport, NetTransport, OutboundTransfer, PoolRegistration, PushRequest, TransferError, TransportKind};
+use tandem_kv_transfer::{
+    KvTransport, NetTransport, OutboundTransfer, PoolRegistration, PushRequest, TransferError,
+    TransportKind,
+};
 use tandem_node::engine_thread::{Driver, EngineHandle};
 use tandem_node::{InFlightGuard, KvAddress, status};
 use tandem_proto::v1::{FirstToken, KvPushed, PrefillResponse, prefill_response::Event};
@@ -133,8 +136,21 @@ pub struct PrefillDriver {
 
 impl PrefillDriver {
     /// A driver pushing through `senders`; `engine` is its own thread's handle.
-    pub fn new(runtime: Handle, engine: EngineHandle<Command>, senders: Senders, settings: PushSettings, block_size: usize) -> Self {
-        PrefillDriver { runtime, engine, senders, settings, block_size, live: HashMap::new() }
+    pub fn new(
+        runtime: Handle,
+        engine: EngineHandle<Command>,
+        senders: Senders,
+        settings: PushSettings,
+        block_size: usize,
+    ) -> Self {
+        PrefillDriver {
+            runtime,
+            engine,
+            senders,
+            settings,
+            block_size,
+            live: HashMap::new(),
+        }
     }
 
     fn fail_all(&mut self, engine: &mut Engine, status: impl Fn() -> Status) {
@@ -157,13 +173,22 @@ fn start_push(
     streamed: bool,
 ) -> Result<OutboundTransfer, TransferError> {
     let t = &live.job.target;
-    let (transport, pool) = senders.for_kind(t.address.kind).ok_or_else(|| TransferError::InvalidRequest {
-        field: "kv_address",
-        reason: format!("this node cannot push over {}", t.address.kind.as_str()),
-    })?;
-    let mut req = PushRequest::new(t.address.host_port.clone(), t.reservation_id, t.epoch, src, t.dst_blocks.clone())
-        .deadline(settings.deadline)
-        .request_id(request_id as u128);
+    let (transport, pool) =
+        senders
+            .for_kind(t.address.kind)
+            .ok_or_else(|| TransferError::InvalidRequest {
+                field: "kv_address",
+                reason: format!("this node cannot push over {}", t.address.kind.as_str()),
+            })?;
+    let mut req = PushRequest::new(
+        t.address.host_port.clone(),
+        t.reservation_id,
+        t.epoch,
+        src,
+        t.dst_blocks.clone(),
+    )
+    .deadline(settings.deadline)
+    .request_id(request_id as u128);
     if streamed {
         req = req.streamed();
     }
@@ -183,7 +208,9 @@ struct HeldBlocks {
 
 impl Drop for HeldBlocks {
     fn drop(&mut self) {
-        self.engine.send_from_drop(Command::ReleaseHeld { request_id: self.request_id });
+        self.engine.send_from_drop(Command::ReleaseHeld {
+            request_id: self.request_id,
+        });
     }
 }
 
@@ -200,7 +227,14 @@ impl Driver for PrefillDriver {
                     return;
                 }
                 tracing::debug!(request = %job.label, prompt_tokens = job.request.prompt.len(), "prefill admitted");
-                let live = Live { job: *job, prompt_blocks, cancel: CancellationToken::new(), push: None, push_error: None, started: Instant::now() };
+                let live = Live {
+                    job: *job,
+                    prompt_blocks,
+                    cancel: CancellationToken::new(),
+                    push: None,
+                    push_error: None,
+                    started: Instant::now(),
+                };
                 self.live.insert(id, live);
             }
             Command::ReleaseHeld { request_id } => {
@@ -210,14 +244,28 @@ impl Driver for PrefillDriver {
     }
 
     fn step(&mut self, engine: &mut Engine) -> Result<usize, EngineError> {
-        let (senders, settings, runtime, live) = (&self.senders, &self.settings, &self.runtime, &mut self.live);
+        let (senders, settings, runtime, live) =
+            (&self.senders, &self.settings, &self.runtime, &mut self.live);
         let mut on_layer = |done: LayerDone<'_>| {
             for c in done.chunks.iter().filter(|c| c.last_chunk) {
-                let Some(l) = live.get_mut(&c.request_id) else { continue };
+                let Some(l) = live.get_mut(&c.request_id) else {
+                    continue;
+                };
                 if l.push.is_none() && l.push_error.is_none() {
                     let result = match c.block_table.get(..l.prompt_blocks) {
-                        Some(src) => start_push(senders, settings, runtime, c.request_id, l, src.to_vec(), true),
-                        None => Err(TransferError::InvalidRequest { field: "src_blocks", reason: "fewer blocks than the prompt needs".into() }),
+                        Some(src) => start_push(
+                            senders,
+                            settings,
+                            runtime,
+                            c.request_id,
+                            l,
+                            src.to_vec(),
+                            true,
+                        ),
+                        None => Err(TransferError::InvalidRequest {
+                            field: "src_blocks",
+                            reason: "fewer blocks than the prompt needs".into(),
+                        }),
                     };
                     match result {
                         Ok(p) => l.push = Some(p),
@@ -243,7 +291,10 @@ impl Driver for PrefillDriver {
                 continue;
             }
             let first = PrefillResponse {
-                event: Some(Event::FirstToken(FirstToken { token_id: o.token, cached_prompt_tokens: o.usage.cached_tokens as u32 })),
+                event: Some(Event::FirstToken(FirstToken {
+                    token_id: o.token,
+                    cached_prompt_tokens: o.usage.cached_tokens as u32,
+                })),
             };
             let _ = l.job.events.try_send(Ok(first));
             let push = match (l.push.take(), l.push_error.take()) {
@@ -253,12 +304,26 @@ impl Driver for PrefillDriver {
                 (None, None) => {
                     let held = o.held_blocks.as_deref().unwrap_or_default();
                     match held.get(..l.prompt_blocks) {
-                        Some(src) => start_push(&self.senders, &self.settings, &self.runtime, id, &l, src.to_vec(), false),
-                        None => Err(TransferError::InvalidRequest { field: "src_blocks", reason: "fewer blocks than the prompt needs".into() }),
+                        Some(src) => start_push(
+                            &self.senders,
+                            &self.settings,
+                            &self.runtime,
+                            id,
+                            &l,
+                            src.to_vec(),
+                            false,
+                        ),
+                        None => Err(TransferError::InvalidRequest {
+                            field: "src_blocks",
+                            reason: "fewer blocks than the prompt needs".into(),
+                        }),
                     }
                 }
             };
-            let guard = HeldBlocks { request_id: id, engine: self.engine.clone() };
+            let guard = HeldBlocks {
+                request_id: id,
+                engine: self.engine.clone(),
+            };
             match push {
                 Err(e) => {
                     tracing::warn!(request = %l.job.label, error = %e, "KV push could not start");
@@ -275,7 +340,12 @@ impl Driver for PrefillDriver {
     }
 
     fn housekeeping(&mut self, engine: &mut Engine) {
-        let gone: Vec<u64> = self.live.iter().filter(|(_, l)| l.job.events.is_closed()).map(|(&id, _)| id).collect();
+        let gone: Vec<u64> = self
+            .live
+            .iter()
+            .filter(|(_, l)| l.job.events.is_closed())
+            .map(|(&id, _)| id)
+            .collect();
         for id in gone {
             if let Some(l) = self.live.remove(&id) {
                 tracing::debug!(request = %l.job.label, "client went away before its first token; aborted");
@@ -291,7 +361,9 @@ impl Driver for PrefillDriver {
     }
 
     fn shutdown(&mut self, engine: &mut Engine) {
-        self.fail_all(engine, || status::unavailable("prefill node is shutting down"));
+        self.fail_all(engine, || {
+            status::unavailable("prefill node is shutting down")
+        });
     }
 }
 
@@ -309,14 +381,24 @@ async fn finish_push(push: OutboundTransfer, l: Live, blocks: u32, guard: HeldBl
     };
     match result {
         Ok(report) => {
-            let msg = KvPushed { bytes: report.bytes, blocks, transfer_us: report.elapsed.as_micros() as u64 };
+            let msg = KvPushed {
+                bytes: report.bytes,
+                blocks,
+                transfer_us: report.elapsed.as_micros() as u64,
+            };
             tracing::debug!(
                 request = %l.job.label, bytes = report.bytes, blocks, mode = report.data_mode,
                 push_us = msg.transfer_us, total_ms = l.started.elapsed().as_millis() as u64, "KV pushed"
             );
-            let _ = events.send(Ok(PrefillResponse { event: Some(Event::KvPushed(msg)) })).await;
+            let _ = events
+                .send(Ok(PrefillResponse {
+                    event: Some(Event::KvPushed(msg)),
+                }))
+                .await;
         }
-        Err(e) if events.is_closed() => tracing::debug!(request = %l.job.label, error = %e, "push ended after the client left"),
+        Err(e) if events.is_closed() => {
+            tracing::debug!(request = %l.job.label, error = %e, "push ended after the client left")
+        }
         Err(e) => {
             tracing::warn!(request = %l.job.label, error = %e, retry_safe = e.retry_safe(), "KV push failed");
             let _ = events.send(Err(status::push_status(&e))).await;

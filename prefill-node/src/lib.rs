@@ -30,7 +30,9 @@ use tandem_kv_transfer::{KvTransport, TransportKind};
 use tandem_node::engine_thread::{self, EngineHandle, EngineSnapshot};
 use tandem_node::env_names::*;
 use tandem_node::lifecycle::{self, ShutdownPlan};
-use tandem_node::{Coordination, Lifecycle, NodeArgs, NodeError, membership, model, server, transport};
+use tandem_node::{
+    Coordination, Lifecycle, NodeArgs, NodeError, membership, model, server, transport,
+};
 use tandem_proto::v1::prefill_server::PrefillServer;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -43,7 +45,11 @@ const COMMAND_QUEUE: usize = 256;
 
 /// Flags of `tandem-prefill-node` / `tandem prefill`.
 #[derive(Parser, Clone, Debug)]
-#[command(name = "tandem-prefill-node", version, about = "tandem prefill node: chunked prefill, first token, layer-wise KV push")]
+#[command(
+    name = "tandem-prefill-node",
+    version,
+    about = "tandem prefill node: chunked prefill, first token, layer-wise KV push"
+)]
 pub struct PrefillArgs {
     /// Cluster, listeners, transport, engine.
     #[command(flatten)]
@@ -92,7 +98,11 @@ impl PrefillNode {
             args.node.validate_control_plane()?;
         }
         let listener = lifecycle::bind("gRPC", args.node.listen.grpc_addr).await?;
-        let grpc_addr = listener.local_addr().map_err(|source| NodeError::Bind { what: "gRPC", addr: args.node.listen.grpc_addr, source })?;
+        let grpc_addr = listener.local_addr().map_err(|source| NodeError::Bind {
+            what: "gRPC",
+            addr: args.node.listen.grpc_addr,
+            source,
+        })?;
         let (primary, kind) = transport::start(args.node.listen.kv_transport)?;
         // A UCX node also pushes to TCP decode nodes, over the same pool.
         let tcp = match kind {
@@ -107,27 +117,46 @@ impl PrefillNode {
             fault: Arc::clone(&fault),
         };
         let engine_args = args.node.engine.clone();
-        let (engine, (layout, num_blocks, kinds)) = engine_thread::spawn("prefill-engine", COMMAND_QUEUE, move |ctx| {
-            let (engine, registration) = model::build_engine(&engine_args, &*primary)?;
-            let tcp = match tcp {
-                Some(t) => {
-                    let reg = t
-                        .register(Arc::clone(registration.pool()))
-                        .map_err(|source| NodeError::Transport { transport: "tcp", source })?;
-                    Some((t, reg))
-                }
-                None => None,
-            };
-            let senders = Senders { primary: (kind, primary, registration), tcp };
-            let kinds = senders.kinds();
-            let layout = *engine.kv_layout();
-            let blocks = engine.scheduler().blocks().num_blocks();
-            let driver = PrefillDriver::new(ctx.runtime, ctx.engine, senders, settings, layout.block_size_tokens);
-            Ok((engine, driver, (layout, blocks, kinds)))
-        })
-        .await?;
+        let (engine, (layout, num_blocks, kinds)) =
+            engine_thread::spawn("prefill-engine", COMMAND_QUEUE, move |ctx| {
+                let (engine, registration) = model::build_engine(&engine_args, &*primary)?;
+                let tcp = match tcp {
+                    Some(t) => {
+                        let reg =
+                            t.register(Arc::clone(registration.pool()))
+                                .map_err(|source| NodeError::Transport {
+                                    transport: "tcp",
+                                    source,
+                                })?;
+                        Some((t, reg))
+                    }
+                    None => None,
+                };
+                let senders = Senders {
+                    primary: (kind, primary, registration),
+                    tcp,
+                };
+                let kinds = senders.kinds();
+                let layout = *engine.kv_layout();
+                let blocks = engine.scheduler().blocks().num_blocks();
+                let driver = PrefillDriver::new(
+                    ctx.runtime,
+                    ctx.engine,
+                    senders,
+                    settings,
+                    layout.block_size_tokens,
+                );
+                Ok((engine, driver, (layout, blocks, kinds)))
+            })
+            .await?;
         let lifecycle = Lifecycle::new();
-        let service = PrefillService::new(engine.clone(), lifecycle.clone(), layout.fingerprint(), layout.block_size_tokens, kinds);
+        let service = PrefillService::new(
+            engine.clone(),
+            lifecycle.clone(),
+            layout.fingerprint(),
+            layout.block_size_tokens,
+            kinds,
+        );
         let routes = tonic::service::Routes::new(PrefillServer::new(service));
         let server = match server::spawn(listener, routes, "tandem.v1.Prefill").await {
             Ok(s) => s,
@@ -137,9 +166,20 @@ impl PrefillNode {
             }
         };
         let background = CancellationToken::new();
-        let node_id = args.node.cluster.node_id.clone().unwrap_or_else(|| lifecycle::default_node_id("prefill"));
+        let node_id = args
+            .node
+            .cluster
+            .node_id
+            .clone()
+            .unwrap_or_else(|| lifecycle::default_node_id("prefill"));
         let grpc_url = format!("http://{}", args.node.listen.advertised(grpc_addr));
-        let info = NodeInfo::new(&node_id, Role::Prefill, &grpc_url, layout, num_blocks as u64);
+        let info = NodeInfo::new(
+            &node_id,
+            Role::Prefill,
+            &grpc_url,
+            layout,
+            num_blocks as u64,
+        );
         let mut plan = ShutdownPlan {
             lifecycle,
             server,
@@ -148,7 +188,15 @@ impl PrefillNode {
             background,
             drain_timeout: args.node.listen.drain_timeout(),
         };
-        match membership::join(&args.node, coordination, info, engine.snapshot(), &plan.background).await {
+        match membership::join(
+            &args.node,
+            coordination,
+            info,
+            engine.snapshot(),
+            &plan.background,
+        )
+        .await
+        {
             Ok(m) => plan.membership = Some(m),
             Err(e) => {
                 plan.run().await;
@@ -204,7 +252,11 @@ impl PrefillNode {
 /// it serves.
 pub async fn run(args: PrefillArgs, shutdown: impl Future<Output = ()>) -> Result<(), NodeError> {
     let node = PrefillNode::start(args, Coordination::FromArgs).await?;
-    println!("tandem-prefill-node listening grpc={} node_id={}", node.grpc_addr(), node.node_id());
+    println!(
+        "tandem-prefill-node listening grpc={} node_id={}",
+        node.grpc_addr(),
+        node.node_id()
+    );
     shutdown.await;
     node.shutdown().await;
     Ok(())
@@ -215,7 +267,10 @@ pub async fn run(args: PrefillArgs, shutdown: impl Future<Output = ()>) -> Resul
 pub fn main_with_args(argv: Vec<OsString>) -> anyhow::Result<()> {
     let args = PrefillArgs::parse_layered(argv).unwrap_or_else(|e| e.exit());
     lifecycle::init_logging(&args.log);
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("prefill-rt").build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("prefill-rt")
+        .build()?;
     rt.block_on(run(args, lifecycle::shutdown_signal()))?;
     Ok(())
 }

@@ -41,8 +41,21 @@ pub struct PrefillService {
 impl PrefillService {
     /// A service over `engine`, for KV of `fingerprint` in blocks of `block_size` tokens, able to
     /// push over `kinds`.
-    pub fn new(engine: EngineHandle<Command>, lifecycle: Lifecycle, fingerprint: u64, block_size: usize, kinds: Vec<TransportKind>) -> Self {
-        PrefillService { engine, lifecycle, fingerprint, block_size, kinds, next_id: AtomicU64::new(1) }
+    pub fn new(
+        engine: EngineHandle<Command>,
+        lifecycle: Lifecycle,
+        fingerprint: u64,
+        block_size: usize,
+        kinds: Vec<TransportKind>,
+    ) -> Self {
+        PrefillService {
+            engine,
+            lifecycle,
+            fingerprint,
+            block_size,
+            kinds,
+            next_id: AtomicU64::new(1),
+        }
     }
 }
 
@@ -50,10 +63,15 @@ impl PrefillService {
 impl Prefill for PrefillService {
     type PrefillStream = ReceiverStream<Result<PrefillResponse, Status>>;
 
-    async fn prefill(&self, request: Request<PrefillRequest>) -> Result<Response<Self::PrefillStream>, Status> {
+    async fn prefill(
+        &self,
+        request: Request<PrefillRequest>,
+    ) -> Result<Response<Self::PrefillStream>, Status> {
         let in_flight = self.lifecycle.admit()?;
         let r = request.into_inner();
-        let target = r.target.ok_or_else(|| status::invalid("target", "is required"))?;
+        let target = r
+            .target
+            .ok_or_else(|| status::invalid("target", "is required"))?;
         if target.layout_fingerprint != self.fingerprint {
             return Err(status::status(
                 Code::FailedPrecondition,
@@ -72,14 +90,25 @@ impl Prefill for PrefillService {
         if target.block_ids.len() != prompt_blocks {
             return Err(status::invalid(
                 "target.block_ids",
-                format!("has {} blocks; a {}-token prompt needs {prompt_blocks}", target.block_ids.len(), r.prompt_token_ids.len()),
+                format!(
+                    "has {} blocks; a {}-token prompt needs {prompt_blocks}",
+                    target.block_ids.len(),
+                    r.prompt_token_ids.len()
+                ),
             ));
         }
-        let address: KvAddress = target.kv_address.parse().map_err(|e| status::invalid("target.kv_address", e))?;
+        let address: KvAddress = target
+            .kv_address
+            .parse()
+            .map_err(|e| status::invalid("target.kv_address", e))?;
         if !self.kinds.contains(&address.kind) {
             return Err(status::status(
                 Code::FailedPrecondition,
-                format!("this prefill node cannot push KV over {} (it has {:?})", address.kind.as_str(), self.kinds),
+                format!(
+                    "this prefill node cannot push KV over {} (it has {:?})",
+                    address.kind.as_str(),
+                    self.kinds
+                ),
                 "transport_mismatch",
                 false,
             ));
@@ -90,9 +119,19 @@ impl Prefill for PrefillService {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (events, rx) = mpsc::channel(STREAM_BUFFER);
         let job = Job {
-            request: tandem_engine::Request { id, prompt: r.prompt_token_ids, params, priority: convert::priority(r.priority) },
+            request: tandem_engine::Request {
+                id,
+                prompt: r.prompt_token_ids,
+                params,
+                priority: convert::priority(r.priority),
+            },
             label: r.request_id,
-            target: PushTarget { address, reservation_id: target.reservation_id, epoch: target.epoch, dst_blocks: target.block_ids },
+            target: PushTarget {
+                address,
+                reservation_id: target.reservation_id,
+                epoch: target.epoch,
+                dst_blocks: target.block_ids,
+            },
             events,
             in_flight,
         };

@@ -29,8 +29,14 @@ pub const MAX_TOKENS: u32 = 48;
 
 /// The real model (`$TANDEM_MODEL` or the cache); a missing model fails with the fix.
 pub fn model_path() -> PathBuf {
-    let p = std::env::var_os("TANDEM_MODEL").map(PathBuf::from).unwrap_or_else(tandem_node::fetch::default_model_path);
-    assert!(p.exists(), "the model is missing at {}: run `cargo run -p tandem-cli -- model fetch`", p.display());
+    let p = std::env::var_os("TANDEM_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(tandem_node::fetch::default_model_path);
+    assert!(
+        p.exists(),
+        "the model is missing at {}: run `cargo run -p tandem-cli -- model fetch`",
+        p.display()
+    );
     p
 }
 
@@ -78,12 +84,27 @@ impl Cluster {
         let colocated = tokio::task::spawn_blocking(move || {
             let source = tandem_node::model::resolve_source(&engine_args).unwrap();
             let loaded = loader::load(&source, engine_args.dtype).unwrap();
-            Engine::new(Model::new(loaded.weights), loaded.tokenizer, engine_args.engine_config().unwrap()).unwrap()
+            Engine::new(
+                Model::new(loaded.weights),
+                loaded.tokenizer,
+                engine_args.engine_config().unwrap(),
+            )
+            .unwrap()
         });
-        let prefill = PrefillNode::start(pargs, Coordination::FromArgs).await.expect("prefill node starts");
-        let decode = DecodeNode::start(dargs, Coordination::FromArgs).await.expect("decode node starts");
+        let prefill = PrefillNode::start(pargs, Coordination::FromArgs)
+            .await
+            .expect("prefill node starts");
+        let decode = DecodeNode::start(dargs, Coordination::FromArgs)
+            .await
+            .expect("decode node starts");
         let colocated = std::sync::Mutex::new(colocated.await.unwrap());
-        Cluster { etcd, nats, prefill, decode, colocated }
+        Cluster {
+            etcd,
+            nats,
+            prefill,
+            decode,
+            colocated,
+        }
     }
 
     /// A client playing the router between the two nodes.
@@ -96,7 +117,10 @@ impl Cluster {
         let engine = self.colocated.lock().unwrap();
         let tok = engine.tokenizer().expect("the model has a tokenizer");
         if chat {
-            let msgs = [tandem_engine::tokenizer::ChatMessage { role: "user".into(), content: text.into() }];
+            let msgs = [tandem_engine::tokenizer::ChatMessage {
+                role: "user".into(),
+                content: text.into(),
+            }];
             tok.encode(&tok.apply_chat_template(&msgs, true).unwrap())
         } else {
             tok.encode(text)
@@ -106,7 +130,12 @@ impl Cluster {
     /// What the colocated engine generates for these requests (output token ids and text).
     pub fn colocated(&self, requests: Vec<Request>) -> Vec<(Vec<u32>, String)> {
         let mut engine = self.colocated.lock().unwrap();
-        engine.generate(requests, |_| {}).unwrap().into_iter().map(|c| (c.tokens, c.text)).collect()
+        engine
+            .generate(requests, |_| {})
+            .unwrap()
+            .into_iter()
+            .map(|c| (c.tokens, c.text))
+            .collect()
     }
 
     /// Waits until both nodes hold nothing: every block free, no reservation, nothing running.
@@ -115,7 +144,10 @@ impl Cluster {
         wait_quiescent(self.decode.snapshot(), &format!("decode node: {what}")).await;
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         while self.decode.unclaimed_reservations() + self.decode.inbound_reservations() > 0 {
-            assert!(tokio::time::Instant::now() < deadline, "{what}: reservations left on the decode node");
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{what}: reservations left on the decode node"
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -123,7 +155,10 @@ impl Cluster {
 
 /// Waits (up to 10 s) until a node's snapshot shows every block free and nothing held.
 pub async fn wait_quiescent(mut snap: watch::Receiver<EngineSnapshot>, what: &str) {
-    let ok = matches!(tokio::time::timeout(Duration::from_secs(10), snap.wait_for(|s| s.is_quiescent())).await, Ok(Ok(_)));
+    let ok = matches!(
+        tokio::time::timeout(Duration::from_secs(10), snap.wait_for(|s| s.is_quiescent())).await,
+        Ok(Ok(_))
+    );
     let last = snap.borrow().clone();
     assert!(ok, "{what}: blocks still held after 10 s: {last:?}");
 }
@@ -136,25 +171,46 @@ pub trait FromFlags: Sized {
 
 impl FromFlags for PrefillArgs {
     fn try_parse_from_flags(flags: &[String]) -> Self {
-        clap::Parser::try_parse_from(std::iter::once("prefill").chain(flags.iter().map(String::as_str))).unwrap()
+        clap::Parser::try_parse_from(
+            std::iter::once("prefill").chain(flags.iter().map(String::as_str)),
+        )
+        .unwrap()
     }
 }
 
 impl FromFlags for DecodeArgs {
     fn try_parse_from_flags(flags: &[String]) -> Self {
-        clap::Parser::try_parse_from(std::iter::once("decode").chain(flags.iter().map(String::as_str))).unwrap()
+        clap::Parser::try_parse_from(
+            std::iter::once("decode").chain(flags.iter().map(String::as_str)),
+        )
+        .unwrap()
     }
 }
 
 /// Greedy sampling of `max_tokens`, EOS ignored (so lengths are exact).
 pub fn greedy(max_tokens: u32) -> pb::SamplingParams {
-    pb::SamplingParams { max_tokens, ignore_eos: true, ..Default::default() }
+    pb::SamplingParams {
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    }
 }
 
 /// The engine request the colocated reference runs for `sampling` (same seed rule as the nodes).
-pub fn reference_request(id: u64, request_id: &str, prompt: Vec<u32>, sampling: &pb::SamplingParams) -> Request {
-    let params: SamplingParams = tandem_node::convert::sampling_params(Some(sampling), request_id, 1);
-    Request { id, prompt, params, priority: Priority::Interactive }
+pub fn reference_request(
+    id: u64,
+    request_id: &str,
+    prompt: Vec<u32>,
+    sampling: &pb::SamplingParams,
+) -> Request {
+    let params: SamplingParams =
+        tandem_node::convert::sampling_params(Some(sampling), request_id, 1);
+    Request {
+        id,
+        prompt,
+        params,
+        priority: Priority::Interactive,
+    }
 }
 
 /// One finished generation as the router saw it.
@@ -188,16 +244,38 @@ pub struct Router {
 impl Router {
     /// Connects to both nodes.
     pub async fn connect(prefill: std::net::SocketAddr, decode: std::net::SocketAddr) -> Self {
-        let ch = |a: std::net::SocketAddr| async move { Channel::from_shared(format!("http://{a}")).unwrap().connect().await.unwrap() };
-        Router { prefill: PrefillClient::new(ch(prefill).await), decode: DecodeClient::new(ch(decode).await) }
+        let ch = |a: std::net::SocketAddr| async move {
+            Channel::from_shared(format!("http://{a}"))
+                .unwrap()
+                .connect()
+                .await
+                .unwrap()
+        };
+        Router {
+            prefill: PrefillClient::new(ch(prefill).await),
+            decode: DecodeClient::new(ch(decode).await),
+        }
     }
 
     /// Reserve + Prefill (until the first token) + Decode call; returns the open decode stream.
-    pub async fn start(&self, request_id: &str, prompt: &[u32], sampling: pb::SamplingParams) -> Result<InFlight, Status> {
+    pub async fn start(
+        &self,
+        request_id: &str,
+        prompt: &[u32],
+        sampling: pb::SamplingParams,
+    ) -> Result<InFlight, Status> {
         let mut decode = self.decode.clone();
-        let reserve =
-            pb::ReserveRequest { request_id: request_id.into(), prompt_tokens: prompt.len() as u32, max_new_tokens: sampling.max_tokens };
-        let target = decode.reserve(reserve).await?.into_inner().target.expect("Reserve returns a target");
+        let reserve = pb::ReserveRequest {
+            request_id: request_id.into(),
+            prompt_tokens: prompt.len() as u32,
+            max_new_tokens: sampling.max_tokens,
+        };
+        let target = decode
+            .reserve(reserve)
+            .await?
+            .into_inner()
+            .target
+            .expect("Reserve returns a target");
         let mut pstream = self
             .prefill
             .clone()
@@ -211,7 +289,9 @@ impl Router {
             .await?
             .into_inner();
         let first = match pstream.message().await? {
-            Some(pb::PrefillResponse { event: Some(prefill_response::Event::FirstToken(f)) }) => f,
+            Some(pb::PrefillResponse {
+                event: Some(prefill_response::Event::FirstToken(f)),
+            }) => f,
             other => panic!("prefill stream began with {other:?}, not FirstToken"),
         };
         let prefill = tokio::spawn(async move { pstream.message().await });
@@ -228,28 +308,55 @@ impl Router {
             })
             .await?
             .into_inner();
-        Ok(InFlight { stream, prefill, first_token: first.token_id, target })
+        Ok(InFlight {
+            stream,
+            prefill,
+            first_token: first.token_id,
+            target,
+        })
     }
 
     /// A whole generation.
-    pub async fn generate(&self, request_id: &str, prompt: &[u32], sampling: pb::SamplingParams) -> Result<Generation, Status> {
+    pub async fn generate(
+        &self,
+        request_id: &str,
+        prompt: &[u32],
+        sampling: pb::SamplingParams,
+    ) -> Result<Generation, Status> {
         let mut f = self.start(request_id, prompt, sampling).await?;
         let (mut tokens, mut text) = (Vec::new(), String::new());
         let finish = loop {
             match f.stream.message().await? {
-                Some(pb::DecodeResponse { event: Some(decode_response::Event::Tokens(b)) }) => {
+                Some(pb::DecodeResponse {
+                    event: Some(decode_response::Event::Tokens(b)),
+                }) => {
                     tokens.extend(b.token_ids);
                     text.push_str(&b.text);
                 }
-                Some(pb::DecodeResponse { event: Some(decode_response::Event::Final(fin)) }) => break fin,
-                other => panic!("decode stream for {request_id} ended without a final message: {other:?}"),
+                Some(pb::DecodeResponse {
+                    event: Some(decode_response::Event::Final(fin)),
+                }) => break fin,
+                other => panic!(
+                    "decode stream for {request_id} ended without a final message: {other:?}"
+                ),
             }
         };
-        assert_eq!(tokens.first(), Some(&f.first_token), "{request_id}: the stream starts with the prefill node's first token");
+        assert_eq!(
+            tokens.first(),
+            Some(&f.first_token),
+            "{request_id}: the stream starts with the prefill node's first token"
+        );
         let pushed = match f.prefill.await.unwrap()? {
-            Some(pb::PrefillResponse { event: Some(prefill_response::Event::KvPushed(p)) }) => p,
+            Some(pb::PrefillResponse {
+                event: Some(prefill_response::Event::KvPushed(p)),
+            }) => p,
             other => panic!("{request_id}: prefill stream ended with {other:?}, not KvPushed"),
         };
-        Ok(Generation { tokens, text, finish, pushed })
+        Ok(Generation {
+            tokens,
+            text,
+            finish,
+            pushed,
+        })
     }
 }
