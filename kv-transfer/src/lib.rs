@@ -27,6 +27,8 @@
 //!   reservation.
 //! - Every failure is a typed [`TransferError`] with [`TransferError::retry_safe`].
 
+#![warn(missing_docs)]
+
 pub mod bench;
 pub mod checksum;
 pub mod config;
@@ -43,6 +45,9 @@ pub mod tcp;
 pub mod transport;
 #[cfg(feature = "ucx")]
 pub mod ucx;
+// rkyv's derive emits undocumented helper types for enum variants; every hand-written item in
+// `wire` is documented.
+#[allow(missing_docs)]
 pub mod wire;
 
 pub use config::{TransferConfig, UcxConfig, UcxDataMode};

@@ -124,8 +124,10 @@ impl PoolArgs {
 /// `tandem-kv-peer serve`.
 #[derive(clap::Args, Clone, Debug)]
 pub struct ServeArgs {
+    /// Transport and its knobs.
     #[command(flatten)]
     pub transport: TransportArgs,
+    /// The receiving pool.
     #[command(flatten)]
     pub pool: PoolArgs,
 }
@@ -133,8 +135,10 @@ pub struct ServeArgs {
 /// `tandem-kv-peer push`.
 #[derive(clap::Args, Clone, Debug)]
 pub struct PushArgs {
+    /// Transport and its knobs.
     #[command(flatten)]
     pub transport: TransportArgs,
+    /// The sending pool (source blocks are filled with the seeded pattern).
     #[command(flatten)]
     pub pool: PoolArgs,
     /// The receiver's control address.

@@ -48,6 +48,7 @@ pub enum OutputFormat {
 /// Flags of `tandem bench-transfer`.
 #[derive(clap::Args, Clone, Debug)]
 pub struct BenchTransferArgs {
+    /// Transport and its knobs (shared with the peer process).
     #[command(flatten)]
     pub transport: TransportArgs,
     /// KV layout of both pools.
