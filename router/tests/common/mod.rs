@@ -368,3 +368,68 @@ fn dechunk(mut body: &str) -> String {
     }
     out
 }
+
+/// What a gRPC generation returned.
+#[derive(Debug, Default)]
+pub struct Collected {
+    /// Token ids of all deltas.
+    pub ids: Vec<u32>,
+    /// Text of all deltas.
+    pub text: String,
+    /// The final message.
+    pub last: Option<tandem_proto::v1::GenerateFinal>,
+}
+
+/// A gRPC Generate request for `prompt` with greedy sampling.
+pub fn grpc_request(prompt: &str, max_tokens: u32) -> tandem_proto::v1::GenerateRequest {
+    tandem_proto::v1::GenerateRequest {
+        input: Some(tandem_proto::v1::generate_request::Input::Prompt(
+            prompt.to_string(),
+        )),
+        sampling: Some(tandem_proto::v1::SamplingParams {
+            max_tokens,
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// Reads a Generate stream to its end (bounded by [`WAIT`]).
+pub async fn collect(
+    mut stream: tonic::Streaming<tandem_proto::v1::GenerateResponse>,
+) -> Result<Collected, tonic::Status> {
+    use tandem_proto::v1::generate_response::Event;
+    let mut out = Collected::default();
+    loop {
+        let message = tokio::time::timeout(WAIT, stream.message())
+            .await
+            .expect("the stream went quiet")?;
+        match message.and_then(|m| m.event) {
+            Some(Event::Delta(delta)) => {
+                out.ids.extend(delta.token_ids);
+                out.text.push_str(&delta.text);
+            }
+            Some(Event::Final(last)) => out.last = Some(last),
+            None => return Ok(out),
+        }
+    }
+}
+
+/// Runs one greedy gRPC generation to its end.
+pub async fn generate(
+    router: &RunningRouter,
+    prompt: &str,
+    max_tokens: u32,
+) -> Result<Collected, tonic::Status> {
+    let mut client = router.grpc().await;
+    let stream = client
+        .generate(grpc_request(prompt, max_tokens))
+        .await?
+        .into_inner();
+    collect(stream).await
+}
+
+/// Token count of `prompt` (plain text).
+pub fn prompt_tokens(prompt: &str) -> usize {
+    model().tokenizer.encode(prompt).len()
+}

@@ -1,0 +1,279 @@
+//! Routing and admission against fake nodes: the bounded queue, membership changes taking
+//! effect without restart, draining, load-report routing and the in-flight fallback.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use common::fakes::{expected_output, start_decode, start_prefill};
+use common::{
+    MemoryCluster, collect, generate, grpc_request, http, init_tracing, options, prompt_tokens,
+};
+use tandem_cluster::Role;
+
+#[tokio::test]
+async fn a_full_queue_answers_429_and_resource_exhausted_at_once_then_recovers() {
+    init_tracing();
+    let mut cluster = MemoryCluster::new();
+    let p = start_prefill("p0").await;
+    let d = start_decode("d0").await;
+    cluster.register(p.info()).await;
+    cluster.register(d.info()).await;
+    let mut opts = options();
+    opts.admission.max_in_flight = 1;
+    opts.admission.max_queued = 0;
+    let router = cluster.router(opts).await;
+
+    // One request holds the only slot: the decode node stops after its first batch.
+    d.behaviour.hold_after_batches.store(1, Ordering::SeqCst);
+    let mut client = router.grpc().await;
+    let held = client
+        .generate(grpc_request("hold me", 4))
+        .await
+        .expect("admitted")
+        .into_inner();
+
+    let refused = http(
+        router.http_addr,
+        "POST",
+        "/v1/completions",
+        Some(r#"{"prompt": "me too", "max_tokens": 2}"#),
+        None,
+    )
+    .await;
+    assert_eq!(refused.status, 429, "{}", refused.body);
+    assert_eq!(refused.json()["error"]["type"], "rate_limit_error");
+    assert!(refused.header("retry-after").is_some());
+    let status = client
+        .generate(grpc_request("me too", 2))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        status.code(),
+        tonic::Code::ResourceExhausted,
+        "{}",
+        status.message()
+    );
+    assert_eq!(router.router.stats().overloaded, 2);
+
+    d.behaviour.hold_after_batches.store(-1, Ordering::SeqCst);
+    d.behaviour.resume.notify_one();
+    let out = collect(held).await.expect("the held request finishes");
+    assert_eq!(out.ids, expected_output(prompt_tokens("hold me"), 4).0);
+    let again = generate(&router, "me too", 2)
+        .await
+        .expect("the slot is free again");
+    assert!(again.last.is_some());
+}
+
+#[tokio::test]
+async fn a_decode_node_joining_after_start_gets_traffic_within_a_second() {
+    init_tracing();
+    let mut cluster = MemoryCluster::new();
+    let p = start_prefill("p0").await;
+    let d0 = start_decode("d0").await;
+    cluster.register(p.info()).await;
+    cluster.register(d0.info()).await;
+    let router = cluster.router(options()).await;
+    // d0 keeps one request in flight, so the least-loaded choice is any node that joins.
+    d0.behaviour.hold_after_batches.store(1, Ordering::SeqCst);
+    let mut client = router.grpc().await;
+    let _held = client
+        .generate(grpc_request("busy", 4))
+        .await
+        .unwrap()
+        .into_inner();
+
+    let d1 = start_decode("d1").await;
+    cluster.register(d1.info()).await;
+    let registered = Instant::now();
+    let out = generate(&router, "new node please", 3)
+        .await
+        .expect("served");
+    let elapsed = registered.elapsed();
+    assert_eq!(
+        d1.behaviour.decode_calls.load(Ordering::SeqCst),
+        1,
+        "the new node got the request"
+    );
+    assert!(elapsed < Duration::from_secs(1), "took {elapsed:?}");
+    assert_eq!(
+        out.ids,
+        expected_output(prompt_tokens("new node please"), 3).0
+    );
+}
+
+#[tokio::test]
+async fn removed_and_draining_nodes_get_no_new_traffic() {
+    init_tracing();
+    let mut cluster = MemoryCluster::new();
+    let p = start_prefill("p0").await;
+    let d0 = start_decode("d0").await;
+    let d1 = start_decode("d1").await;
+    cluster.register(p.info()).await;
+    cluster.register(d0.info()).await;
+    cluster.register(d1.info()).await;
+    let router = cluster.router(options()).await;
+
+    // d0 drains: everything goes to d1 although d0 sorts first.
+    cluster.registrations["d0"]
+        .set_draining(true)
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        generate(&router, "hello", 2).await.expect("served by d1");
+    }
+    assert_eq!(d0.behaviour.reserve_calls.load(Ordering::SeqCst), 0);
+    assert_eq!(d1.behaviour.reserve_calls.load(Ordering::SeqCst), 3);
+
+    // d0 is back, d1 leaves: everything goes to d0, even while d0 is busy.
+    cluster.registrations["d0"]
+        .set_draining(false)
+        .await
+        .unwrap();
+    cluster.deregister("d1").await;
+    d0.behaviour.hold_after_batches.store(1, Ordering::SeqCst);
+    let mut client = router.grpc().await;
+    let _held = client
+        .generate(grpc_request("busy", 4))
+        .await
+        .unwrap()
+        .into_inner();
+    d0.behaviour.hold_after_batches.store(-1, Ordering::SeqCst);
+    for _ in 0..3 {
+        generate(&router, "hello", 2).await.expect("served by d0");
+    }
+    assert_eq!(
+        d1.behaviour.reserve_calls.load(Ordering::SeqCst),
+        3,
+        "no traffic after leaving"
+    );
+    assert_eq!(d0.behaviour.reserve_calls.load(Ordering::SeqCst), 4);
+
+    // Nothing accepting work: 503 / UNAVAILABLE, naming the role.
+    cluster.registrations["d0"]
+        .set_draining(true)
+        .await
+        .unwrap();
+    let response = http(
+        router.http_addr,
+        "POST",
+        "/v1/completions",
+        Some(r#"{"prompt": "anyone?"}"#),
+        None,
+    )
+    .await;
+    assert_eq!(response.status, 503, "{}", response.body);
+    assert!(
+        response.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("decode")
+    );
+    let status = generate(&router, "anyone?", 2).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unavailable);
+}
+
+#[tokio::test]
+async fn stale_load_reports_switch_routing_to_in_flight_counts_and_back() {
+    init_tracing();
+    let mut cluster = MemoryCluster::new();
+    let p = start_prefill("p0").await;
+    let d0 = start_decode("d0").await;
+    let d1 = start_decode("d1").await;
+    for info in [p.info(), d0.info(), d1.info()] {
+        cluster.register(info).await;
+    }
+    let loads = cluster.loads.clone();
+    let fresh = Duration::ZERO;
+    let stale = Duration::from_secs(3600);
+    loads.set(Role::Prefill, "p0", fresh, |_| {});
+    loads.set(Role::Decode, "d0", fresh, |r| {
+        r.running = 5;
+        r.free_blocks = 100;
+    });
+    loads.set(Role::Decode, "d1", fresh, |r| r.free_blocks = 900);
+    let router = cluster.router(options()).await;
+    let calls = |n: &common::fakes::FakeNode<common::fakes::DecodeBehaviour>| {
+        n.behaviour.reserve_calls.load(Ordering::SeqCst)
+    };
+
+    // Fresh reports: d1 runs nothing, so it wins although d0 sorts first.
+    generate(&router, "by load", 2).await.unwrap();
+    assert_eq!((calls(&d0), calls(&d1)), (0, 1));
+    let stats = router.router.stats();
+    assert_eq!(
+        (stats.decode.load_picks, stats.decode.fallback_picks),
+        (1, 0)
+    );
+    assert_eq!(stats.decode.fallback_entered, 0);
+
+    // d1's report goes stale: the router uses its own counts (all idle: lowest id), says so once.
+    loads.set(Role::Decode, "d1", stale, |r| r.free_blocks = 900);
+    generate(&router, "fallback", 2).await.unwrap();
+    generate(&router, "fallback", 2).await.unwrap();
+    assert_eq!((calls(&d0), calls(&d1)), (2, 1));
+    let stats = router.router.stats();
+    assert_eq!(
+        stats.decode.fallback_entered, 1,
+        "entering the fallback is counted once"
+    );
+    assert_eq!(stats.decode.fallback_picks, 2);
+    assert_eq!(
+        stats.prefill.fallback_entered, 0,
+        "prefill reports are still fresh"
+    );
+
+    // Reports resume: routing by load again.
+    loads.set(Role::Decode, "d1", fresh, |r| r.free_blocks = 900);
+    generate(&router, "by load again", 2).await.unwrap();
+    assert_eq!(calls(&d1), 2);
+    let stats = router.router.stats();
+    assert_eq!(
+        (stats.decode.load_picks, stats.decode.fallback_entered),
+        (2, 1)
+    );
+}
+
+#[tokio::test]
+async fn a_burst_between_two_reports_spreads_over_the_nodes() {
+    init_tracing();
+    let mut cluster = MemoryCluster::new();
+    let p = start_prefill("p0").await;
+    let d0 = start_decode("d0").await;
+    let d1 = start_decode("d1").await;
+    for info in [p.info(), d0.info(), d1.info()] {
+        cluster.register(info).await;
+    }
+    cluster
+        .loads
+        .set(Role::Prefill, "p0", Duration::ZERO, |_| {});
+    for id in ["d0", "d1"] {
+        cluster.loads.set(Role::Decode, id, Duration::ZERO, |_| {});
+    }
+    let router = cluster.router(options()).await;
+    for d in [&d0, &d1] {
+        d.behaviour.hold_after_batches.store(1, Ordering::SeqCst);
+    }
+    // Both reports say "idle"; without counting its own dispatches the router would send both
+    // requests to d0.
+    let mut client = router.grpc().await;
+    let _a = client
+        .generate(grpc_request("first", 4))
+        .await
+        .unwrap()
+        .into_inner();
+    let _b = client
+        .generate(grpc_request("second", 4))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(d0.behaviour.reserve_calls.load(Ordering::SeqCst), 1);
+    assert_eq!(d1.behaviour.reserve_calls.load(Ordering::SeqCst), 1);
+    assert_eq!(router.router.stats().decode.load_picks, 2);
+    assert_eq!(
+        router.router.in_flight_by_node(Role::Decode),
+        vec![("d0".to_string(), 1), ("d1".to_string(), 1)]
+    );
+}
