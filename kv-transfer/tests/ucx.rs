@@ -3,93 +3,22 @@
 //! heap pools (`ucp_put_nbx`), and tcp (tagged sends, since UCX emulates RMA over tcp).
 #![cfg(feature = "ucx")]
 
+#[macro_use]
 mod common;
 
-use common::scenarios as s;
 use common::{small_layout, ucx_pair};
-use tandem_kv_layout::KvLayout;
 
-macro_rules! ucx_suite {
-    ($modname:ident, $tls:expr, $allocated:expr) => {
-        mod $modname {
-            use super::*;
-
-            async fn pair() -> common::Pair {
-                ucx_pair(small_layout(), small_layout(), $tls, $allocated).await
-            }
-
-            #[tokio::test]
-            async fn every_layer_of_every_block_arrives_intact() {
-                s::every_layer_of_every_block_arrives_intact(&pair().await).await;
-            }
-
-            #[tokio::test]
-            async fn streamed_layers_complete_only_when_the_last_layer_lands() {
-                s::streamed_layers_complete_only_when_the_last_layer_lands(&pair().await).await;
-            }
-
-            #[tokio::test]
-            async fn layout_mismatch_is_refused_before_any_byte_is_written() {
-                let other = KvLayout {
-                    model_fingerprint: 1,
-                    ..small_layout()
-                };
-                s::layout_mismatch_is_refused_before_any_byte_is_written(
-                    &ucx_pair(small_layout(), other, $tls, $allocated).await,
-                )
-                .await;
-            }
-
-            #[tokio::test]
-            async fn unknown_stale_and_expired_reservations_are_refused_without_writing() {
-                s::unknown_stale_and_expired_reservations_are_refused_without_writing(
-                    &pair().await,
-                )
-                .await;
-            }
-
-            #[tokio::test]
-            async fn a_corrupted_byte_is_always_detected_and_never_marked_ready() {
-                s::a_corrupted_byte_is_always_detected_and_never_marked_ready(&pair().await).await;
-            }
-
-            #[tokio::test]
-            async fn sender_cancel_ends_both_sides_and_releases_everything() {
-                s::sender_cancel_ends_both_sides_and_releases_everything(&pair().await).await;
-            }
-
-            #[tokio::test]
-            async fn receiver_cancel_ends_both_sides_and_releases_everything() {
-                s::receiver_cancel_ends_both_sides_and_releases_everything(&pair().await).await;
-            }
-
-            #[tokio::test]
-            async fn reservation_expiry_mid_transfer_ends_both_sides() {
-                s::reservation_expiry_mid_transfer_ends_both_sides(&pair().await).await;
-            }
-
-            #[tokio::test]
-            async fn a_dropped_chunk_ends_in_a_deadline_error_and_no_leak() {
-                s::a_dropped_chunk_ends_in_a_deadline_error_and_no_leak(&pair().await).await;
-            }
-
-            #[tokio::test]
-            async fn delayed_chunks_still_arrive_intact() {
-                s::delayed_chunks_still_arrive_intact(&pair().await).await;
-            }
-
-            #[tokio::test]
-            async fn a_cut_connection_ends_both_sides_and_the_next_push_reconnects() {
-                s::a_cut_connection_ends_both_sides_and_the_next_push_reconnects(&pair().await)
-                    .await;
-            }
-        }
-    };
+mod shm_mapped {
+    scenario_tests!(|src, dst| crate::common::ucx_pair(src, dst, "shm", true));
 }
 
-ucx_suite!(shm_mapped, "shm", true);
-ucx_suite!(shm_put, "shm", false);
-ucx_suite!(tcp, "tcp", false);
+mod shm_put {
+    scenario_tests!(|src, dst| crate::common::ucx_pair(src, dst, "shm", false));
+}
+
+mod tcp {
+    scenario_tests!(|src, dst| crate::common::ucx_pair(src, dst, "tcp", false));
+}
 
 /// Which UCX data path a pair really takes: UCX-allocated shared memory is written through the
 /// sender's mapping, registered heap memory with `ucp_put_nbx`, tcp with tagged sends.

@@ -15,6 +15,45 @@ use tokio_util::sync::CancellationToken;
 
 pub mod scenarios;
 
+/// One `#[tokio::test]` per scenario in [`scenarios`], for a transport: `$make` turns (source
+/// layout, destination layout) into a future of a [`Pair`].
+#[allow(unused_macros)] // not every test crate runs the scenarios
+macro_rules! scenario_tests {
+    ($make:expr) => {
+        scenario_tests!(@same $make;
+            every_layer_of_every_block_arrives_intact,
+            streamed_layers_complete_only_when_the_last_layer_lands,
+            unknown_stale_and_expired_reservations_are_refused_without_writing,
+            a_corrupted_byte_is_always_detected_and_never_marked_ready,
+            sender_cancel_ends_both_sides_and_releases_everything,
+            receiver_cancel_ends_both_sides_and_releases_everything,
+            reservation_expiry_mid_transfer_ends_both_sides,
+            a_dropped_chunk_ends_in_a_deadline_error_and_no_leak,
+            delayed_chunks_still_arrive_intact,
+            a_cut_connection_ends_both_sides_and_the_next_push_reconnects
+        );
+
+        #[tokio::test]
+        async fn layout_mismatch_is_refused_before_any_byte_is_written() {
+            let small = crate::common::small_layout();
+            let other = tandem_kv_layout::KvLayout { model_fingerprint: 1, ..small };
+            let pair = ($make)(small, other).await;
+            crate::common::scenarios::layout_mismatch_is_refused_before_any_byte_is_written(&pair)
+                .await;
+        }
+    };
+    (@same $make:expr; $($name:ident),*) => {
+        $(
+            #[tokio::test]
+            async fn $name() {
+                let small = crate::common::small_layout();
+                let pair = ($make)(small, small).await;
+                crate::common::scenarios::$name(&pair).await;
+            }
+        )*
+    };
+}
+
 pub const SEED: u64 = 0x7a11_d0e5;
 pub const BLOCKS: usize = 16;
 
