@@ -28,21 +28,21 @@
 //! expected: endpoints are force-closed then and the status is not an error. The TCP control
 //! connection's end is what tells the receiver its sender is gone.
 
+mod peer;
+mod runtime;
 mod ucp;
 mod worker;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 
 use tandem_kv_layout::KvLayout;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
-use crate::checksum::copy_with_checksum;
 use crate::config::{TransferConfig, UcxConfig, UcxDataMode};
 use crate::error::TransferError;
-use crate::fault::ChunkFaults;
 use crate::inbound::InboundRegistry;
 use crate::metrics::{Live, LiveGuard, TransferMetrics};
 use crate::pool::KvPool;
@@ -53,8 +53,9 @@ use crate::transport::{
 };
 use crate::wire::{DataMode, UcxRemote};
 
-pub(crate) use worker::UcxRuntime;
-use worker::{Cmd, Keep};
+pub(crate) use peer::UcxPeer;
+pub(crate) use runtime::UcxRuntime;
+use runtime::{Cmd, Keep};
 
 /// Mask selecting the connection and transfer bits of a tag.
 pub(crate) const TRANSFER_TAG_MASK: u64 = 0xFFFF_FFFF_F000_0000;
@@ -218,230 +219,6 @@ impl MappedPool {
                 guard,
             });
         }
-    }
-}
-
-/// The UCX side of one connection: an endpoint to the receiver's worker and its pool's key.
-pub(crate) struct UcxPeer {
-    rt: UcxRuntime,
-    ep: u64,
-    mode: DataMode,
-    conn_id: u32,
-    remote_base: u64,
-    remote_len: u64,
-    closed: AtomicBool,
-    /// Local address of the peer pool's base when UCX maps it into this process.
-    mapped: Option<usize>,
-}
-
-impl UcxPeer {
-    /// RMA or tag.
-    pub fn mode(&self) -> DataMode {
-        self.mode
-    }
-
-    /// True when the peer's pool is mapped here (chunks go through [`UcxPeer::copy_chunk`]).
-    pub fn mapped(&self) -> bool {
-        self.mapped.is_some()
-    }
-
-    /// Copies one chunk's ranges `(src offset, dst offset, len)` into the peer's mapped pool,
-    /// hashing each slab in the same pass; returns the slab checksums in payload order. Runs on
-    /// a blocking thread and always completes (it is not cancelled midway: the mapping must
-    /// outlive every write, and the caller holds the endpoint until this returns).
-    pub async fn copy_chunk(
-        &self,
-        pool: &Arc<KvPool>,
-        ranges: Vec<(usize, usize, usize)>,
-        slab_bytes: usize,
-        faults: ChunkFaults,
-    ) -> Result<Vec<u64>, TransferError> {
-        let base = self
-            .mapped
-            .ok_or_else(|| TransferError::protocol("ucx_copy", "peer pool not mapped"))?;
-        if ranges
-            .iter()
-            .any(|&(_, t, len)| (t + len) as u64 > self.remote_len)
-        {
-            return Err(TransferError::invalid(
-                "dst_blocks",
-                "range beyond the receiver's pool",
-            ));
-        }
-        // (source offset, destination offset) of every slab, in payload order.
-        let slabs: Vec<(usize, usize)> = ranges
-            .iter()
-            .flat_map(|&(s, t, len)| (0..len).step_by(slab_bytes).map(move |k| (s + k, t + k)))
-            .collect();
-        let pool = Arc::clone(pool);
-        // Awaited to the end, never dropped midway: the copy must not outlive the mapping.
-        let sums = tokio::task::spawn_blocking(move || {
-            copy_slabs(&pool, base, &slabs, slab_bytes, faults)
-        })
-        .await
-        .map_err(|_| TransferError::Shutdown)?;
-        // Make every store visible before the Chunk frame announces it.
-        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-        Ok(sums)
-    }
-
-    /// Closes the endpoint now (used by the cut fault); later operations fail.
-    pub fn close(&self) {
-        if !self.closed.swap(true, Ordering::Relaxed) {
-            let _ = self.rt.send(Cmd::Close { ep: self.ep });
-        }
-    }
-
-    /// Starts moving one chunk's ranges `(src offset, dst offset, len)`; the receiver resolves
-    /// once every byte has landed (puts: flushed) and UCX no longer touches the source.
-    pub async fn send_chunk(
-        &self,
-        transfer_id: u64,
-        tag_base: u64,
-        pool: &Arc<KvPool>,
-        ranges: &[(usize, usize, usize)],
-        faults: ChunkFaults,
-    ) -> Result<oneshot::Receiver<Result<(), TransferError>>, TransferError> {
-        let base = pool.as_ptr() as usize;
-        let limit = faults.cut_at.unwrap_or(u64::MAX);
-        let mut offset = 0u64;
-        // Under a cut, only whole ranges before the cut point move (then the connection dies).
-        let kept: Vec<(usize, usize, usize, u64)> = ranges
-            .iter()
-            .map(|&(s, t, len)| {
-                let at = offset;
-                offset += len as u64;
-                (s, t, len, at)
-            })
-            .take_while(|&(_, _, len, at)| at + len as u64 <= limit)
-            .collect();
-        for &(_, t, len, _) in &kept {
-            if (t + len) as u64 > self.remote_len {
-                return Err(TransferError::invalid(
-                    "dst_blocks",
-                    "range beyond the receiver's pool",
-                ));
-            }
-        }
-        match self.mode {
-            DataMode::Rma => {
-                let ops = kept
-                    .iter()
-                    .map(|&(s, t, len, _)| PutOp {
-                        local: base + s,
-                        len,
-                        remote: self.remote_base + t as u64,
-                    })
-                    .collect();
-                let keep: Keep = Box::new(Arc::clone(pool));
-                let rx = self.rt.request(|reply| Cmd::Put {
-                    ep: self.ep,
-                    ops,
-                    keep,
-                    reply,
-                });
-                let Some(at) = faults.corrupt_at else {
-                    return Ok(rx);
-                };
-                // Fault: after the honest bytes land, overwrite one of them with its complement.
-                rx.await.map_err(|_| TransferError::Shutdown)??;
-                let &(s, t, _, start) = kept
-                    .iter()
-                    .find(|&&(_, _, len, start)| at >= start && at < start + len as u64)
-                    .ok_or_else(|| {
-                        TransferError::invalid("fault", "corrupt offset outside the chunk")
-                    })?;
-                let k = (at - start) as usize;
-                // SAFETY: s + k is inside the source pool (k < that range's length).
-                let flipped = Box::new([!unsafe { *pool.as_ptr().add(s + k) }]);
-                let op = PutOp {
-                    local: flipped.as_ptr() as usize,
-                    len: 1,
-                    remote: self.remote_base + (t + k) as u64,
-                };
-                Ok(self.rt.request(|reply| Cmd::Put {
-                    ep: self.ep,
-                    ops: vec![op],
-                    keep: Box::new(flipped),
-                    reply,
-                }))
-            }
-            DataMode::Tag | DataMode::Inline => {
-                let mut copy: Option<Vec<u8>> = None;
-                let mut ops: Vec<TagOp> = kept
-                    .iter()
-                    .enumerate()
-                    .map(|(k, &(s, _, len, _))| TagOp {
-                        addr: base + s,
-                        len,
-                        tag: tag_for(self.conn_id, transfer_id, tag_base + k as u64),
-                    })
-                    .collect();
-                let target = faults.corrupt_at.and_then(|at| {
-                    let k = kept
-                        .iter()
-                        .position(|&(_, _, len, start)| at >= start && at < start + len as u64)?;
-                    Some((at, k))
-                });
-                if let Some((at, k)) = target {
-                    let (s, _, len, start) = kept[k];
-                    // SAFETY: (s, len) is a checked range of the source pool.
-                    let mut bytes =
-                        unsafe { std::slice::from_raw_parts(pool.as_ptr().add(s), len) }.to_vec();
-                    bytes[(at - start) as usize] ^= 0xFF;
-                    ops[k].addr = bytes.as_ptr() as usize;
-                    copy = Some(bytes);
-                }
-                let keep: Keep = Box::new((Arc::clone(pool), copy));
-                Ok(self.rt.request(|reply| Cmd::TagSend {
-                    ep: self.ep,
-                    ops,
-                    keep,
-                    reply,
-                }))
-            }
-        }
-    }
-}
-
-/// Copies `slabs` (source offset, destination offset) of `slab_bytes` each into the mapped pool
-/// at `base`, hashing each. Stops early (returning fewer sums) at a cut fault.
-fn copy_slabs(
-    pool: &KvPool,
-    base: usize,
-    slabs: &[(usize, usize)],
-    slab_bytes: usize,
-    faults: ChunkFaults,
-) -> Vec<u64> {
-    let limit = faults.cut_at.unwrap_or(u64::MAX);
-    let mut sums = Vec::with_capacity(slabs.len());
-    for (i, &(s, t)) in slabs.iter().enumerate() {
-        let offset = (i * slab_bytes) as u64;
-        if offset + slab_bytes as u64 > limit {
-            break; // cut: the rest never moves
-        }
-        // SAFETY: (s, slab_bytes) is a checked slab range of the source pool, which the caller
-        // keeps alive and nobody writes during the push.
-        let src = unsafe { std::slice::from_raw_parts(pool.as_ptr().add(s), slab_bytes) };
-        let dst = (base + t) as *mut u8;
-        // SAFETY: t + slab_bytes <= the peer pool's length (checked by the caller), inside its
-        // mapping, which stays mapped while the caller holds the endpoint; the receiver keeps
-        // these blocks untouched while the transfer holds them.
-        sums.push(unsafe { copy_with_checksum(src, dst) });
-        if let Some(at) = faults
-            .corrupt_at
-            .filter(|&at| at >= offset && at < offset + slab_bytes as u64)
-        {
-            // SAFETY: inside the slab just written.
-            unsafe { *dst.add((at - offset) as usize) ^= 0xFF };
-        }
-    }
-    sums
-}
-
-impl Drop for UcxPeer {
-    fn drop(&mut self) {
-        self.close();
     }
 }
 
