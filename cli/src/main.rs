@@ -40,6 +40,9 @@ enum Command {
     /// Start a local cluster (etcd, NATS, decode and prefill nodes, router), stream a sample
     /// answer through it, and serve until Ctrl-C.
     Up(tandem_cli::up::UpArgs),
+    /// Run the router: gRPC (tandem.v1.Inference) and OpenAI-compatible HTTP ingress in front of
+    /// the cluster's prefill and decode nodes.
+    Router(tandem_router::RouterArgs),
     /// Manage the model cache.
     #[command(subcommand)]
     Model(ModelCommand),
@@ -64,6 +67,7 @@ fn main() -> ExitCode {
         Command::Generate(a) => generate::run(a),
         Command::Plan(a) => plan::run(a).map(|s| println!("{s}")),
         Command::Up(a) => tandem_cli::up::run(a),
+        Command::Router(a) => tandem_router::run_blocking(a.clone()).map_err(Into::into),
         Command::BenchEngine(a) => bench_engine::run(a).map(|s| println!("{s}")),
         Command::BenchTransfer(a) => tandem_kv_transfer::bench::run(a.clone()).map(|_| ()),
         Command::KvPeer { args } => {

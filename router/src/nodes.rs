@@ -38,11 +38,13 @@ use crate::error::RouterError;
 use crate::routing::{Candidate, Demand, LeastInFlightPolicy, LoadEstimate, RoutingPolicy};
 use crate::stats::{RouterStats, bump};
 
-/// How the pool connects to nodes.
+/// How the pool connects to nodes and judges their reports.
 #[derive(Clone, Copy, Debug)]
 pub struct ChannelSettings {
     /// Limit on establishing a connection.
     pub connect_timeout: Duration,
+    /// Load reports older than this are stale.
+    pub max_report_age: Duration,
 }
 
 /// One node as the pool knows it.
@@ -178,7 +180,6 @@ impl NodePool {
         members: watch::Receiver<NodeView>,
         loads: watch::Receiver<LoadView>,
         load_policy: Box<dyn RoutingPolicy>,
-        max_report_age: Duration,
         settings: ChannelSettings,
         stats: Arc<RouterStats>,
         shutdown: CancellationToken,
@@ -189,7 +190,7 @@ impl NodePool {
         Self {
             role,
             load_policy,
-            max_report_age,
+            max_report_age: settings.max_report_age,
             settings,
             stats,
             loads,

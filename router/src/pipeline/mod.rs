@@ -220,6 +220,7 @@ impl Router {
         let shutdown = CancellationToken::new();
         let settings = ChannelSettings {
             connect_timeout: options.connect_timeout,
+            max_report_age: options.max_report_age,
         };
         let mut pools = Vec::with_capacity(2);
         for role in [Role::Prefill, Role::Decode] {
@@ -234,7 +235,6 @@ impl Router {
                 members,
                 loads,
                 policy,
-                options.max_report_age,
                 settings,
                 Arc::clone(&stats),
                 shutdown.clone(),
