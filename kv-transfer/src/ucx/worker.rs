@@ -31,11 +31,11 @@ use crate::error::{Phase, TransferError};
 use crate::pool::KvPool;
 use tandem_ucx_sys as sys;
 
-/// How long the thread keeps polling after the last sign of activity before it sleeps in
-/// `ucp_worker_wait`: short when nothing is outstanding (a new command wakes it anyway), longer
-/// while requests are in flight (their completion usually follows within microseconds, and a
-/// wake-up costs more than that).
+/// How long the thread keeps polling after the last sign of activity before it parks, with
+/// nothing outstanding (a new command unparks it anyway).
 const IDLE_SPIN: Duration = Duration::from_micros(50);
+/// The same with requests in flight: their completion usually follows within microseconds, and
+/// a wake-up costs more than that.
 const BUSY_SPIN: Duration = Duration::from_millis(2);
 /// Park length while requests are outstanding but quiet (a slow peer).
 const BUSY_PARK: Duration = Duration::from_micros(100);
@@ -57,11 +57,17 @@ enum Next {
     Flush(u64),
 }
 
+/// Requests issued for one command, replied to together.
 struct Batch {
+    /// When it was issued (its duration is traced on completion).
     started: Instant,
+    /// Requests still in progress.
     pending: Vec<Pending>,
+    /// What follows once `pending` is empty.
     next: Next,
+    /// The first failure; the batch still waits for its other requests.
     error: Option<TransferError>,
+    /// The memory the requests point into, alive until the reply.
     _keep: Keep,
     reply: Option<Reply<()>>,
 }
