@@ -60,3 +60,26 @@ async fn each_pool_kind_and_transport_takes_its_intended_data_path() {
         assert_eq!(pair.mismatched(&blocks, &blocks), 0);
     }
 }
+
+/// Registrations (heap pools) and allocations (UCX-owned shared memory) are released when their
+/// last handle drops: the gauge returns to zero once UCX has unmapped.
+#[tokio::test]
+async fn registrations_and_allocations_return_to_zero_when_dropped() {
+    use std::sync::Arc;
+    use tandem_kv_transfer::{
+        KvPool, KvTransport, Live, TransferConfig, UcxConfig, UcxKvTransport,
+    };
+
+    let t = UcxKvTransport::new(TransferConfig::default(), UcxConfig::default()).unwrap();
+    let heap = t
+        .register(Arc::new(KvPool::new(small_layout(), 8).unwrap()))
+        .unwrap();
+    let shared = t.allocate(small_layout(), 8).unwrap();
+    let again = shared.clone();
+    assert_eq!(t.metrics().live(Live::Registrations), 2);
+    drop((heap, shared, again));
+    common::wait_for("UCX to unmap both pools", || {
+        t.metrics().live(Live::Registrations) == 0
+    })
+    .await;
+}
