@@ -39,6 +39,8 @@ pub struct RouterStats {
     pub retries: AtomicU64,
     /// Of those, re-prefills after a corrupt KV transfer (DATA_LOSS).
     pub reprefills: AtomicU64,
+    /// Of those, migrations: streams continued on another pair after output was sent.
+    pub migrations: AtomicU64,
     /// Decode reservations refused (RESOURCE_EXHAUSTED) and tried elsewhere.
     pub reserve_refusals: AtomicU64,
     /// Release calls sent for reservations no Decode call completed.
@@ -66,6 +68,8 @@ pub struct StatsSnapshot {
     pub retries: u64,
     /// See [`RouterStats::reprefills`].
     pub reprefills: u64,
+    /// See [`RouterStats::migrations`].
+    pub migrations: u64,
     /// See [`RouterStats::reserve_refusals`].
     pub reserve_refusals: u64,
     /// See [`RouterStats::releases`].
@@ -120,6 +124,7 @@ impl RouterStats {
             cancelled: get(&self.cancelled),
             retries: get(&self.retries),
             reprefills: get(&self.reprefills),
+            migrations: get(&self.migrations),
             reserve_refusals: get(&self.reserve_refusals),
             releases: get(&self.releases),
         }

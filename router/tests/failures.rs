@@ -249,3 +249,83 @@ async fn retries_are_bounded_and_end_in_a_clear_unavailable_error() {
     let stats = router.router.stats();
     assert_eq!((stats.failed, stats.retries), (2, 4));
 }
+
+#[tokio::test]
+async fn a_decode_node_lost_mid_stream_is_migrated_and_the_client_sees_one_unbroken_stream() {
+    init_tracing();
+    let mut cluster = MemoryCluster::new();
+    let p = start_prefill("p0").await;
+    let d0 = start_decode("d0").await;
+    let d1 = start_decode("d1").await;
+    for info in [p.info(), d0.info(), d1.info()] {
+        cluster.register(info).await;
+    }
+    let router = cluster.router(options()).await;
+    d0.behaviour.fail_after_batches.store(3, Ordering::SeqCst);
+
+    let out = generate(&router, "a long answer", 10)
+        .await
+        .expect("one unbroken stream");
+    let (ids, text) = expected_output(prompt_tokens("a long answer"), 10);
+    assert_eq!((out.ids, out.text), (ids, text));
+    let usage = out.last.expect("final").usage.unwrap();
+    assert_eq!(
+        (usage.prompt_tokens, usage.completion_tokens),
+        (prompt_tokens("a long answer") as u32, 10)
+    );
+    assert_eq!(d0.behaviour.decode_calls.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        d1.behaviour.decode_calls.load(Ordering::SeqCst),
+        1,
+        "continued on the other node"
+    );
+    assert_eq!(
+        p.behaviour.prefill_calls.load(Ordering::SeqCst),
+        2,
+        "prompt + output re-prefilled"
+    );
+    assert_eq!(router.router.stats().migrations, 1);
+}
+
+#[tokio::test]
+async fn a_stream_lost_with_no_attempts_left_ends_with_an_interrupted_error() {
+    init_tracing();
+    let mut cluster = MemoryCluster::new();
+    let p = start_prefill("p0").await;
+    let d = start_decode("d0").await;
+    cluster.register(p.info()).await;
+    cluster.register(d.info()).await;
+    let mut opts = options();
+    opts.max_attempts = 1;
+    let router = cluster.router(opts).await;
+    d.behaviour.fail_after_batches.store(2, Ordering::SeqCst);
+
+    let mut client = router.grpc().await;
+    let mut stream = client
+        .generate(grpc_request("cut short", 6))
+        .await
+        .expect("started")
+        .into_inner();
+    let mut tokens = 0;
+    let status = loop {
+        match stream.message().await {
+            Ok(Some(message)) => {
+                if let Some(tandem_proto::v1::generate_response::Event::Delta(delta)) =
+                    message.event
+                {
+                    tokens += delta.token_ids.len();
+                }
+            }
+            Ok(None) => panic!("the stream ended without an error"),
+            Err(status) => break status,
+        }
+    };
+    assert_eq!(tokens, 2);
+    assert_eq!(status.code(), tonic::Code::Unavailable);
+    assert!(
+        status.message().contains("interrupted after 2 tokens"),
+        "{}",
+        status.message()
+    );
+    assert_eq!(router.router.stats().failed, 1);
+}

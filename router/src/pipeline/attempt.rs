@@ -16,6 +16,12 @@
 //! Any failure returns a classified [`RouterError`]; dropping the attempt's state cancels both
 //! node streams (tonic resets the HTTP/2 stream, the node sees the call cancelled) and the armed
 //! guard releases the reservation. The caller decides whether to try again.
+//!
+//! A later attempt after output reached the client (a migration) sends the prompt plus every
+//! token sent so far and asks for what is left: with greedy sampling the continuation is the
+//! one the lost node would have produced. Limits: a seeded sampler restarts its generator, a
+//! stop string spanning the seam is not seen, and a character split across the seam decodes
+//! as U+FFFD (the lost node held its first bytes back).
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -38,10 +44,15 @@ pub(super) struct AttemptState<'a> {
     pub inner: &'a Inner,
     pub request: &'a PreparedRequest,
     pub events: &'a mpsc::Sender<Result<GenerationEvent, RouterError>>,
-    /// Completion tokens the client has received (any failure after the first is final).
-    pub tokens_sent: u32,
+    /// Token ids the client has received, over every attempt. A later attempt continues from
+    /// them: its prompt is the request's prompt plus these (migration).
+    pub generated: Vec<u32>,
+    /// Prompt tokens the first successful prefill served from its prefix cache.
+    pub cached_prompt_tokens: Option<u32>,
     /// Prefill nodes that failed this request (avoided while others exist).
     pub failed_prefill: HashSet<String>,
+    /// Decode nodes whose Decode call failed for this request (avoided while others exist).
+    pub failed_decode: HashSet<String>,
 }
 
 impl AttemptState<'_> {
@@ -52,16 +63,42 @@ impl AttemptState<'_> {
             .map_err(|_| RouterError::Cancelled)
     }
 
-    /// Runs one attempt to its end.
+    /// Tokens the client has received.
+    pub fn tokens_sent(&self) -> u32 {
+        self.generated.len() as u32
+    }
+
+    /// Tokens still to generate.
+    pub fn tokens_left(&self) -> u32 {
+        self.request
+            .max_new_tokens()
+            .saturating_sub(self.tokens_sent())
+    }
+
+    /// Runs one attempt to its end. After output was sent (a migration), the attempt's prompt
+    /// is the request's prompt plus the tokens sent, and its limit what is left.
     pub async fn run(&mut self) -> Result<(), RouterError> {
         let inner = self.inner;
         let request = self.request;
+        let tokens_before = self.tokens_sent();
+        let prompt_ids: Vec<u32> = request
+            .prompt_ids
+            .iter()
+            .chain(&self.generated)
+            .copied()
+            .collect();
+        let sampling = pb::SamplingParams {
+            max_tokens: self.tokens_left(),
+            ..request.sampling.clone()
+        };
         let demand = Demand {
-            tokens: request.prompt_tokens() as u64 + request.max_new_tokens() as u64,
+            tokens: prompt_ids.len() as u64 + sampling.max_tokens as u64,
         };
 
         // 1. Reserve KV blocks on a decode node, trying each node at most once.
-        let (decode_dispatch, mut decode_client, target) = self.reserve(demand).await?;
+        let (decode_dispatch, mut decode_client, target) = self
+            .reserve(demand, prompt_ids.len() as u32, sampling.max_tokens)
+            .await?;
         let decode_node = decode_dispatch.node().node_id();
         let mut guard = ReservationGuard::new(
             decode_client.clone(),
@@ -92,8 +129,8 @@ impl AttemptState<'_> {
         let mut prefill_client = PrefillClient::new(prefill_dispatch.node().channel()?);
         let prefill_request = pb::PrefillRequest {
             request_id: request.request_id.clone(),
-            prompt_token_ids: request.prompt_ids.clone(),
-            sampling: Some(request.sampling.clone()),
+            prompt_token_ids: prompt_ids.clone(),
+            sampling: Some(sampling.clone()),
             target: Some(target.clone()),
             priority: request.priority.to_proto() as i32,
         };
@@ -130,17 +167,22 @@ impl AttemptState<'_> {
             request_id: request.request_id.clone(),
             reservation_id: target.reservation_id,
             epoch: target.epoch,
-            prompt_token_ids: request.prompt_ids.clone(),
+            prompt_token_ids: prompt_ids,
             first_token_id: first.token_id,
-            sampling: Some(request.sampling.clone()),
+            sampling: Some(sampling),
             priority: request.priority.to_proto() as i32,
             cached_prompt_tokens: first.cached_prompt_tokens,
         };
-        let mut decode_stream = decode_client
-            .decode(decode_request)
-            .await
-            .map_err(|s| decode_error(&s))?
-            .into_inner();
+        let cached_prompt_tokens = *self
+            .cached_prompt_tokens
+            .get_or_insert(first.cached_prompt_tokens);
+        let mut decode_stream = match decode_client.decode(decode_request).await {
+            Ok(response) => response.into_inner(),
+            Err(status) => {
+                self.failed_decode.insert(decode_node.clone());
+                return Err(decode_error(&status));
+            }
+        };
 
         // 4. Drive both streams: the prefill one until the push is acknowledged (dropping it
         //    earlier would cancel the push), the decode one to the client.
@@ -172,7 +214,7 @@ impl AttemptState<'_> {
                         // The decode node streams the whole output, the first token included.
                         let token_ids = batch.token_ids;
                         tokens_here += token_ids.len() as u32;
-                        self.tokens_sent += token_ids.len() as u32;
+                        self.generated.extend_from_slice(&token_ids);
                         self.send(GenerationEvent::Delta { text: batch.text, token_ids }).await?;
                     }
                     Ok(Some(pb::DecodeResponse { event: Some(pb::decode_response::Event::Final(done)) })) => {
@@ -181,14 +223,15 @@ impl AttemptState<'_> {
                             .usage
                             .map(|u| u.completion_tokens)
                             .filter(|&n| n > 0)
-                            .unwrap_or(tokens_here);
+                            .unwrap_or(tokens_here)
+                            + tokens_before;
                         let finish_reason = FinishReason::from_proto(done.finish_reason);
                         return self
                             .send(GenerationEvent::Final(GenerationFinal {
                                 finish_reason,
                                 usage: Usage {
                                     prompt_tokens: request.prompt_tokens(),
-                                    cached_prompt_tokens: first.cached_prompt_tokens,
+                                    cached_prompt_tokens,
                                     completion_tokens,
                                 },
                                 request_id: request.request_id.clone(),
@@ -196,8 +239,14 @@ impl AttemptState<'_> {
                             .await;
                     }
                     Ok(Some(_)) => return Err(decode_protocol("sent an empty event")),
-                    Ok(None) => return Err(decode_protocol("stream ended without a final message")),
-                    Err(status) => return Err(decode_error(&status)),
+                    Ok(None) => {
+                        self.failed_decode.insert(decode_node.clone());
+                        return Err(decode_protocol("stream ended without a final message"));
+                    }
+                    Err(status) => {
+                        self.failed_decode.insert(decode_node.clone());
+                        return Err(decode_error(&status));
+                    }
                 },
             }
         }
@@ -207,6 +256,8 @@ impl AttemptState<'_> {
     async fn reserve(
         &mut self,
         demand: Demand,
+        prompt_tokens: u32,
+        max_new_tokens: u32,
     ) -> Result<
         (
             crate::nodes::Dispatch,
@@ -217,12 +268,19 @@ impl AttemptState<'_> {
     > {
         let inner = self.inner;
         let request = self.request;
-        let mut asked = HashSet::new();
+        // Nodes whose Decode failed for this request are avoided while others exist.
+        let mut asked = self.failed_decode.clone();
+        let mut avoiding = !asked.is_empty();
         let mut busy = 0usize;
         let mut last_error = None;
         loop {
             let dispatch = match inner.decode.pick(demand, &asked) {
                 Ok(dispatch) => dispatch,
+                Err(RouterError::NoNodes { .. }) if avoiding => {
+                    avoiding = false;
+                    asked.retain(|id| !self.failed_decode.contains(id));
+                    continue;
+                }
                 Err(no_nodes @ RouterError::NoNodes { .. }) => {
                     return Err(match last_error {
                         _ if busy > 0 => RouterError::NoCapacity {
@@ -240,8 +298,8 @@ impl AttemptState<'_> {
             let mut client = DecodeClient::new(dispatch.node().channel()?);
             let mut call = tonic::Request::new(pb::ReserveRequest {
                 request_id: request.request_id.clone(),
-                prompt_tokens: request.prompt_tokens(),
-                max_new_tokens: request.max_new_tokens(),
+                prompt_tokens,
+                max_new_tokens,
             });
             call.set_timeout(inner.options.rpc_timeout);
             match client.reserve(call).await {

@@ -12,6 +12,8 @@
 //!                                                                         ▼
 //!  request task: attempt (attempt.rs) ── retry-safe failure, nothing sent yet, attempts left?
 //!                   │ yes: release, count, attempt again on another pair (DATA_LOSS = re-prefill)
+//!                   │ output already sent, retry safe, attempts left: migrate (re-prefill prompt +
+//!                   │   output so far on another pair; the client sees one unbroken stream)
 //!                   │ no:  the error ends the stream (Interrupted once output was sent)
 //!                 client gone (stream dropped) ── the task stops at once: node streams are
 //!                   dropped (the nodes see the calls cancelled), the reservation is released
@@ -407,8 +409,10 @@ async fn drive(
         inner,
         request,
         events,
-        tokens_sent: 0,
+        generated: Vec::new(),
+        cached_prompt_tokens: None,
         failed_prefill: Default::default(),
+        failed_decode: Default::default(),
     };
     let max_attempts = inner.options.max_attempts.max(1);
     let mut attempts = 0;
@@ -421,23 +425,30 @@ async fn drive(
         if matches!(error, RouterError::Cancelled) {
             return Err(error);
         }
-        if state.tokens_sent > 0 {
-            return Err(RouterError::Interrupted {
-                tokens_sent: state.tokens_sent,
-                cause: Box::new(error),
-            });
+        let sent = state.tokens_sent();
+        if sent > 0 && error.is_retry_safe() && state.tokens_left() == 0 {
+            // Every token arrived; only the final message was lost.
+            tracing::warn!(request_id = %request.request_id, %error, "final message lost after the last token; finishing the stream here");
+            return finish_without_node(&state).await;
         }
-        if !error.is_retry_safe() {
-            return Err(error);
-        }
-        if attempts >= max_attempts {
-            return Err(RouterError::RetriesExhausted {
-                attempts,
-                last: Box::new(error),
+        if !error.is_retry_safe() || attempts >= max_attempts {
+            return Err(match (sent, error.is_retry_safe()) {
+                (0, true) => RouterError::RetriesExhausted {
+                    attempts,
+                    last: Box::new(error),
+                },
+                (0, false) => error,
+                (tokens_sent, _) => RouterError::Interrupted {
+                    tokens_sent,
+                    cause: Box::new(error),
+                },
             });
         }
         bump(&inner.stats.retries);
-        if matches!(
+        if sent > 0 {
+            bump(&inner.stats.migrations);
+            tracing::warn!(request_id = %request.request_id, %error, tokens_sent = sent, "stream lost mid-generation; migrating: re-prefilling prompt + output so far on another pair");
+        } else if matches!(
             error,
             RouterError::Node {
                 fault: NodeFault::KvCorrupt,
@@ -450,4 +461,22 @@ async fn drive(
             tracing::warn!(request_id = %request.request_id, %error, attempt = attempts, "attempt failed before any output; retrying on another pair");
         }
     }
+}
+
+/// Ends a stream whose tokens all arrived but whose final message was lost.
+async fn finish_without_node(state: &AttemptState<'_>) -> Result<(), RouterError> {
+    let done = GenerationFinal {
+        finish_reason: FinishReason::Length,
+        usage: Usage {
+            prompt_tokens: state.request.prompt_tokens(),
+            cached_prompt_tokens: state.cached_prompt_tokens.unwrap_or(0),
+            completion_tokens: state.tokens_sent(),
+        },
+        request_id: state.request.request_id.clone(),
+    };
+    state
+        .events
+        .send(Ok(GenerationEvent::Final(done)))
+        .await
+        .map_err(|_| RouterError::Cancelled)
 }

@@ -2,9 +2,12 @@
 //! with deterministic canned tokens, plus knobs to inject failures and hold streams, and
 //! counters/notifications of what they observed (calls, releases, cancellations).
 //!
-//! Canned output: the prefill node's first token is `first_token(prompt)`; the decode node
-//! streams `first, first + 1, ...` (`max_tokens` tokens, the first one included, one per batch),
-//! each with the text `t{id} `, and finishes with `length`.
+//! Canned output, a fake "model" whose next token depends only on the sequence length: after
+//! `n` tokens comes `next_token(n) = 100 + n % 50`. The prefill node's first token is
+//! `next_token(prompt.len())`; the decode node streams `max_tokens` tokens from there (the
+//! first one included, one per batch), each with the text `t{id} `, and finishes with `length`.
+//! So a stream re-prefilled from prompt + output so far continues exactly (as greedy decoding
+//! of a real model would).
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -31,9 +34,14 @@ pub fn layout() -> KvLayout {
     KvLayout::new(30, 3, 64, BLOCK_TOKENS, KvDtype::F16, 7).expect("valid layout")
 }
 
+/// The fake model's token after a sequence of `len` tokens.
+pub fn next_token(len: usize) -> u32 {
+    100 + (len as u32 % 50)
+}
+
 /// The first token the fake prefill node samples for `prompt`.
 pub fn first_token(prompt: &[u32]) -> u32 {
-    100 + (prompt.len() as u32 % 50)
+    next_token(prompt.len())
 }
 
 /// The text of a canned token.
@@ -43,8 +51,9 @@ pub fn token_text(id: u32) -> String {
 
 /// The whole canned output for a prompt of `prompt_len` tokens and `max_tokens`.
 pub fn expected_output(prompt_len: usize, max_tokens: u32) -> (Vec<u32>, String) {
-    let first = 100 + (prompt_len as u32 % 50);
-    let ids: Vec<u32> = (0..max_tokens).map(|i| first + i).collect();
+    let ids: Vec<u32> = (0..max_tokens as usize)
+        .map(|i| next_token(prompt_len + i))
+        .collect();
     let text = ids.iter().map(|&id| token_text(id)).collect();
     (ids, text)
 }
@@ -68,6 +77,9 @@ pub struct DecodeBehaviour {
     pub refuse_reserves: AtomicU32,
     /// Fail the next N Decode calls with DATA_LOSS (a corrupt transfer).
     pub data_loss: AtomicU32,
+    /// Fail the next stream with UNAVAILABLE after this many batches (-1: never): the node
+    /// dying mid-stream.
+    pub fail_after_batches: AtomicI64,
     /// Hold every stream after this many batches (-1: never) until `resume` or cancellation.
     pub hold_after_batches: AtomicI64,
     /// Wakes held streams.
@@ -195,7 +207,14 @@ impl Decode for DecodeService {
         let prompt_tokens = r.prompt_token_ids.len() as u32;
         tokio::spawn(async move {
             let hold_at = b.hold_after_batches.load(Ordering::SeqCst);
+            let fail_at = b.fail_after_batches.swap(-1, Ordering::SeqCst);
             for i in 0..max_tokens {
+                if i as i64 == fail_at {
+                    let _ = tx
+                        .send(Err(Status::unavailable("node stopping (fake)")))
+                        .await;
+                    return;
+                }
                 if i as i64 == hold_at {
                     b.held.fetch_add(1, Ordering::SeqCst);
                     b.holding.notify_waiters();
@@ -208,7 +227,11 @@ impl Decode for DecodeService {
                         }
                     }
                 }
-                let id = r.first_token_id + i;
+                let id = if i == 0 {
+                    r.first_token_id
+                } else {
+                    next_token(prompt_tokens as usize + i as usize)
+                };
                 let batch = pb::DecodeResponse {
                     event: Some(pb::decode_response::Event::Tokens(pb::TokenBatch {
                         token_ids: vec![id],
@@ -310,6 +333,7 @@ pub async fn start_decode(node_id: &str) -> FakeNode<DecodeBehaviour> {
     let (listener, grpc_addr) = bind().await;
     let behaviour = Arc::new(DecodeBehaviour {
         hold_after_batches: AtomicI64::new(-1),
+        fail_after_batches: AtomicI64::new(-1),
         ..Default::default()
     });
     let stop = CancellationToken::new();
