@@ -190,16 +190,21 @@ pub async fn serve(
     let health_task = tokio::spawn({
         let router = router.clone();
         async move {
+            let mut last = None;
             loop {
                 let status = if router.is_ready() {
                     ServingStatus::Serving
                 } else {
                     ServingStatus::NotServing
                 };
-                health.set_service_status("", status).await;
-                health
-                    .set_service_status("tandem.v1.Inference", status)
-                    .await;
+                // Watchers get one message per change, not one per membership event.
+                if last != Some(status) {
+                    health.set_service_status("", status).await;
+                    health
+                        .set_service_status("tandem.v1.Inference", status)
+                        .await;
+                    last = Some(status);
+                }
                 router.membership_changed().await;
             }
         }
