@@ -64,6 +64,8 @@ pub mod env_names {
     pub const CONNECT_TIMEOUT_MS: &str = "TANDEM_CONNECT_TIMEOUT_MS";
     /// `--load-max-age-ms`.
     pub const LOAD_MAX_AGE_MS: &str = "TANDEM_LOAD_MAX_AGE_MS";
+    /// `--startup-timeout-secs` (shared with the nodes).
+    pub const STARTUP_TIMEOUT_SECS: &str = "TANDEM_STARTUP_TIMEOUT_SECS";
 }
 
 use env_names as env;
@@ -135,6 +137,9 @@ pub struct RouterArgs {
     /// in-flight counts, ms [default: 1000].
     #[arg(long, env = env::LOAD_MAX_AGE_MS)]
     pub load_max_age_ms: Option<u64>,
+    /// How long startup keeps retrying while etcd or NATS is unreachable, seconds [default: 30].
+    #[arg(long, env = env::STARTUP_TIMEOUT_SECS)]
+    pub startup_timeout_secs: Option<u64>,
 }
 
 /// The resolved configuration.
@@ -156,6 +161,8 @@ pub struct RouterConfig {
     pub model_name: Option<String>,
     /// Context cap override.
     pub max_context_tokens: Option<u32>,
+    /// How long startup retries an unreachable control plane.
+    pub startup_timeout: Duration,
     /// Core settings.
     pub options: RouterOptions,
 }
@@ -290,6 +297,7 @@ impl RouterArgs {
             model_path: args.model.unwrap_or_else(default_model_path),
             model_name: args.model_name,
             max_context_tokens: args.max_context_tokens,
+            startup_timeout: Duration::from_secs(args.startup_timeout_secs.unwrap_or(30)),
             options,
         })
     }

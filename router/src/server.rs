@@ -7,6 +7,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tandem_cluster::{
     Discovery, EtcdConfig, EtcdDiscovery, LoadSignals, NatsConfig, NatsLoadSignals,
@@ -68,21 +69,7 @@ pub async fn run(
     if let Some(cap) = config.max_context_tokens {
         model.context_tokens = model.context_tokens.min(cap);
     }
-    let discovery: Arc<dyn Discovery> = Arc::new(
-        EtcdDiscovery::connect(EtcdConfig::new(
-            config.etcd_endpoints.clone(),
-            config.cluster.clone(),
-        ))
-        .await?,
-    );
-    let signals: Arc<dyn LoadSignals> = Arc::new(
-        NatsLoadSignals::connect(NatsConfig::new(
-            config.nats_url.clone(),
-            config.cluster.clone(),
-        ))
-        .await?,
-    );
-    let router = Router::start(model, config.options.clone(), discovery, signals).await?;
+    let router = start_with_retries(&config, model).await?;
     let bind = |server: &'static str, addr| async move {
         TcpListener::bind(addr)
             .await
@@ -106,6 +93,46 @@ pub async fn run(
     println!("grpc {}", local(&grpc));
     println!("http {}", local(&http));
     serve(router, grpc, http, shutdown).await
+}
+
+/// Connects to etcd and NATS and starts the router, retrying retryable control-plane errors
+/// (backoff 100 ms doubling to 2 s) until `config.startup_timeout` has passed.
+async fn start_with_retries(
+    config: &RouterConfig,
+    model: ServedModel,
+) -> Result<Router, RouterError> {
+    let deadline = tokio::time::Instant::now() + config.startup_timeout;
+    let mut delay = Duration::from_millis(100);
+    loop {
+        let attempt = async {
+            let discovery: Arc<dyn Discovery> = Arc::new(
+                EtcdDiscovery::connect(EtcdConfig::new(
+                    config.etcd_endpoints.clone(),
+                    config.cluster.clone(),
+                ))
+                .await?,
+            );
+            let signals: Arc<dyn LoadSignals> = Arc::new(
+                NatsLoadSignals::connect(NatsConfig::new(
+                    config.nats_url.clone(),
+                    config.cluster.clone(),
+                ))
+                .await?,
+            );
+            Router::start(model.clone(), config.options.clone(), discovery, signals).await
+        };
+        match attempt.await {
+            Ok(router) => return Ok(router),
+            Err(RouterError::Cluster(error))
+                if error.is_retryable() && tokio::time::Instant::now() + delay < deadline =>
+            {
+                tracing::warn!(%error, retry_in = ?delay, "control plane unreachable at startup; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+            Err(error) => return Err(error),
+        }
+    }
 }
 
 /// Resolves `args`, builds a multi-threaded runtime and runs the router until Ctrl-C or
