@@ -136,13 +136,35 @@ async fn routes_through_real_etcd_membership_and_nats_load_reports() {
     }
     assert_eq!(decode_calls(&d2), before);
 
+    let health = common::http(router.http_addr, "GET", "/health", None, None).await;
+    assert_eq!(
+        health.json()["load_reports_connected"],
+        true,
+        "{}",
+        health.body
+    );
+    assert_eq!(health.json()["cluster"], CLUSTER);
+
     // NATS stops: serving goes on, routing falls back to in-flight counts (counted, logged).
     nats.stop();
     serve_until(&router, "the fallback after NATS stopped", WAIT, || {
         router.router.stats().decode.fallback_entered > 0
     })
     .await;
+    let health = common::http(router.http_addr, "GET", "/health", None, None).await;
+    assert_eq!(
+        health.status, 200,
+        "nodes are still registered: {}",
+        health.body
+    );
+    assert_eq!(
+        health.json()["load_reports_connected"],
+        false,
+        "{}",
+        health.body
+    );
     // NATS returns: reports resume and routing uses them again.
+
     nats.restart().await;
     let picks = router.router.stats().decode.load_picks;
     serve_until(

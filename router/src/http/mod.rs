@@ -101,7 +101,12 @@ async fn health(State(router): State<Router>) -> Response {
     };
     (
         status,
-        axum::Json(json!({ "prefill_nodes": prefill, "decode_nodes": decode })),
+        axum::Json(json!({
+            "cluster": router.cluster(),
+            "prefill_nodes": prefill,
+            "decode_nodes": decode,
+            "load_reports_connected": router.load_signals_connected(),
+        })),
     )
         .into_response()
 }

@@ -195,6 +195,23 @@ pub(crate) struct Inner {
     next_request: AtomicU64,
     id_prefix: String,
     shutdown: CancellationToken,
+    /// The control-plane handles the views come from, kept for the router's lifetime.
+    control_plane: ControlPlane,
+}
+
+/// The discovery and load-signal handles a router was started with.
+struct ControlPlane {
+    discovery: Arc<dyn Discovery>,
+    signals: Arc<dyn LoadSignals>,
+}
+
+impl std::fmt::Debug for ControlPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlPlane")
+            .field("discovery_cluster", &self.discovery.cluster())
+            .field("signals_cluster", &self.signals.cluster())
+            .finish()
+    }
 }
 
 impl Drop for Inner {
@@ -263,6 +280,7 @@ impl Router {
                 next_request: AtomicU64::new(0),
                 id_prefix,
                 shutdown,
+                control_plane: ControlPlane { discovery, signals },
             }),
         })
     }
@@ -280,6 +298,16 @@ impl Router {
     /// Checks an `Authorization` value against the configured API keys.
     pub fn authorize(&self, authorization: Option<&str>) -> Result<(), RouterError> {
         self.inner.options.api_keys.check(authorization)
+    }
+
+    /// The cluster this router serves.
+    pub fn cluster(&self) -> &str {
+        self.inner.control_plane.discovery.cluster()
+    }
+
+    /// Whether the load-signal transport (NATS) is connected now.
+    pub fn load_signals_connected(&self) -> bool {
+        self.inner.control_plane.signals.status().borrow().connected
     }
 
     /// Registered nodes accepting work: (prefill, decode).
