@@ -13,7 +13,7 @@
 //! | fault | typical cause | retry safe (no output sent yet) |
 //! |---|---|---|
 //! | `Busy` | RESOURCE_EXHAUSTED: no free blocks, queue full | yes, on another node |
-//! | `Unreachable` | UNAVAILABLE, connection reset, deadline, node-side cancel | yes |
+//! | `Unreachable` | UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, ABORTED; UNKNOWN without the nodes' `tandem-error-kind` label (a transport error: connection reset) | yes |
 //! | `KvCorrupt` | DATA_LOSS from decode: a block failed verification | yes: re-prefill on a fresh reservation |
 //! | `ReservationLost` | FAILED_PRECONDITION / NOT_FOUND: reservation expired or reused | yes: fresh reservation |
 //! | `Rejected` | INVALID_ARGUMENT, OUT_OF_RANGE, UNIMPLEMENTED: the node refuses the request itself | no |
@@ -30,6 +30,9 @@ use crate::request::Field;
 /// Status metadata key in which nodes say whether a retry on another pair may succeed
 /// (`true` / `false`).
 pub const RETRY_SAFE_METADATA: &str = "tandem-retry-safe";
+
+/// Status metadata key in which nodes label their errors (`checksum_mismatch`, ...).
+pub const ERROR_KIND_METADATA: &str = "tandem-error-kind";
 
 /// The pipeline step a node failure happened in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -294,7 +297,15 @@ impl RouterError {
 
     /// Classifies a node's status once, where it is received.
     pub(crate) fn node(role: Role, node_id: &str, step: Step, status: &tonic::Status) -> Self {
-        let fault = NodeFault::from_code(status.code());
+        // Nodes label every status they send (`tandem-error-kind`); an UNKNOWN status without
+        // the label came from the transport (connection reset, h2 error): the node went away.
+        let from_transport = status.code() == tonic::Code::Unknown
+            && status.metadata().get(ERROR_KIND_METADATA).is_none();
+        let fault = if from_transport {
+            NodeFault::Unreachable
+        } else {
+            NodeFault::from_code(status.code())
+        };
         let retry_safe = match status
             .metadata()
             .get(RETRY_SAFE_METADATA)
@@ -400,6 +411,27 @@ mod tests {
             .metadata_mut()
             .insert(RETRY_SAFE_METADATA, "false".parse().unwrap());
         assert!(!RouterError::node(Role::Prefill, "p0", Step::Prefill, &refused).is_retry_safe());
+        let reset =
+            tonic::Status::unknown("h2 protocol error: error reading a body from connection");
+        assert!(matches!(
+            RouterError::node(Role::Decode, "d0", Step::Decode, &reset),
+            RouterError::Node {
+                fault: NodeFault::Unreachable,
+                retry_safe: true,
+                ..
+            }
+        ));
+        let mut labelled = tonic::Status::unknown("engine bug");
+        labelled
+            .metadata_mut()
+            .insert(ERROR_KIND_METADATA, "internal".parse().unwrap());
+        assert!(matches!(
+            RouterError::node(Role::Decode, "d0", Step::Decode, &labelled),
+            RouterError::Node {
+                fault: NodeFault::Internal,
+                ..
+            }
+        ));
         let interrupted = RouterError::Interrupted {
             tokens_sent: 3,
             cause: Box::new(node),
