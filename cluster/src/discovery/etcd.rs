@@ -29,6 +29,9 @@ use crate::error::ClusterError;
 use crate::keys::ClusterKeys;
 use crate::node::{NodeInfo, NodeView, Role};
 
+/// Interval of HTTP/2 keep-alive pings to etcd (etcd refuses pings more often than every 5 s).
+const GRPC_PING_INTERVAL: Duration = Duration::from_secs(10);
+
 /// How to reach etcd and how to use it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EtcdConfig {
@@ -107,7 +110,10 @@ impl EtcdDiscovery {
         let options = ConnectOptions::new()
             .with_connect_timeout(config.connect_timeout)
             // HTTP/2 pings find a silently dead server (a partition sends no reset).
-            .with_keep_alive(config.request_timeout, config.request_timeout)
+            // HTTP/2 pings no more often than etcd's default `--grpc-keepalive-min-time` (5 s):
+            // pinging faster makes etcd close the connection ("too many pings"), dropping every
+            // watch every few seconds.
+            .with_keep_alive(GRPC_PING_INTERVAL, config.request_timeout)
             .with_keep_alive_while_idle(true);
         let client = Client::connect(&config.endpoints, Some(options))
             .await
