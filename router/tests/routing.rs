@@ -224,6 +224,21 @@ async fn stale_load_reports_switch_routing_to_in_flight_counts_and_back() {
         stats.prefill.fallback_entered, 0,
         "prefill reports are still fresh"
     );
+    // The same counts are exported on /metrics.
+    let metrics = common::http(router.http_addr, "GET", "/metrics", None, None).await;
+    assert_eq!(metrics.status, 200);
+    for line in [
+        "tandem_router_load_fallback_entered_total{role=\"decode\"} 1",
+        "tandem_router_load_fallback_entered_total{role=\"prefill\"} 0",
+        "tandem_router_routing_picks_total{role=\"decode\",source=\"fallback\"} 2",
+        "tandem_router_nodes{role=\"decode\"} 2",
+    ] {
+        assert!(
+            metrics.body.lines().any(|l| l == line),
+            "missing {line:?} in:\n{}",
+            metrics.body
+        );
+    }
 
     // Reports resume: routing by load again.
     loads.set(Role::Decode, "d1", fresh, |r| r.free_blocks = 900);

@@ -6,6 +6,7 @@
 //! | `POST /v1/chat/completions` | chat completion, same streaming rules |
 //! | `GET /v1/models` | the served model |
 //! | `GET /health` | 200 while ≥ 1 prefill and ≥ 1 decode node accept work, else 503 |
+//! | `GET /metrics` | the router's counters and gauges, Prometheus text format (open, like /health) |
 //! | anything else | 404, OpenAI-shaped |
 //!
 //! Authentication (when API keys are configured): `Authorization: Bearer <key>` on every
@@ -16,6 +17,7 @@
 
 mod completions;
 mod error;
+pub mod metrics;
 pub mod openai;
 
 use std::future::Future;
@@ -40,6 +42,7 @@ pub fn app(router: Router) -> AxumRouter {
         .route("/v1/chat/completions", post(completions::chat_completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
         .fallback(not_found)
         .with_state(router)
 }
@@ -58,6 +61,17 @@ pub async fn serve(
             server: "http",
             message: e.to_string(),
         })
+}
+
+async fn metrics_text(State(router): State<Router>) -> Response {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
+        metrics::render(&router),
+    )
+        .into_response()
 }
 
 /// Checks the `Authorization` header.
