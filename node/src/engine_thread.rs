@@ -182,7 +182,9 @@ impl<C: Send + 'static> EngineHandle<C> {
         rx.await.map_err(|_| NodeError::EngineStopped)
     }
 
-    /// The latest snapshot (updated after every loop iteration).
+    /// The latest snapshot (updated after every loop iteration). Do not hold a borrow of it
+    /// (`borrow()`, the `Ref` that `wait_for` returns) across an await: the engine thread's next
+    /// update waits for the borrow to end.
     pub fn snapshot(&self) -> watch::Receiver<EngineSnapshot> {
         self.snapshot.clone()
     }

@@ -158,13 +158,15 @@ async fn requests_run_on_the_engine_thread_and_it_idles_then_shuts_down_cleanly(
         "steps run on the dedicated thread, not a tokio worker"
     );
     let mut snap = engine.snapshot();
+    // `is_ok()` drops the borrow at once: a held `watch::Ref` would stall the engine thread.
     let quiet = tokio::time::timeout(
         Duration::from_secs(5),
         snap.wait_for(|s| s.is_quiescent() && s.total_blocks == 32),
     )
-    .await;
+    .await
+    .is_ok();
     assert!(
-        quiet.is_ok(),
+        quiet,
         "the snapshot shows every block free once idle"
     );
     // Idle: the loop blocks on the channel, it does not spin through empty steps.
