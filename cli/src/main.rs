@@ -43,6 +43,22 @@ enum Command {
     /// Run the router: gRPC (tandem.v1.Inference) and OpenAI-compatible HTTP ingress in front of
     /// the cluster's prefill and decode nodes.
     Router(tandem_router::RouterArgs),
+    /// Run a prefill node (chunked prefill, first token, layer-wise KV push); same flags as
+    /// `tandem-prefill-node` (`tandem prefill --help`).
+    #[command(disable_help_flag = true)]
+    Prefill {
+        /// The node's flags.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
+    },
+    /// Run a decode node (KV reservations, verified receive, continuous batching); same flags as
+    /// `tandem-decode-node` (`tandem decode --help`).
+    #[command(disable_help_flag = true)]
+    Decode {
+        /// The node's flags.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
+    },
     /// Manage the model cache.
     #[command(subcommand)]
     Model(ModelCommand),
@@ -59,10 +75,13 @@ enum ModelCommand {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "warn".into()))
-        .init();
+    // Nodes set up their own logging (their `--log`, default info).
+    if !matches!(cli.command, Command::Prefill { .. } | Command::Decode { .. }) {
+        tracing_subscriber::fmt()
+            .with_writer(std::io::stderr)
+            .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "warn".into()))
+            .init();
+    }
     let result = match &cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Plan(a) => plan::run(a).map(|s| println!("{s}")),
@@ -72,6 +91,12 @@ fn main() -> ExitCode {
         Command::BenchTransfer(a) => tandem_kv_transfer::bench::run(a.clone()).map(|_| ()),
         Command::KvPeer { args } => {
             tandem_kv_transfer::peer::run_cli(std::iter::once("tandem-kv-peer".into()).chain(args.iter().cloned()))
+        }
+        Command::Prefill { args } => {
+            tandem_prefill_node::main_with_args(std::iter::once("tandem prefill".into()).chain(args.iter().cloned()).collect())
+        }
+        Command::Decode { args } => {
+            tandem_decode_node::main_with_args(std::iter::once("tandem decode".into()).chain(args.iter().cloned()).collect())
         }
         Command::Model(ModelCommand::Fetch) => fetch::ensure_default_model().map(|p| println!("{}", p.display())),
         Command::Model(ModelCommand::Path) => {

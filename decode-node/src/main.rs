@@ -7,7 +7,6 @@ fn main() -> ExitCode {
     match tandem_decode_node::main_with_args(std::env::args_os().collect()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!("{e:#}");
             eprintln!("tandem-decode-node: {e:#}");
             ExitCode::FAILURE
         }

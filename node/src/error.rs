@@ -11,8 +11,8 @@ use tandem_kv_transfer::TransferError;
 /// Everything a node can fail with outside a request's own status.
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
-    /// A flag or config value is invalid.
-    #[error("invalid {flag} `{value}`: {reason}")]
+    /// A flag or config value is invalid (or missing: `value` is empty).
+    #[error("{}", if value.is_empty() { format!("{flag} {reason}") } else { format!("invalid {flag} `{value}`: {reason}") })]
     InvalidConfig {
         /// The flag, as typed (`--etcd-endpoints`).
         flag: &'static str,

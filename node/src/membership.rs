@@ -61,14 +61,14 @@ pub async fn join(
                 EtcdDiscovery::connect(etcd)
                     .await
                     .map_err(|source| NodeError::Cluster {
-                        step: "connect to etcd (--etcd-endpoints)",
+                        step: "connect to etcd; check --etcd-endpoints",
                         source,
                     })?;
             let url = c.nats_url.clone().unwrap_or_default();
             let nats = NatsLoadSignals::connect(NatsConfig::new(&url, &c.cluster))
                 .await
                 .map_err(|source| NodeError::Cluster {
-                    step: "connect to NATS (--nats-url)",
+                    step: "connect to NATS; check --nats-url",
                     source,
                 })?;
             // The first connection is made in the background; give it a moment before warning.
@@ -134,7 +134,7 @@ pub async fn register(
             }
             Err(source) => {
                 return Err(NodeError::Cluster {
-                    step: "register in etcd (check --etcd-endpoints)",
+                    step: "register in etcd; check --etcd-endpoints",
                     source,
                 });
             }

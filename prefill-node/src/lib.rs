@@ -271,6 +271,6 @@ pub fn main_with_args(argv: Vec<OsString>) -> anyhow::Result<()> {
         .enable_all()
         .thread_name("prefill-rt")
         .build()?;
-    rt.block_on(run(args, lifecycle::shutdown_signal()))?;
-    Ok(())
+    // NodeError's messages already carry their sources: report it flat, not as a chain.
+    rt.block_on(run(args, lifecycle::shutdown_signal())).map_err(|e| anyhow::anyhow!("{e}"))
 }
