@@ -15,6 +15,8 @@
 //! gRPC (+ health, reflection) → register in etcd with the bound addresses → publish load on
 //! NATS. Shutdown follows [`tandem_node::lifecycle`]'s phases.
 
+#![warn(missing_docs)]
+
 pub mod driver;
 pub mod reservations;
 pub mod service;
@@ -279,5 +281,6 @@ pub fn main_with_args(argv: Vec<OsString>) -> anyhow::Result<()> {
         .thread_name("decode-rt")
         .build()?;
     // NodeError's messages already carry their sources: report it flat, not as a chain.
-    rt.block_on(run(args, lifecycle::shutdown_signal())).map_err(|e| anyhow::anyhow!("{e}"))
+    rt.block_on(run(args, lifecycle::shutdown_signal()))
+        .map_err(|e| anyhow::anyhow!("{e}"))
 }

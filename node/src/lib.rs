@@ -27,6 +27,8 @@
 //! Invariant shared by both nodes: the engine is only touched on its own thread; everything
 //! else reaches it through [`engine_thread::EngineHandle`], and every reply channel is bounded.
 
+#![warn(missing_docs)]
+
 pub mod config;
 pub mod config_file;
 pub mod convert;

@@ -49,9 +49,12 @@ enum Cmd {
     Panic,
 }
 
+/// A request's id, where to send (its tokens, the thread that stepped it), and its tokens so far.
+type Waiting = (u64, oneshot::Sender<(Vec<u32>, String)>, Vec<u32>);
+
 #[derive(Default)]
 struct TestDriver {
-    waiting: Vec<(u64, oneshot::Sender<(Vec<u32>, String)>, Vec<u32>)>,
+    waiting: Vec<Waiting>,
     steps: Arc<AtomicUsize>,
     shutdowns: Arc<AtomicUsize>,
 }
@@ -165,10 +168,7 @@ async fn requests_run_on_the_engine_thread_and_it_idles_then_shuts_down_cleanly(
     )
     .await
     .is_ok();
-    assert!(
-        quiet,
-        "the snapshot shows every block free once idle"
-    );
+    assert!(quiet, "the snapshot shows every block free once idle");
     // Idle: the loop blocks on the channel, it does not spin through empty steps.
     let before = steps.load(Ordering::Relaxed);
     tokio::time::sleep(Duration::from_millis(300)).await;
