@@ -284,3 +284,47 @@ pub fn main_with_args(argv: Vec<OsString>) -> anyhow::Result<()> {
     rt.block_on(run(args, lifecycle::shutdown_signal()))
         .map_err(|e| anyhow::anyhow!("{e}"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_have_documented_defaults_and_read_the_node_flags() {
+        let a =
+            DecodeArgs::try_parse_from(["d", "--kv-addr", "127.0.0.1:7000", "--kv-blocks", "64"])
+                .unwrap();
+        assert_eq!(a.reservation_ttl_ms, 30_000);
+        assert_eq!(a.node.listen.kv_addr, "127.0.0.1:7000".parse::<SocketAddr>().unwrap());
+        assert_eq!(a.node.engine.kv_blocks, Some(64));
+    }
+
+    #[tokio::test]
+    async fn a_zero_reservation_ttl_is_refused_before_anything_starts() {
+        let a = DecodeArgs::try_parse_from(["d", "--reservation-ttl-ms", "0"]).unwrap();
+        match DecodeNode::start(a, Coordination::FromArgs).await {
+            Err(NodeError::InvalidConfig { flag, .. }) => {
+                assert!(flag == "--etcd-endpoints" || flag == "--reservation-ttl-ms")
+            }
+            Err(e) => panic!("wrong error: {e}"),
+            Ok(_) => panic!("started with a zero TTL"),
+        }
+        let a = DecodeArgs::try_parse_from([
+            "d",
+            "--reservation-ttl-ms",
+            "0",
+            "--etcd-endpoints",
+            "e",
+            "--nats-url",
+            "n",
+        ])
+        .unwrap();
+        assert!(matches!(
+            DecodeNode::start(a, Coordination::FromArgs).await,
+            Err(NodeError::InvalidConfig {
+                flag: "--reservation-ttl-ms",
+                ..
+            })
+        ));
+    }
+}

@@ -134,6 +134,15 @@ async fn greedy_and_seeded_output_equals_the_colocated_engine_token_for_token(c:
     for r in runs {
         got.push(r.await.unwrap().expect("generation succeeds"));
     }
+    for ((id, prompt, _), g) in cases.iter().zip(&got) {
+        eprintln!(
+            "  {id}: {} prompt tokens, {} KV blocks ({} KiB) pushed in {} us",
+            prompt.len(),
+            g.pushed.blocks,
+            g.pushed.bytes >> 10,
+            g.pushed.transfer_us
+        );
+    }
     for ((id, prompt, _), (g, (tokens, text))) in cases.iter().zip(got.iter().zip(&want)) {
         assert_eq!(
             &g.tokens, tokens,

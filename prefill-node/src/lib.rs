@@ -277,3 +277,45 @@ pub fn main_with_args(argv: Vec<OsString>) -> anyhow::Result<()> {
     rt.block_on(run(args, lifecycle::shutdown_signal()))
         .map_err(|e| anyhow::anyhow!("{e}"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_have_documented_defaults_and_read_the_node_flags() {
+        let a =
+            PrefillArgs::try_parse_from(["p", "--cluster", "c1", "--kv-transport", "tcp"]).unwrap();
+        assert_eq!(a.push_deadline_ms, 30_000);
+        assert_eq!(a.node.cluster.cluster, "c1");
+        assert_eq!(
+            a.node.listen.kv_transport,
+            tandem_node::TransportChoice::Tcp
+        );
+        assert_eq!(a.log, "info");
+        assert!(PrefillArgs::try_parse_from(["p", "--push-deadline-ms", "soon"]).is_err());
+    }
+
+    #[cfg(feature = "fault-injection")]
+    #[test]
+    fn fault_injection_builds_take_a_kv_fault_flag() {
+        let a = PrefillArgs::try_parse_from(["p", "--kv-fault", "corrupt:7"]).unwrap();
+        assert_eq!(
+            a.kv_fault,
+            Some(tandem_kv_transfer::Fault::CorruptByte { offset: 7 })
+        );
+    }
+
+    #[tokio::test]
+    async fn a_node_without_etcd_or_nats_flags_refuses_to_start_naming_the_flag() {
+        let a = PrefillArgs::try_parse_from(["p", "--nats-url", "nats://127.0.0.1:1"]).unwrap();
+        match PrefillNode::start(a, Coordination::FromArgs).await {
+            Err(NodeError::InvalidConfig {
+                flag: "--etcd-endpoints",
+                ..
+            }) => {}
+            Err(e) => panic!("wrong error: {e}"),
+            Ok(_) => panic!("started without etcd"),
+        }
+    }
+}
