@@ -79,6 +79,7 @@ fn main() -> ExitCode {
     if !matches!(cli.command, Command::Prefill { .. } | Command::Decode { .. }) {
         tracing_subscriber::fmt()
             .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "warn".into()))
             .init();
     }
