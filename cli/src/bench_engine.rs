@@ -70,8 +70,16 @@ impl Spread {
     fn of(mut v: Vec<f64>) -> Spread {
         v.sort_by(f64::total_cmp);
         let n = v.len();
-        let median = if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 };
-        Spread { median, min: v[0], max: v[n - 1] }
+        let median = if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            (v[n / 2 - 1] + v[n / 2]) / 2.0
+        };
+        Spread {
+            median,
+            min: v[0],
+            max: v[n - 1],
+        }
     }
 }
 
@@ -100,13 +108,23 @@ pub fn measure_read_bandwidth_gbs() -> f64 {
 
 fn random_prompt(rng: &mut Rng, len: usize, vocab: usize) -> Vec<u32> {
     // Skip the first 256 ids (byte tokens and specials in most BPE vocabularies).
-    (0..len).map(|_| 256 + rng.below((vocab - 256) as u64) as u32).collect()
+    (0..len)
+        .map(|_| 256 + rng.below((vocab - 256) as u64) as u32)
+        .collect()
 }
 
 fn bench_prefill(engine: &mut Engine, prompt_len: usize, seed: u64) -> anyhow::Result<f64> {
     let vocab = engine.model().config().vocab_size;
     let prompt = random_prompt(&mut Rng::new(seed), prompt_len, vocab);
-    let req = Request { id: 1_000_000 + seed, prompt, params: SamplingParams { ignore_eos: true, ..SamplingParams::greedy(1) }, priority: Priority::Interactive };
+    let req = Request {
+        id: 1_000_000 + seed,
+        prompt,
+        params: SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(1)
+        },
+        priority: Priority::Interactive,
+    };
     engine.add_request(req, Instant::now())?;
     let t0 = Instant::now();
     while !engine.is_idle() {
@@ -115,14 +133,30 @@ fn bench_prefill(engine: &mut Engine, prompt_len: usize, seed: u64) -> anyhow::R
     Ok(prompt_len as f64 / t0.elapsed().as_secs_f64())
 }
 
-fn bench_decode(engine: &mut Engine, batch: usize, args: &BenchEngineArgs, seed: u64) -> anyhow::Result<f64> {
+fn bench_decode(
+    engine: &mut Engine,
+    batch: usize,
+    args: &BenchEngineArgs,
+    seed: u64,
+) -> anyhow::Result<f64> {
     let vocab = engine.model().config().vocab_size;
     let mut rng = Rng::new(seed);
     let now = Instant::now();
     for i in 0..batch {
         let prompt = random_prompt(&mut rng, args.decode_prompt_len, vocab);
-        let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(args.decode_tokens + 1) };
-        engine.add_request(Request { id: 2_000_000 + seed * 1000 + i as u64, prompt, params, priority: Priority::Interactive }, now)?;
+        let params = SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(args.decode_tokens + 1)
+        };
+        engine.add_request(
+            Request {
+                id: 2_000_000 + seed * 1000 + i as u64,
+                prompt,
+                params,
+                priority: Priority::Interactive,
+            },
+            now,
+        )?;
     }
     // Prefill everyone (until each has its first token).
     let mut started = 0;
@@ -140,7 +174,10 @@ fn bench_decode(engine: &mut Engine, batch: usize, args: &BenchEngineArgs, seed:
 /// Runs the benchmark and returns what to print.
 pub fn run(args: &BenchEngineArgs) -> anyhow::Result<String> {
     anyhow::ensure!(args.runs > 0, "--runs must be at least 1");
-    anyhow::ensure!(args.prompt_len > 0 && args.decode_prompt_len > 0, "prompt lengths must be > 0");
+    anyhow::ensure!(
+        args.prompt_len > 0 && args.decode_prompt_len > 0,
+        "prompt lengths must be > 0"
+    );
     anyhow::ensure!(args.batch.iter().all(|&b| b > 0), "batch sizes must be > 0");
     let mut eargs = args.engine.clone();
     eargs.no_prefix_caching = true;
@@ -152,25 +189,42 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<String> {
     let model = engine.model();
     let bytes_per_token = model.weight_bytes_per_token();
     let cfg = model.config().clone();
-    let flops_per_token = 2 * (cfg.param_count() - (cfg.vocab_size * cfg.hidden_size) as u64
-        + if cfg.tie_word_embeddings { (cfg.vocab_size * cfg.hidden_size) as u64 } else { 0 });
+    let flops_per_token = 2
+        * (cfg.param_count() - (cfg.vocab_size * cfg.hidden_size) as u64
+            + if cfg.tie_word_embeddings {
+                (cfg.vocab_size * cfg.hidden_size) as u64
+            } else {
+                0
+            });
 
     // Warm up once (page faults, pool threads), then measure.
     bench_prefill(&mut engine, args.prompt_len.min(64), 0)?;
-    let prefill = Spread::of((0..args.runs).map(|r| bench_prefill(&mut engine, args.prompt_len, r as u64 + 1)).collect::<Result<_, _>>()?);
+    let prefill = Spread::of(
+        (0..args.runs)
+            .map(|r| bench_prefill(&mut engine, args.prompt_len, r as u64 + 1))
+            .collect::<Result<_, _>>()?,
+    );
     let mut decode = BTreeMap::new();
     for &b in &args.batch {
-        let v: Vec<f64> = (0..args.runs).map(|r| bench_decode(&mut engine, b, args, (b * 100 + r) as u64)).collect::<Result<_, _>>()?;
+        let v: Vec<f64> = (0..args.runs)
+            .map(|r| bench_decode(&mut engine, b, args, (b * 100 + r) as u64))
+            .collect::<Result<_, _>>()?;
         decode.insert(b, Spread::of(v));
     }
     let report = Report {
-        model: eargs.model.as_ref().map_or_else(|| "SmolLM2-135M-Instruct (default)".into(), |p| p.display().to_string()),
+        model: eargs.model.as_ref().map_or_else(
+            || "SmolLM2-135M-Instruct (default)".into(),
+            |p| p.display().to_string(),
+        ),
         dtype: eargs.dtype.as_str(),
         kv_dtype: eargs.kv_dtype.as_str(),
         threads: tandem_engine::kernels_threads(),
         prompt_len: args.prompt_len,
         prefill_tok_s: prefill.median,
-        decode_tok_s: decode.iter().map(|(b, s)| (b.to_string(), s.median)).collect(),
+        decode_tok_s: decode
+            .iter()
+            .map(|(b, s)| (b.to_string(), s.median))
+            .collect(),
         prefill_spread: prefill,
         decode_spread: decode.iter().map(|(b, s)| (b.to_string(), *s)).collect(),
         weight_bytes_per_token: bytes_per_token,
@@ -191,7 +245,10 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<String> {
                 args.prompt_len, prefill.median, prefill.min, prefill.max
             );
             for (b, sp) in &decode {
-                s += &format!("decode   batch {:>3}         {:>9.1} tok/s  ({:.1}–{:.1})\n", b, sp.median, sp.min, sp.max);
+                s += &format!(
+                    "decode   batch {:>3}         {:>9.1} tok/s  ({:.1}–{:.1})\n",
+                    b, sp.median, sp.min, sp.max
+                );
             }
             s += &format!(
                 "bound    1 seq at {:.1} GB/s  {:>9.1} tok/s  ({} MB of weights per token)\n",
@@ -200,7 +257,10 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<String> {
                 bytes_per_token / 1_000_000
             );
             if let Some(one) = decode.get(&1) {
-                s += &format!("decode batch 1 / bound     {:>9.1} %\n", 100.0 * one.median / report.bandwidth_bound_tok_s);
+                s += &format!(
+                    "decode batch 1 / bound     {:>9.1} %\n",
+                    100.0 * one.median / report.bandwidth_bound_tok_s
+                );
             }
             s
         }

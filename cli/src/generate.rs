@@ -64,13 +64,22 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     };
     params.validate()?;
     let mut engine = engine_from_args(&args.engine)?;
-    let tok = engine.tokenizer().context("this model has no tokenizer; `generate` needs text")?.clone();
+    let tok = engine
+        .tokenizer()
+        .context("this model has no tokenizer; `generate` needs text")?
+        .clone();
     let text = if args.chat {
         let mut msgs = Vec::new();
         if let Some(s) = &args.system {
-            msgs.push(ChatMessage { role: "system".into(), content: s.clone() });
+            msgs.push(ChatMessage {
+                role: "system".into(),
+                content: s.clone(),
+            });
         }
-        msgs.push(ChatMessage { role: "user".into(), content: args.prompt.clone() });
+        msgs.push(ChatMessage {
+            role: "user".into(),
+            content: args.prompt.clone(),
+        });
         tok.apply_chat_template(&msgs, true)?
     } else {
         args.prompt.clone()
@@ -82,7 +91,12 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let mut out = stdout.lock();
     let mut write_err = None;
     let done = engine.generate(
-        vec![Request { id: 1, prompt, params, priority: Priority::Interactive }],
+        vec![Request {
+            id: 1,
+            prompt,
+            params,
+            priority: Priority::Interactive,
+        }],
         |o| {
             first_token_at.get_or_insert_with(|| t0.elapsed());
             if write_err.is_none() {
@@ -101,7 +115,8 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let c = &done[0];
     let elapsed = t0.elapsed().as_secs_f64();
     let ttft = first_token_at.unwrap_or_default().as_secs_f64();
-    let decode_rate = (c.usage.completion_tokens.saturating_sub(1)) as f64 / (elapsed - ttft).max(1e-9);
+    let decode_rate =
+        (c.usage.completion_tokens.saturating_sub(1)) as f64 / (elapsed - ttft).max(1e-9);
     tracing::info!(
         prompt_tokens = c.usage.prompt_tokens,
         completion_tokens = c.usage.completion_tokens,

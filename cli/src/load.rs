@@ -12,13 +12,17 @@ use crate::fetch;
 pub fn engine_from_args(args: &EngineArgs) -> anyhow::Result<Engine> {
     let source = match args.source(fetch::default_model_path) {
         ModelSource::Path(p) if args.model.is_none() => ModelSource::Path(
-            fetch::ensure_default_model().context("fetching the default model")?.canonicalize().unwrap_or(p),
+            fetch::ensure_default_model()
+                .context("fetching the default model")?
+                .canonicalize()
+                .unwrap_or(p),
         ),
         s => s,
     };
     let cfg = args.engine_config()?;
     let t0 = Instant::now();
-    let loaded = loader::load(&source, args.dtype).with_context(|| format!("loading {source:?}"))?;
+    let loaded =
+        loader::load(&source, args.dtype).with_context(|| format!("loading {source:?}"))?;
     let model = Model::new(loaded.weights);
     let c = model.config();
     tracing::info!(

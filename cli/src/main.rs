@@ -37,6 +37,9 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<std::ffi::OsString>,
     },
+    /// Serving benchmark: TTFT and tokens/s at a few concurrency levels, a local 1 prefill +
+    /// 1 decode cluster beside one colocated engine.
+    BenchServe(tandem_cli::bench_serve::BenchServeArgs),
     /// Start a local cluster (etcd, NATS, decode and prefill nodes, router), stream a sample
     /// answer through it, and serve until Ctrl-C.
     Up(tandem_cli::up::UpArgs),
@@ -76,30 +79,42 @@ enum ModelCommand {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // Nodes set up their own logging (their `--log`, default info).
-    if !matches!(cli.command, Command::Prefill { .. } | Command::Decode { .. }) {
+    if !matches!(
+        cli.command,
+        Command::Prefill { .. } | Command::Decode { .. }
+    ) {
         tracing_subscriber::fmt()
             .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-            .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "warn".into()))
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "warn".into()),
+            )
             .init();
     }
     let result = match &cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Plan(a) => plan::run(a).map(|s| println!("{s}")),
         Command::Up(a) => tandem_cli::up::run(a),
+        Command::BenchServe(a) => tandem_cli::bench_serve::run(a).map(|s| println!("{s}")),
         Command::Router(a) => tandem_router::run_blocking(a.clone()).map_err(Into::into),
         Command::BenchEngine(a) => bench_engine::run(a).map(|s| println!("{s}")),
         Command::BenchTransfer(a) => tandem_kv_transfer::bench::run(a.clone()).map(|_| ()),
-        Command::KvPeer { args } => {
-            tandem_kv_transfer::peer::run_cli(std::iter::once("tandem-kv-peer".into()).chain(args.iter().cloned()))
+        Command::KvPeer { args } => tandem_kv_transfer::peer::run_cli(
+            std::iter::once("tandem-kv-peer".into()).chain(args.iter().cloned()),
+        ),
+        Command::Prefill { args } => tandem_prefill_node::main_with_args(
+            std::iter::once("tandem prefill".into())
+                .chain(args.iter().cloned())
+                .collect(),
+        ),
+        Command::Decode { args } => tandem_decode_node::main_with_args(
+            std::iter::once("tandem decode".into())
+                .chain(args.iter().cloned())
+                .collect(),
+        ),
+        Command::Model(ModelCommand::Fetch) => {
+            fetch::ensure_default_model().map(|p| println!("{}", p.display()))
         }
-        Command::Prefill { args } => {
-            tandem_prefill_node::main_with_args(std::iter::once("tandem prefill".into()).chain(args.iter().cloned()).collect())
-        }
-        Command::Decode { args } => {
-            tandem_decode_node::main_with_args(std::iter::once("tandem decode".into()).chain(args.iter().cloned()).collect())
-        }
-        Command::Model(ModelCommand::Fetch) => fetch::ensure_default_model().map(|p| println!("{}", p.display())),
         Command::Model(ModelCommand::Path) => {
             println!("{}", fetch::default_model_path().display());
             Ok(())

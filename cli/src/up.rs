@@ -22,7 +22,9 @@ use anyhow::{Context, bail};
 use clap::Args;
 use tandem_cluster::{Discovery, EtcdConfig, EtcdDiscovery, Role};
 use tandem_proto::v1::inference_client::InferenceClient;
-use tandem_proto::v1::{ChatMessage, ChatMessages, GenerateRequest, SamplingParams, generate_request, generate_response};
+use tandem_proto::v1::{
+    ChatMessage, ChatMessages, GenerateRequest, SamplingParams, generate_request, generate_response,
+};
 
 /// Flags of `tandem up`.
 #[derive(Args, Debug, Clone)]
@@ -55,7 +57,10 @@ pub struct UpArgs {
     #[arg(long, default_value = "nats-server")]
     pub nats_bin: String,
     /// The sample chat message streamed once the cluster is up.
-    #[arg(long, default_value = "In two sentences: why serve prefill and decode on separate machines?")]
+    #[arg(
+        long,
+        default_value = "In two sentences: why serve prefill and decode on separate machines?"
+    )]
     pub prompt: String,
     /// Tokens of the sample answer.
     #[arg(long, default_value_t = 96)]
@@ -84,7 +89,8 @@ struct Proc {
 impl Proc {
     fn spawn(name: &str, program: &Path, args: &[String], logs: &Path) -> anyhow::Result<Proc> {
         let log = logs.join(format!("{name}.log"));
-        let out = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let out =
+            std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
         let err = out.try_clone()?;
         let child = Command::new(program)
             .args(args)
@@ -94,13 +100,22 @@ impl Proc {
             .process_group(0)
             .spawn()
             .with_context(|| format!("starting {name} ({})", program.display()))?;
-        Ok(Proc { name: name.to_string(), child, log })
+        Ok(Proc {
+            name: name.to_string(),
+            child,
+            log,
+        })
     }
 
     /// Fails with the log's tail if the process has exited.
     fn check_alive(&mut self) -> anyhow::Result<()> {
         if let Some(status) = self.child.try_wait()? {
-            bail!("{} exited ({status}) during startup; last lines of {}:\n{}", self.name, self.log.display(), tail(&self.log, 15));
+            bail!(
+                "{} exited ({status}) during startup; last lines of {}:\n{}",
+                self.name,
+                self.log.display(),
+                tail(&self.log, 15)
+            );
         }
         Ok(())
     }
@@ -119,7 +134,10 @@ impl Proc {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        eprintln!("tandem up: {} did not stop within {grace:?}; killing it", self.name);
+        eprintln!(
+            "tandem up: {} did not stop within {grace:?}; killing it",
+            self.name
+        );
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -139,11 +157,20 @@ fn which(bin: &str) -> Option<PathBuf> {
     if bin.contains('/') {
         return Path::new(bin).exists().then(|| bin.into());
     }
-    std::env::var_os("PATH")?.to_str()?.split(':').map(|d| Path::new(d).join(bin)).find(|p| p.exists())
+    std::env::var_os("PATH")?
+        .to_str()?
+        .split(':')
+        .map(|d| Path::new(d).join(bin))
+        .find(|p| p.exists())
 }
 
 /// Waits until `cond` holds, checking that the processes are alive meanwhile.
-fn wait_until(what: &str, deadline: Instant, procs: &mut [Proc], mut cond: impl FnMut() -> bool) -> anyhow::Result<()> {
+fn wait_until(
+    what: &str,
+    deadline: Instant,
+    procs: &mut [Proc],
+    mut cond: impl FnMut() -> bool,
+) -> anyhow::Result<()> {
     loop {
         if cond() {
             return Ok(());
@@ -158,14 +185,20 @@ fn wait_until(what: &str, deadline: Instant, procs: &mut [Proc], mut cond: impl 
     }
 }
 
-/// The running cluster: processes in start order.
-struct Cluster {
+/// A running local cluster: processes in start order, stopped in reverse order on drop.
+pub struct Cluster {
     procs: Vec<Proc>,
+    /// Where its data and logs are.
+    pub run_dir: PathBuf,
+    /// etcd client URL.
+    pub etcd_url: String,
+    /// NATS URL.
+    pub nats_url: String,
 }
 
 impl Cluster {
     /// Stops in reverse start order: router, prefill, decode, NATS, etcd.
-    fn shutdown(&mut self) {
+    pub fn shutdown(&mut self) {
         while let Some(mut p) = self.procs.pop() {
             eprintln!("tandem up: stopping {}", p.name);
             p.stop(Duration::from_secs(40));
@@ -179,9 +212,13 @@ impl Drop for Cluster {
     }
 }
 
-/// Runs `tandem up`.
-pub fn run(args: &UpArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(args.prefill > 0 && args.decode > 0, "--prefill and --decode must each be at least 1");
+/// Starts the cluster `args` describe and waits until every node is registered and the router
+/// is healthy.
+pub fn start(args: &UpArgs, rt: &tokio::runtime::Runtime) -> anyhow::Result<Cluster> {
+    anyhow::ensure!(
+        args.prefill > 0 && args.decode > 0,
+        "--prefill and --decode must each be at least 1"
+    );
     let (Some(etcd), Some(nats)) = (which(&args.etcd_bin), which(&args.nats_bin)) else {
         bail!(
             "tandem up needs `{}` and `{}` on PATH. Install them with:\n    sudo apt-get install etcd-server nats-server\n(or run scripts/setup.sh, which installs everything tandem needs)",
@@ -196,7 +233,10 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
     let run_dir = match &args.run_dir {
         Some(d) => d.clone(),
         None => PathBuf::from(".tandem/run").join(
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs().to_string(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)?
+                .as_secs()
+                .to_string(),
         ),
     };
     let logs = run_dir.join("logs");
@@ -205,12 +245,18 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
     let logs = run_dir.join("logs");
     let me = std::env::current_exe()?;
     let deadline = Instant::now() + Duration::from_secs(args.ready_timeout_secs);
-    let mut cluster = Cluster { procs: Vec::new() };
     eprintln!("tandem up: run directory {}", run_dir.display());
 
     // Control plane.
     let (etcd_port, etcd_peer, nats_port) = (free_port()?, free_port()?, free_port()?);
     let etcd_url = format!("http://127.0.0.1:{etcd_port}");
+    let nats_url = format!("nats://127.0.0.1:{nats_port}");
+    let mut cluster = Cluster {
+        procs: Vec::new(),
+        run_dir: run_dir.clone(),
+        etcd_url: etcd_url.clone(),
+        nats_url: nats_url.clone(),
+    };
     let peer_url = format!("http://127.0.0.1:{etcd_peer}");
     let etcd_args = vec![
         "--name=tandem-local".into(),
@@ -221,14 +267,20 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
         format!("--initial-advertise-peer-urls={peer_url}"),
         format!("--initial-cluster=tandem-local={peer_url}"),
     ];
-    cluster.procs.push(Proc::spawn("etcd", &etcd, &etcd_args, &logs)?);
-    let nats_url = format!("nats://127.0.0.1:{nats_port}");
+    cluster
+        .procs
+        .push(Proc::spawn("etcd", &etcd, &etcd_args, &logs)?);
     let nats_args = vec!["--addr=127.0.0.1".into(), format!("--port={nats_port}")];
-    cluster.procs.push(Proc::spawn("nats", &nats, &nats_args, &logs)?);
+    cluster
+        .procs
+        .push(Proc::spawn("nats", &nats, &nats_args, &logs)?);
     for port in [etcd_port, nats_port] {
-        wait_until(&format!("127.0.0.1:{port}"), deadline, &mut cluster.procs, || {
-            TcpStream::connect(("127.0.0.1", port)).is_ok()
-        })?;
+        wait_until(
+            &format!("127.0.0.1:{port}"),
+            deadline,
+            &mut cluster.procs,
+            || TcpStream::connect(("127.0.0.1", port)).is_ok(),
+        )?;
     }
 
     // Nodes, then the router.
@@ -248,26 +300,64 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
             a.extend(common.iter().cloned());
             a.extend(["--node-id".into(), format!("{role}-{i}")]);
             a.extend(args.node_args.iter().cloned());
-            cluster.procs.push(Proc::spawn(&format!("{role}-{i}"), &me, &a, &logs)?);
+            cluster
+                .procs
+                .push(Proc::spawn(&format!("{role}-{i}"), &me, &a, &logs)?);
         }
     }
     let mut a = vec!["router".to_string()];
     a.extend(common.iter().cloned());
-    a.extend(["--grpc-addr".into(), args.grpc.to_string(), "--http-addr".into(), args.http.to_string()]);
+    a.extend([
+        "--grpc-addr".into(),
+        args.grpc.to_string(),
+        "--http-addr".into(),
+        args.http.to_string(),
+    ]);
     cluster.procs.push(Proc::spawn("router", &me, &a, &logs)?);
 
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let discovery = rt.block_on(EtcdDiscovery::connect(EtcdConfig::new(vec![etcd_url.clone()], args.cluster.clone())))?;
-    let registered = |role: Role| rt.block_on(discovery.list(role)).map(|v| v.len()).unwrap_or(0);
-    eprintln!("tandem up: waiting for {} decode and {} prefill node(s) to load the model and register", args.decode, args.prefill);
-    wait_until("every node to register", deadline, &mut cluster.procs, || {
-        registered(Role::Decode) >= args.decode && registered(Role::Prefill) >= args.prefill
-    })?;
+    let discovery = rt.block_on(EtcdDiscovery::connect(EtcdConfig::new(
+        vec![etcd_url.clone()],
+        args.cluster.clone(),
+    )))?;
+    let registered = |role: Role| {
+        rt.block_on(discovery.list(role))
+            .map(|v| v.len())
+            .unwrap_or(0)
+    };
+    eprintln!(
+        "tandem up: waiting for {} decode and {} prefill node(s) to load the model and register",
+        args.decode, args.prefill
+    );
+    wait_until(
+        "every node to register",
+        deadline,
+        &mut cluster.procs,
+        || registered(Role::Decode) >= args.decode && registered(Role::Prefill) >= args.prefill,
+    )?;
     let http = args.http;
-    wait_until("the router's /health", deadline, &mut cluster.procs, || http_health_ok(http))?;
+    wait_until("the router's /health", deadline, &mut cluster.procs, || {
+        http_health_ok(http)
+    })?;
+    Ok(cluster)
+}
 
+/// Runs `tandem up`.
+pub fn run(args: &UpArgs) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let mut cluster = start(args, &rt)?;
+    let (etcd_url, nats_url, logs) = (
+        cluster.etcd_url.clone(),
+        cluster.nats_url.clone(),
+        cluster.run_dir.join("logs"),
+    );
     if !args.no_sample {
-        eprintln!("tandem up: streaming a sample answer through the router (gRPC {})", args.grpc);
+        eprintln!(
+            "tandem up: streaming a sample answer through the router (gRPC {})",
+            args.grpc
+        );
         rt.block_on(sample(args))?;
     }
     eprintln!(
@@ -295,22 +385,36 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
 }
 
 fn http_health_ok(addr: SocketAddr) -> bool {
-    let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_secs(1)) else { return false };
+    let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_secs(1)) else {
+        return false;
+    };
     let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-    if write!(s, "GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").is_err() {
+    if write!(
+        s,
+        "GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .is_err()
+    {
         return false;
     }
     let mut line = String::new();
-    std::io::BufReader::new(s).read_line(&mut line).is_ok() && line.split_whitespace().nth(1) == Some("200")
+    std::io::BufReader::new(s).read_line(&mut line).is_ok()
+        && line.split_whitespace().nth(1) == Some("200")
 }
 
 async fn sample(args: &UpArgs) -> anyhow::Result<()> {
     let mut client = InferenceClient::connect(format!("http://{}", args.grpc)).await?;
     let req = GenerateRequest {
         input: Some(generate_request::Input::Chat(ChatMessages {
-            messages: vec![ChatMessage { role: "user".into(), content: args.prompt.clone() }],
+            messages: vec![ChatMessage {
+                role: "user".into(),
+                content: args.prompt.clone(),
+            }],
         })),
-        sampling: Some(SamplingParams { max_tokens: args.max_tokens, ..Default::default() }),
+        sampling: Some(SamplingParams {
+            max_tokens: args.max_tokens,
+            ..Default::default()
+        }),
         ..Default::default()
     };
     let mut stream = client.generate(req).await?.into_inner();

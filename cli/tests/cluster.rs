@@ -24,7 +24,10 @@ use std::time::{Duration, Instant};
 use e2e::harness::{Cluster, WAIT, http, model};
 use tandem_cluster::Role;
 use tandem_engine::tokenizer::{ChatMessage, Tokenizer};
-use tandem_engine::{Completion, Engine, EngineConfig, Model, ModelSource, Priority, Request, SamplingParams, WeightDtype, loader};
+use tandem_engine::{
+    Completion, Engine, EngineConfig, Model, ModelSource, Priority, Request, SamplingParams,
+    WeightDtype, loader,
+};
 use tandem_proto::v1::inference_client::InferenceClient;
 use tandem_proto::v1::{GenerateRequest, generate_request, generate_response};
 
@@ -39,7 +42,12 @@ const PROMPTS: &[&str] = &[
 /// The in-process engine's answers (the reference every path must equal).
 fn engine_outputs(reqs: Vec<Request>) -> (Vec<Completion>, Arc<Tokenizer>) {
     let loaded = loader::load(&ModelSource::Path(model()), WeightDtype::F32).unwrap();
-    let mut e = Engine::new(Model::new(loaded.weights), loaded.tokenizer, EngineConfig::default()).unwrap();
+    let mut e = Engine::new(
+        Model::new(loaded.weights),
+        loaded.tokenizer,
+        EngineConfig::default(),
+    )
+    .unwrap();
     let tok = e.tokenizer().unwrap().clone();
     (e.generate(reqs, |_| {}).unwrap(), tok)
 }
@@ -48,7 +56,10 @@ fn greedy(id: u64, prompt: Vec<u32>, max: usize) -> Request {
     Request {
         id,
         prompt,
-        params: SamplingParams { ignore_eos: true, ..SamplingParams::greedy(max) },
+        params: SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(max)
+        },
         priority: Priority::Interactive,
     }
 }
@@ -56,13 +67,20 @@ fn greedy(id: u64, prompt: Vec<u32>, max: usize) -> Request {
 fn grpc_request(input: generate_request::Input, max_tokens: u32) -> GenerateRequest {
     GenerateRequest {
         input: Some(input),
-        sampling: Some(tandem_proto::v1::SamplingParams { max_tokens, ignore_eos: true, ..Default::default() }),
+        sampling: Some(tandem_proto::v1::SamplingParams {
+            max_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        }),
         ..Default::default()
     }
 }
 
 /// Streams one gRPC generation: (token ids, text).
-async fn grpc_generate(client: &mut InferenceClient<tonic::transport::Channel>, req: GenerateRequest) -> Result<(Vec<u32>, String), tonic::Status> {
+async fn grpc_generate(
+    client: &mut InferenceClient<tonic::transport::Channel>,
+    req: GenerateRequest,
+) -> Result<(Vec<u32>, String), tonic::Status> {
     let mut stream = client.generate(req).await?.into_inner();
     let (mut ids, mut text) = (Vec::new(), String::new());
     while let Some(m) = stream.message().await? {
@@ -85,7 +103,8 @@ fn sse_text(body: &str) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_prefill_one_decode_cluster_serves_exactly_the_engine_output_and_degrades_without_nats() {
+async fn one_prefill_one_decode_cluster_serves_exactly_the_engine_output_and_degrades_without_nats()
+{
     let _serial = SERIAL.lock().await;
     let mut c = Cluster::start("e2e-same").await;
     c.node("decode", "d0", &[]);
@@ -93,37 +112,65 @@ async fn one_prefill_one_decode_cluster_serves_exactly_the_engine_output_and_deg
     c.router(&[]);
 
     // The reference, computed while the nodes load.
-    let tok = Tokenizer::from_gguf(&tandem_engine::loader::gguf::open(&model()).unwrap().0).unwrap();
+    let tok =
+        Tokenizer::from_gguf(&tandem_engine::loader::gguf::open(&model()).unwrap().0).unwrap();
     let chat = tok
-        .apply_chat_template(&[ChatMessage { role: "user".into(), content: "Name three rivers in Europe.".into() }], true)
+        .apply_chat_template(
+            &[ChatMessage {
+                role: "user".into(),
+                content: "Name three rivers in Europe.".into(),
+            }],
+            true,
+        )
         .unwrap();
-    let mut reqs: Vec<Request> = PROMPTS.iter().enumerate().map(|(i, p)| greedy(i as u64, tok.encode(p), 48)).collect();
+    let mut reqs: Vec<Request> = PROMPTS
+        .iter()
+        .enumerate()
+        .map(|(i, p)| greedy(i as u64, tok.encode(p), 48))
+        .collect();
     reqs.push(greedy(99, tok.encode(&chat), 48));
     let (want, _) = engine_outputs(reqs);
     c.wait_ready(1, 1).await;
 
     // gRPC: token ids and text, plain and chat.
-    let mut client = InferenceClient::connect(format!("http://{}", c.grpc)).await.unwrap();
+    let mut client = InferenceClient::connect(format!("http://{}", c.grpc))
+        .await
+        .unwrap();
     for (i, p) in PROMPTS.iter().enumerate() {
-        let (ids, text) = grpc_generate(&mut client, grpc_request(generate_request::Input::Prompt(p.to_string()), 48)).await.unwrap();
+        let (ids, text) = grpc_generate(
+            &mut client,
+            grpc_request(generate_request::Input::Prompt(p.to_string()), 48),
+        )
+        .await
+        .unwrap();
         assert_eq!(ids, want[i].tokens, "gRPC tokens for {p:?}");
         assert_eq!(ids.len(), 48);
         assert_eq!(text, want[i].text);
     }
     let chat_input = generate_request::Input::Chat(tandem_proto::v1::ChatMessages {
-        messages: vec![tandem_proto::v1::ChatMessage { role: "user".into(), content: "Name three rivers in Europe.".into() }],
+        messages: vec![tandem_proto::v1::ChatMessage {
+            role: "user".into(),
+            content: "Name three rivers in Europe.".into(),
+        }],
     });
-    let (ids, _) = grpc_generate(&mut client, grpc_request(chat_input, 48)).await.unwrap();
+    let (ids, _) = grpc_generate(&mut client, grpc_request(chat_input, 48))
+        .await
+        .unwrap();
     assert_eq!(ids, want[3].tokens, "gRPC chat tokens");
 
     // HTTP: streamed and not, same text.
     let (_, models) = http(c.http, "GET", "/v1/models", None).await.unwrap();
-    let model_id = serde_json::from_str::<serde_json::Value>(&models).unwrap()["data"][0]["id"].as_str().unwrap().to_string();
+    let model_id = serde_json::from_str::<serde_json::Value>(&models).unwrap()["data"][0]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
     for (i, p) in PROMPTS.iter().enumerate() {
         for stream in [false, true] {
             let body = serde_json::json!({"model": model_id, "prompt": p, "max_tokens": 48, "temperature": 0,
                 "ignore_eos": true, "stream": stream}).to_string();
-            let (status, resp) = http(c.http, "POST", "/v1/completions", Some(&body)).await.unwrap();
+            let (status, resp) = http(c.http, "POST", "/v1/completions", Some(&body))
+                .await
+                .unwrap();
             assert_eq!(status, 200, "{resp}");
             let text = if stream {
                 sse_text(&resp)
@@ -141,46 +188,108 @@ async fn one_prefill_one_decode_cluster_serves_exactly_the_engine_output_and_deg
     let python = std::env::var("TANDEM_PYTHON").unwrap_or_else(|_| "python3".into());
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/e2e/openai_client.py");
     let out = tokio::process::Command::new(&python)
-        .args([script, &format!("http://{}/v1", c.http), "--max-tokens", "24"])
+        .args([
+            script,
+            &format!("http://{}/v1", c.http),
+            "--max-tokens",
+            "24",
+        ])
         .output()
         .await
         .unwrap_or_else(|e| panic!("running {python}: {e}; run scripts/setup.sh"));
-    assert!(out.status.success(), "openai client failed (pip install -r tests/reference/requirements.txt?): {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "openai client failed (pip install -r tests/reference/requirements.txt?): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(v["chat"]["text"].as_str().unwrap().contains("Paris"), "{v}");
     for kind in ["chat", "completion"] {
-        assert!(v[kind]["usage"]["prompt_tokens"].as_u64().unwrap() > 0, "{kind} usage: {v}");
-        assert!(v[kind]["usage"]["completion_tokens"].as_u64().unwrap() > 0, "{kind} usage: {v}");
-        assert!(v[kind]["chunks"].as_u64().unwrap() > 2, "{kind} was streamed: {v}");
+        assert!(
+            v[kind]["usage"]["prompt_tokens"].as_u64().unwrap() > 0,
+            "{kind} usage: {v}"
+        );
+        assert!(
+            v[kind]["usage"]["completion_tokens"].as_u64().unwrap() > 0,
+            "{kind} usage: {v}"
+        );
+        assert!(
+            v[kind]["chunks"].as_u64().unwrap() > 2,
+            "{kind} was streamed: {v}"
+        );
     }
 
     // Bad input: 4xx naming the field (HTTP), INVALID_ARGUMENT (gRPC); the cluster keeps serving.
     let long = "word ".repeat(9000);
     let cases = [
         ("{not json", 400, None),
-        (&*serde_json::json!({"model": "no-such-model", "prompt": "hi"}).to_string(), 404, Some("model")),
-        (&*serde_json::json!({"model": model_id, "prompt": "hi", "max_tokens": 1_000_000}).to_string(), 400, Some("max_tokens")),
-        (&*serde_json::json!({"model": model_id, "prompt": ""}).to_string(), 400, Some("prompt")),
-        (&*serde_json::json!({"model": model_id, "prompt": long, "max_tokens": 8}).to_string(), 400, Some("prompt")),
+        (
+            &*serde_json::json!({"model": "no-such-model", "prompt": "hi"}).to_string(),
+            404,
+            Some("model"),
+        ),
+        (
+            &*serde_json::json!({"model": model_id, "prompt": "hi", "max_tokens": 1_000_000})
+                .to_string(),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            &*serde_json::json!({"model": model_id, "prompt": ""}).to_string(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            &*serde_json::json!({"model": model_id, "prompt": long, "max_tokens": 8}).to_string(),
+            400,
+            Some("prompt"),
+        ),
     ];
     for (body, status, param) in cases {
-        let (got, resp) = http(c.http, "POST", "/v1/completions", Some(body)).await.unwrap();
+        let (got, resp) = http(c.http, "POST", "/v1/completions", Some(body))
+            .await
+            .unwrap();
         assert_eq!(got, status, "{resp}");
-        let v: serde_json::Value = serde_json::from_str(&resp).unwrap_or_else(|_| panic!("OpenAI error body: {resp}"));
-        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{resp}");
+        let v: serde_json::Value =
+            serde_json::from_str(&resp).unwrap_or_else(|_| panic!("OpenAI error body: {resp}"));
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{resp}"
+        );
         if let Some(param) = param {
-            assert!(v["error"]["param"] == param || v["error"]["message"].as_str().unwrap().contains(param), "{resp}");
+            assert!(
+                v["error"]["param"] == param
+                    || v["error"]["message"].as_str().unwrap().contains(param),
+                "{resp}"
+            );
         }
     }
-    for (input, field) in [(generate_request::Input::Prompt(String::new()), "prompt"), (generate_request::Input::Prompt(long.clone()), "prompt")] {
-        let err = grpc_generate(&mut client, grpc_request(input, 8)).await.unwrap_err();
+    for (input, field) in [
+        (generate_request::Input::Prompt(String::new()), "prompt"),
+        (generate_request::Input::Prompt(long.clone()), "prompt"),
+    ] {
+        let err = grpc_generate(&mut client, grpc_request(input, 8))
+            .await
+            .unwrap_err();
         assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
         assert!(err.message().contains(field), "{err:?}");
     }
-    let err = grpc_generate(&mut client, grpc_request(generate_request::Input::Prompt("hi".into()), 1_000_000)).await.unwrap_err();
+    let err = grpc_generate(
+        &mut client,
+        grpc_request(generate_request::Input::Prompt("hi".into()), 1_000_000),
+    )
+    .await
+    .unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument);
     assert!(err.message().contains("max_tokens"), "{err:?}");
-    let (ids, _) = grpc_generate(&mut client, grpc_request(generate_request::Input::Prompt(PROMPTS[0].into()), 48)).await.unwrap();
+    let (ids, _) = grpc_generate(
+        &mut client,
+        grpc_request(generate_request::Input::Prompt(PROMPTS[0].into()), 48),
+    )
+    .await
+    .unwrap();
     assert_eq!(ids, want[0].tokens, "still serving after bad input");
 
     // NATS goes away: serving continues on the router's own counts, said in a log line and a
@@ -188,42 +297,79 @@ async fn one_prefill_one_decode_cluster_serves_exactly_the_engine_output_and_deg
     let fallback = "tandem_router_load_fallback_entered_total{role=\"decode\"}";
     let before = c.metric(fallback).await.unwrap_or(0);
     c.nats.stop();
-    c.wait_for("the router to fall back to its own counts", Duration::from_secs(30), async |c| {
-        let mut client = InferenceClient::connect(format!("http://{}", c.grpc)).await.unwrap();
-        let (ids, _) = grpc_generate(&mut client, grpc_request(generate_request::Input::Prompt(PROMPTS[1].into()), 8)).await.unwrap();
-        assert_eq!(ids, want[1].tokens[..8], "served while NATS is down");
-        c.metric(fallback).await.unwrap_or(0) > before
-    })
+    c.wait_for(
+        "the router to fall back to its own counts",
+        Duration::from_secs(30),
+        async |c| {
+            let mut client = InferenceClient::connect(format!("http://{}", c.grpc))
+                .await
+                .unwrap();
+            let (ids, _) = grpc_generate(
+                &mut client,
+                grpc_request(generate_request::Input::Prompt(PROMPTS[1].into()), 8),
+            )
+            .await
+            .unwrap();
+            assert_eq!(ids, want[1].tokens[..8], "served while NATS is down");
+            c.metric(fallback).await.unwrap_or(0) > before
+        },
+    )
     .await;
     assert!(c.metric("tandem_router_load_signals_connected").await == Some(0));
     let router_log = c.proc("router").log_text().to_lowercase();
-    assert!(router_log.contains("fallback") || router_log.contains("stale"), "a log line says so:\n{router_log}");
+    assert!(
+        router_log.contains("fallback") || router_log.contains("stale"),
+        "a log line says so:\n{router_log}"
+    );
     c.nats.restart().await;
     let picks = "tandem_router_routing_picks_total{role=\"decode\",source=\"load_report\"}";
     let picks_before = c.metric(picks).await.unwrap_or(0);
-    c.wait_for("load-report routing to resume", Duration::from_secs(30), async |c| {
-        let mut client = InferenceClient::connect(format!("http://{}", c.grpc)).await.unwrap();
-        grpc_generate(&mut client, grpc_request(generate_request::Input::Prompt(PROMPTS[2].into()), 4)).await.unwrap();
-        c.metric("tandem_router_load_signals_connected").await == Some(1) && c.metric(picks).await.unwrap_or(0) > picks_before
-    })
+    c.wait_for(
+        "load-report routing to resume",
+        Duration::from_secs(30),
+        async |c| {
+            let mut client = InferenceClient::connect(format!("http://{}", c.grpc))
+                .await
+                .unwrap();
+            grpc_generate(
+                &mut client,
+                grpc_request(generate_request::Input::Prompt(PROMPTS[2].into()), 4),
+            )
+            .await
+            .unwrap();
+            c.metric("tandem_router_load_signals_connected").await == Some(1)
+                && c.metric(picks).await.unwrap_or(0) > picks_before
+        },
+    )
     .await;
     c.wait_all_blocks_free(&["d0", "p0"]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sixty_four_concurrent_streams_through_one_prefill_and_two_decode_nodes_all_complete_exactly() {
+async fn sixty_four_concurrent_streams_through_one_prefill_and_two_decode_nodes_all_complete_exactly()
+ {
     let _serial = SERIAL.lock().await;
     let mut c = Cluster::start("e2e-conc").await;
     c.node("decode", "d0", &[]);
     c.node("decode", "d1", &[]);
     c.node("prefill", "p0", &[]);
     c.router(&["--max-in-flight", "64"]);
-    let tok = Tokenizer::from_gguf(&tandem_engine::loader::gguf::open(&model()).unwrap().0).unwrap();
+    let tok =
+        Tokenizer::from_gguf(&tandem_engine::loader::gguf::open(&model()).unwrap().0).unwrap();
     let texts: Vec<String> = (0..64)
-        .map(|i| format!("Request {i}: {}", "Disaggregated serving splits prefill from decode. ".repeat(1 + i % 9)))
+        .map(|i| {
+            format!(
+                "Request {i}: {}",
+                "Disaggregated serving splits prefill from decode. ".repeat(1 + i % 9)
+            )
+        })
         .collect();
     let max_tokens = |i: usize| 8 + (i % 5) * 6;
-    let reqs = texts.iter().enumerate().map(|(i, t)| greedy(i as u64, tok.encode(t), max_tokens(i))).collect();
+    let reqs = texts
+        .iter()
+        .enumerate()
+        .map(|(i, t)| greedy(i as u64, tok.encode(t), max_tokens(i)))
+        .collect();
     let (want, _) = engine_outputs(reqs);
     c.wait_ready(1, 2).await;
 
@@ -232,12 +378,22 @@ async fn sixty_four_concurrent_streams_through_one_prefill_and_two_decode_nodes_
     for (i, t) in texts.iter().enumerate() {
         let (addr, t) = (c.grpc, t.clone());
         tasks.push(tokio::spawn(async move {
-            let mut client = InferenceClient::connect(format!("http://{addr}")).await.unwrap();
-            grpc_generate(&mut client, grpc_request(generate_request::Input::Prompt(t), max_tokens(i) as u32)).await
+            let mut client = InferenceClient::connect(format!("http://{addr}"))
+                .await
+                .unwrap();
+            grpc_generate(
+                &mut client,
+                grpc_request(generate_request::Input::Prompt(t), max_tokens(i) as u32),
+            )
+            .await
         }));
     }
     for (i, task) in tasks.into_iter().enumerate() {
-        let (ids, _) = tokio::time::timeout(WAIT, task).await.expect("stream finished").unwrap().unwrap_or_else(|e| panic!("request {i}: {e:?}\n{}", c.logs()));
+        let (ids, _) = tokio::time::timeout(WAIT, task)
+            .await
+            .expect("stream finished")
+            .unwrap()
+            .unwrap_or_else(|e| panic!("request {i}: {e:?}\n{}", c.logs()));
         assert_eq!(ids, want[i].tokens, "request {i}");
     }
     eprintln!("64 streams in {:?}", t0.elapsed());
@@ -245,7 +401,8 @@ async fn sixty_four_concurrent_streams_through_one_prefill_and_two_decode_nodes_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn decode_nodes_join_within_a_second_leave_within_the_lease_and_a_foreign_layout_is_refused() {
+async fn decode_nodes_join_within_a_second_leave_within_the_lease_and_a_foreign_layout_is_refused()
+{
     let _serial = SERIAL.lock().await;
     let mut c = Cluster::start("e2e-members").await;
     c.node("decode", "d0", &[]);
@@ -259,11 +416,19 @@ async fn decode_nodes_join_within_a_second_leave_within_the_lease_and_a_foreign_
     for k in 0..4 {
         let (addr, stop) = (c.grpc, stop.clone());
         load.push(tokio::spawn(async move {
-            let mut client = InferenceClient::connect(format!("http://{addr}")).await.unwrap();
+            let mut client = InferenceClient::connect(format!("http://{addr}"))
+                .await
+                .unwrap();
             let mut ok = 0u32;
             while !stop.load(Ordering::Relaxed) {
                 let prompt = format!("Background request {k}: tell me about rivers.");
-                if grpc_generate(&mut client, grpc_request(generate_request::Input::Prompt(prompt), 24)).await.is_ok() {
+                if grpc_generate(
+                    &mut client,
+                    grpc_request(generate_request::Input::Prompt(prompt), 24),
+                )
+                .await
+                .is_ok()
+                {
                     ok += 1;
                 }
             }
@@ -274,14 +439,23 @@ async fn decode_nodes_join_within_a_second_leave_within_the_lease_and_a_foreign_
     // A new decode node: traffic within a second of registering (the router's per-node in-flight
     // gauge on /metrics counts it from the moment a request is dispatched there).
     c.node("decode", "d1", &[]);
-    c.wait_for("d1 to register", WAIT, async |c| c.registered(Role::Decode).await.contains(&"d1".to_string())).await;
+    c.wait_for("d1 to register", WAIT, async |c| {
+        c.registered(Role::Decode).await.contains(&"d1".to_string())
+    })
+    .await;
     let registered_at = Instant::now();
     c.wait_for("d1 to get traffic", Duration::from_secs(5), async |c| {
-        c.metric("tandem_router_in_flight{role=\"decode\",node=\"d1\"}").await.unwrap_or(0) > 0
+        c.metric("tandem_router_in_flight{role=\"decode\",node=\"d1\"}")
+            .await
+            .unwrap_or(0)
+            > 0
     })
     .await;
     let joined_after = registered_at.elapsed();
-    assert!(joined_after < Duration::from_secs(1), "d1 got its first request {joined_after:?} after registering");
+    assert!(
+        joined_after < Duration::from_secs(1),
+        "d1 got its first request {joined_after:?} after registering"
+    );
     eprintln!("d1 received traffic {joined_after:?} after registering");
 
     // kill -9 of d0: gone from membership within the lease TTL (2 s), and requests still succeed.
@@ -289,28 +463,60 @@ async fn decode_nodes_join_within_a_second_leave_within_the_lease_and_a_foreign_
     let d0 = c.proc("d0");
     d0.child.kill().unwrap(); // SIGKILL
     d0.name = "killed-d0".into();
-    c.wait_for("d0 to leave membership", Duration::from_secs(10), async |c| !c.registered(Role::Decode).await.contains(&"d0".to_string())).await;
+    c.wait_for(
+        "d0 to leave membership",
+        Duration::from_secs(10),
+        async |c| !c.registered(Role::Decode).await.contains(&"d0".to_string()),
+    )
+    .await;
     let gone_after = killed_at.elapsed();
-    assert!(gone_after < Duration::from_secs(4), "d0 left after {gone_after:?} (lease TTL 2 s)");
+    assert!(
+        gone_after < Duration::from_secs(4),
+        "d0 left after {gone_after:?} (lease TTL 2 s)"
+    );
     eprintln!("d0 left membership {gone_after:?} after kill -9");
-    let mut client = InferenceClient::connect(format!("http://{}", c.grpc)).await.unwrap();
+    let mut client = InferenceClient::connect(format!("http://{}", c.grpc))
+        .await
+        .unwrap();
     for p in PROMPTS {
-        let (ids, _) = grpc_generate(&mut client, grpc_request(generate_request::Input::Prompt(p.to_string()), 16)).await.unwrap_or_else(|e| panic!("{e:?}\n{}", c.logs()));
+        let (ids, _) = grpc_generate(
+            &mut client,
+            grpc_request(generate_request::Input::Prompt(p.to_string()), 16),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e:?}\n{}", c.logs()));
         assert_eq!(ids.len(), 16);
     }
     stop.store(true, Ordering::Relaxed);
     for t in load {
-        assert!(tokio::time::timeout(WAIT, t).await.unwrap().unwrap() > 0, "background requests succeeded");
+        assert!(
+            tokio::time::timeout(WAIT, t).await.unwrap().unwrap() > 0,
+            "background requests succeeded"
+        );
     }
 
     // A decode node whose KV layout differs (f16 KV in an f32 cluster) is refused.
     c.node("decode", "expect-exit-f16", &["--kv-dtype", "f16"]);
-    c.wait_for("the foreign-layout node to exit", WAIT, async |c| c.proc("expect-exit-f16").child.try_wait().unwrap().is_some()).await;
+    c.wait_for("the foreign-layout node to exit", WAIT, async |c| {
+        c.proc("expect-exit-f16")
+            .child
+            .try_wait()
+            .unwrap()
+            .is_some()
+    })
+    .await;
     let p = c.proc("expect-exit-f16");
     let status = p.child.wait().unwrap();
     assert!(!status.success(), "refused node exits non-zero");
     let log = p.log_text().to_lowercase();
-    assert!(log.contains("layout"), "a clear log line names the layout:\n{log}");
-    assert!(!c.registered(Role::Decode).await.contains(&"expect-exit-f16".to_string()));
+    assert!(
+        log.contains("layout"),
+        "a clear log line names the layout:\n{log}"
+    );
+    assert!(
+        !c.registered(Role::Decode)
+            .await
+            .contains(&"expect-exit-f16".to_string())
+    );
     c.wait_all_blocks_free(&["d1", "p0"]).await;
 }

@@ -180,9 +180,14 @@ fn served_smollm2_gguf_is_23040_bytes_per_token_in_bf16_and_f16_and_46080_in_f32
             "{dtype}"
         );
     }
-    // int8: 30 layers × (2 × 3 heads × 16 tokens × 64 dims + 24 scale bytes) per 16-token block.
+    // int8: 30 layers × (2 × 3 heads × 16 tokens × 64 dims + 3 × 64 f16 K scales + 3 × 16 f16 V
+    // scales) per 16-token block.
     let v = plan_json(&format!("{base} --dtype int8"));
-    assert_eq!(v["kv_bytes_per_token"].as_u64(), Some(11_565));
+    assert_eq!(
+        v["kv_bytes_per_token"].as_u64(),
+        Some(30 * (6144 + 384 + 96) / 16)
+    );
+    assert_eq!(v["kv_bytes_per_token"].as_u64(), Some(12_420));
 }
 
 #[test]

@@ -3,8 +3,8 @@
 //!
 //! # The formulas
 //! - KV bytes per token (the whole model) = layers × kv_heads × head_dim × 2 (K and V) × dtype
-//!   bytes, taken from [`tandem_kv_layout::KvLayout`] (int8 adds its per-block f32 scales,
-//!   amortised over `block_size` tokens; fp8 is 1 byte per element with no scales).
+//!   bytes, taken from [`tandem_kv_layout::KvLayout`] (int8 adds its per-block f16 scales,
+//!   one per K channel and one per V token of each head, amortised over `block_size` tokens; fp8 is 1 byte per element with no scales).
 //! - Weight bytes per GPU = ceil(weights / tp) (the largest shard; rounded up).
 //! - KV budget per GPU = GPU memory − weight bytes per GPU − reserve; an error when `<= 0`.
 //! - KV heads per GPU: [`KvPerGpu::Split`] (default) gives each GPU ceil(kv_heads / tp) heads,
@@ -39,7 +39,8 @@ pub enum PlanKvDtype {
     F16,
     /// 2 bytes per element.
     Bf16,
-    /// 1 byte per element plus one f32 scale per (layer, block, K/V, head), amortised per token.
+    /// 1 byte per element plus f16 scales per (layer, block, head): one per K channel, one per V
+    /// token (KIVI), amortised per token.
     Int8,
     /// 1 byte per element, no scales.
     Fp8,

@@ -136,25 +136,34 @@ fn smollm2_kv_bytes_per_token_for_each_dtype() {
     assert_eq!(per_token(PlanKvDtype::F16), 23_040);
     assert_eq!(per_token(PlanKvDtype::F32), 46_080);
     assert_eq!(per_token(PlanKvDtype::Fp8), 11_520);
-    // int8: 30 layers × (2 × 3 heads × 16 tokens × 64 dims + 2 × 3 f32 scales) per 16 tokens.
+    // int8: 30 layers × (2 × 3 heads × 16 tokens × 64 dims of data + 3 heads × 64 f16 K scales
+    // + 3 heads × 16 f16 V scales) per 16 tokens.
     let int8 = KvCost::of(SMOLLM2, 3, PlanKvDtype::Int8, 16).unwrap();
     assert_eq!(
         int8,
         KvCost {
-            bytes: 30 * (6144 + 24),
+            bytes: 30 * (6144 + 384 + 96),
             tokens: 16
         }
     );
-    assert_eq!(int8.bytes_per_token_ceil(), 11_565);
+    assert_eq!(int8.bytes_per_token_ceil(), 12_420);
 }
 
 #[test]
 fn int8_scales_amortise_over_the_block_size() {
     let at = |block| KvCost::of(LLAMA70B, 8, PlanKvDtype::Int8, block).unwrap();
-    // 80 × (2 × 8 × 16 × 128 + 64) bytes per 16 tokens = 164,160 B/token.
-    assert_eq!(at(16).bytes_per_token_ceil(), 164_160);
-    // Bigger blocks spread the same 64 bytes of scales per layer over more tokens.
-    assert_eq!(at(64).bytes_per_token_ceil(), 80 * (2 * 8 * 128 + 1));
+    // 80 × (2 × 8 × 16 × 128 data + 8 × 128 × 2 K-scale + 8 × 16 × 2 V-scale) bytes per 16 tokens.
+    assert_eq!(
+        at(16).bytes_per_token_ceil(),
+        80 * (32_768 + 2_048 + 256) / 16
+    );
+    assert_eq!(at(16).bytes_per_token_ceil(), 175_360);
+    // Bigger blocks spread the same 2048 bytes of K scales per layer over more tokens; the V
+    // scales stay 2 bytes per token and head.
+    assert_eq!(
+        at(64).bytes_per_token_ceil(),
+        80 * (2 * 8 * 128 + 2048 / 64 + 8 * 2)
+    );
     // A fractional per-token size is rounded up per request, not per token.
     let tiny = KvCost::of(
         ModelShape {
@@ -170,12 +179,12 @@ fn int8_scales_amortise_over_the_block_size() {
     assert_eq!(
         tiny,
         KvCost {
-            bytes: 40,
+            bytes: 68,
             tokens: 16
         }
-    ); // 32 data + 8 scale bytes: 2.5 B/token
-    assert_eq!(tiny.bytes_for("x", 3).unwrap(), 8);
-    assert_eq!(tiny.bytes_per_token_ceil(), 3);
+    ); // 32 data + 2 K-scale + 32 V-scale bytes, padded to a multiple of 4: 4.25 B/token
+    assert_eq!(tiny.bytes_for("x", 3).unwrap(), 13); // ceil(68 × 3 / 16)
+    assert_eq!(tiny.bytes_per_token_ceil(), 5);
 }
 
 #[test]

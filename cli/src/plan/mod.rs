@@ -128,7 +128,7 @@ pub struct PlanArgs {
         value_parser = parse_count,
     )]
     pub head_dim: Option<u64>,
-    /// KV cache element type (int8 adds one f32 scale per block, layer, K/V and head)
+    /// KV cache element type (int8 adds f16 scales per block, layer and head: one per K channel, one per V token)
     #[arg(long, env = "TANDEM_PLAN_DTYPE", value_enum, default_value = "bf16")]
     pub dtype: PlanKvDtype,
     /// Tokens per KV block (changes the figures only for int8, whose scales are per block)

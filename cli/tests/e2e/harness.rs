@@ -11,7 +11,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use tandem_cluster::testing::{TestEtcd, TestNats};
-use tandem_cluster::{Discovery, EtcdConfig, EtcdDiscovery, LoadSignals, LoadView, NatsConfig, NatsLoadSignals, Role};
+use tandem_cluster::{
+    Discovery, EtcdConfig, EtcdDiscovery, LoadSignals, LoadView, NatsConfig, NatsLoadSignals, Role,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
@@ -20,15 +22,25 @@ pub const WAIT: Duration = Duration::from_secs(120);
 
 /// The real model (`$TANDEM_MODEL`, else the default cache path); fails with the fix if absent.
 pub fn model() -> PathBuf {
-    let p = std::env::var_os("TANDEM_MODEL").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-    });
-    assert!(p.exists(), "model missing at {}: run scripts/setup.sh", p.display());
+    let p = std::env::var_os("TANDEM_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap())
+                .join(".cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    assert!(
+        p.exists(),
+        "model missing at {}: run scripts/setup.sh",
+        p.display()
+    );
     p
 }
 
 fn free_addr() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap()
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
 }
 
 /// One `tandem` child process.
@@ -66,8 +78,12 @@ impl Cluster {
         let nats = TestNats::start().await;
         let dir = std::env::temp_dir().join(format!("tandem-e2e-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let discovery = EtcdDiscovery::connect(EtcdConfig::new(vec![etcd.endpoint()], name)).await.unwrap();
-        let signals = NatsLoadSignals::connect(NatsConfig::new(nats.url(), name)).await.unwrap();
+        let discovery = EtcdDiscovery::connect(EtcdConfig::new(vec![etcd.endpoint()], name))
+            .await
+            .unwrap();
+        let signals = NatsLoadSignals::connect(NatsConfig::new(nats.url(), name))
+            .await
+            .unwrap();
         let loads_decode = signals.subscribe(Role::Decode).await.unwrap();
         let loads_prefill = signals.subscribe(Role::Prefill).await.unwrap();
         Cluster {
@@ -111,14 +127,25 @@ impl Cluster {
             .stderr(out)
             .spawn()
             .unwrap();
-        self.procs.push(Proc { name: name.into(), child, log });
+        self.procs.push(Proc {
+            name: name.into(),
+            child,
+            log,
+        });
     }
 
     /// Starts a node (`role` is "decode" or "prefill") with extra flags.
     pub fn node(&mut self, role: &str, id: &str, extra: &[&str]) {
         let mut a = vec![role.to_string()];
         a.extend(self.common_args());
-        a.extend(["--node-id".into(), id.into(), "--lease-ttl-secs".into(), "2".into(), "--kv-cache-gb".into(), "0.25".into()]);
+        a.extend([
+            "--node-id".into(),
+            id.into(),
+            "--lease-ttl-secs".into(),
+            "2".into(),
+            "--kv-cache-gb".into(),
+            "0.25".into(),
+        ]);
         a.extend(extra.iter().map(|s| s.to_string()));
         self.spawn(id, a);
     }
@@ -127,22 +154,39 @@ impl Cluster {
     pub fn router(&mut self, extra: &[&str]) {
         let mut a = vec!["router".to_string()];
         a.extend(self.common_args());
-        a.extend(["--grpc-addr".into(), self.grpc.to_string(), "--http-addr".into(), self.http.to_string()]);
+        a.extend([
+            "--grpc-addr".into(),
+            self.grpc.to_string(),
+            "--http-addr".into(),
+            self.http.to_string(),
+        ]);
         a.extend(extra.iter().map(|s| s.to_string()));
         self.spawn("router", a);
     }
 
     pub fn proc(&mut self, name: &str) -> &mut Proc {
-        self.procs.iter_mut().find(|p| p.name == name).unwrap_or_else(|| panic!("no process {name}"))
+        self.procs
+            .iter_mut()
+            .find(|p| p.name == name)
+            .unwrap_or_else(|| panic!("no process {name}"))
     }
 
     /// Every log, for failure messages.
     pub fn logs(&self) -> String {
-        self.procs.iter().map(|p| format!("==== {} ====\n{}", p.name, tail(&p.log_text(), 40))).collect::<Vec<_>>().join("\n")
+        self.procs
+            .iter()
+            .map(|p| format!("==== {} ====\n{}", p.name, tail(&p.log_text(), 40)))
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 
     /// Waits until `cond` holds (polling every 50 ms), panicking with the logs after `limit`.
-    pub async fn wait_for(&mut self, what: &str, limit: Duration, mut cond: impl AsyncFnMut(&mut Cluster) -> bool) {
+    pub async fn wait_for(
+        &mut self,
+        what: &str,
+        limit: Duration,
+        mut cond: impl AsyncFnMut(&mut Cluster) -> bool,
+    ) {
         let t0 = Instant::now();
         loop {
             if cond(self).await {
@@ -160,7 +204,10 @@ impl Cluster {
                 panic!("{e} while waiting for {what}\n{}", self.logs());
             }
             if t0.elapsed() > limit {
-                panic!("timed out after {limit:?} waiting for {what}\n{}", self.logs());
+                panic!(
+                    "timed out after {limit:?} waiting for {what}\n{}",
+                    self.logs()
+                );
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -168,23 +215,37 @@ impl Cluster {
 
     /// Node ids registered under `role`.
     pub async fn registered(&self, role: Role) -> Vec<String> {
-        self.discovery.list(role).await.map(|v| v.keys().cloned().collect()).unwrap_or_default()
+        self.discovery
+            .list(role)
+            .await
+            .map(|v| v.keys().cloned().collect())
+            .unwrap_or_default()
     }
 
     /// Waits until the router's /health is 200 and `n_prefill`/`n_decode` nodes are registered.
     pub async fn wait_ready(&mut self, n_prefill: usize, n_decode: usize) {
-        self.wait_for("nodes to register and the router to be healthy", WAIT, async |c| {
-            c.registered(Role::Prefill).await.len() >= n_prefill
-                && c.registered(Role::Decode).await.len() >= n_decode
-                && http(c.http, "GET", "/health", None).await.map(|r| r.0 == 200).unwrap_or(false)
-        })
+        self.wait_for(
+            "nodes to register and the router to be healthy",
+            WAIT,
+            async |c| {
+                c.registered(Role::Prefill).await.len() >= n_prefill
+                    && c.registered(Role::Decode).await.len() >= n_decode
+                    && http(c.http, "GET", "/health", None)
+                        .await
+                        .map(|r| r.0 == 200)
+                        .unwrap_or(false)
+            },
+        )
         .await;
     }
 
     /// Latest load reports of every node (both roles).
     pub fn loads(&self) -> HashMap<String, (u64, u64)> {
         let mut m = HashMap::new();
-        for v in [self.loads_decode.borrow().clone(), self.loads_prefill.borrow().clone()] {
+        for v in [
+            self.loads_decode.borrow().clone(),
+            self.loads_prefill.borrow().clone(),
+        ] {
             for (id, r) in v {
                 m.insert(id, (r.report.free_blocks, r.report.total_blocks));
             }
@@ -195,17 +256,25 @@ impl Cluster {
     /// Waits until every live node reports free blocks == total blocks (nothing leaked).
     pub async fn wait_all_blocks_free(&mut self, nodes: &[&str]) {
         let nodes: Vec<String> = nodes.iter().map(|s| s.to_string()).collect();
-        self.wait_for("every node to report all KV blocks free", Duration::from_secs(20), async |c| {
-            let l = c.loads();
-            nodes.iter().all(|n| l.get(n).is_some_and(|(free, total)| free == total && *total > 0))
-        })
+        self.wait_for(
+            "every node to report all KV blocks free",
+            Duration::from_secs(20),
+            async |c| {
+                let l = c.loads();
+                nodes.iter().all(|n| {
+                    l.get(n)
+                        .is_some_and(|(free, total)| free == total && *total > 0)
+                })
+            },
+        )
         .await;
     }
 
     /// The router's /metrics value of the exact series `series` (e.g. `name{labels}`).
     pub async fn metric(&self, series: &str) -> Option<u64> {
         let (_, body) = http(self.http, "GET", "/metrics", None).await.ok()?;
-        body.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
+        body.lines()
+            .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
     }
 }
 
@@ -229,7 +298,12 @@ pub fn tail(text: &str, n: usize) -> String {
 }
 
 /// One HTTP/1.1 request (Connection: close); returns (status, body with chunking removed).
-pub async fn http(addr: SocketAddr, method: &str, path: &str, body: Option<&str>) -> std::io::Result<(u16, String)> {
+pub async fn http(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> std::io::Result<(u16, String)> {
     let mut s = tokio::net::TcpStream::connect(addr).await?;
     let body = body.unwrap_or("");
     let req = format!(
@@ -238,11 +312,24 @@ pub async fn http(addr: SocketAddr, method: &str, path: &str, body: Option<&str>
     );
     s.write_all(req.as_bytes()).await?;
     let mut raw = Vec::new();
-    tokio::time::timeout(WAIT, s.read_to_end(&mut raw)).await.map_err(|_| std::io::Error::other("timeout"))??;
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").map_or(raw.len(), |i| i + 4);
+    tokio::time::timeout(WAIT, s.read_to_end(&mut raw))
+        .await
+        .map_err(|_| std::io::Error::other("timeout"))??;
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map_or(raw.len(), |i| i + 4);
     let head = String::from_utf8_lossy(&raw[..split]).to_ascii_lowercase();
-    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-    let body = if head.contains("transfer-encoding: chunked") { dechunk(&raw[split..]) } else { raw[split..].to_vec() };
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = if head.contains("transfer-encoding: chunked") {
+        dechunk(&raw[split..])
+    } else {
+        raw[split..].to_vec()
+    };
     Ok((status, String::from_utf8_lossy(&body).into_owned()))
 }
 
@@ -250,7 +337,9 @@ fn dechunk(mut s: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
     while let Some(eol) = s.windows(2).position(|w| w == b"\r\n") {
         let size = String::from_utf8_lossy(&s[..eol]);
-        let Ok(n) = usize::from_str_radix(size.trim(), 16) else { break };
+        let Ok(n) = usize::from_str_radix(size.trim(), 16) else {
+            break;
+        };
         let rest = &s[eol + 2..];
         if n == 0 || rest.len() < n {
             break;
