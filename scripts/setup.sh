@@ -11,22 +11,10 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
 # --- Debian packages -------------------------------------------------------------------------
-# protobuf-compiler: tonic/etcd-client build scripts. etcd-server, nats-server: the control plane
-# (tests start their own). libucx-dev, ucx-utils: the UCX KV transport and ucx_perftest.
-# libclang-dev: bindgen for ucx-sys. python3-venv/pip: the test reference and model fetch.
-packages=(pkg-config protobuf-compiler etcd-server nats-server libucx-dev ucx-utils libclang-dev
-          python3 python3-pip python3-venv)
+# The list, with what each is for, is deploy/local/packages.txt (protoc, etcd, NATS, UCX, libclang,
+# Python).
 if [[ "${TANDEM_SKIP_APT:-0}" != 1 ]]; then
-  missing=()
-  for p in "${packages[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-  done
-  if ((${#missing[@]})); then
-    echo "setup: installing Debian packages: ${missing[*]}" >&2
-    sudo_cmd=(); [[ $(id -u) == 0 ]] || sudo_cmd=(sudo)
-    "${sudo_cmd[@]}" apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
-  fi
+  deploy/local/install.sh
 fi
 
 # --- Python environment for the tests ---------------------------------------------------------

@@ -6,8 +6,8 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use tandem_cli::{bench_engine, fetch, generate, plan};
 
-/// tandem serves LLMs with prefill and decode disaggregated. This binary runs the engine
-/// locally, plans capacity and benchmarks.
+/// tandem serves LLMs with prefill and decode disaggregated. This binary runs a local cluster,
+/// the router and the nodes, the engine on its own, the capacity planner and the benchmarks.
 #[derive(Parser, Debug)]
 #[command(name = "tandem", version, about, long_about = None)]
 struct Cli {

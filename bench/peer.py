@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""tandem's engine vs llama.cpp on this machine, in one run (driven by bench/peer.sh).
+
+Each round runs, for every dtype, `tandem bench-engine --runs 1` and llama.cpp's `llama-bench`
+(prefill, pp512) and `llama-batched-bench` (decode with 32-token prompts, 64 generated tokens, 1/4/
+16/32 sequences: the same shape bench-engine times), alternating which engine goes first. Reported:
+each engine's median and min-max per figure, and the median of the per-round ratios tandem/peer
+(a ratio from one round compares runs seconds apart, so machine drift mostly cancels).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+BATCHES = [1, 4, 16, 32]
+
+
+def run(cmd):
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return out.stdout
+
+
+def ours(args, dtype):
+    rep = json.loads(run([args.tandem, "bench-engine", "--dtype", dtype, "--runs", "1",
+                          "--format", "json", "--model", args.model, "--prompt-len", "512",
+                          "--decode-prompt-len", "32", "--decode-tokens", "64",
+                          "--batch", ",".join(map(str, BATCHES))]))
+    figs = {"prefill_512": rep["prefill_tok_s"]}
+    for b in BATCHES:
+        figs[f"decode_b{b}"] = rep["decode_tok_s"][str(b)]
+    return figs
+
+
+def peer(args, dtype):
+    gguf = os.path.join(args.peer_models, f"smollm2-{dtype.upper()}.gguf")
+    threads = str(os.cpu_count())
+    pp = json.loads(run([os.path.join(args.peer_bin, "llama-bench"), "-m", gguf, "-t", threads,
+                         "-p", "512", "-n", "0", "-r", "1", "-o", "json"]))
+    figs = {"prefill_512": pp[0]["avg_ts"]}
+    out = run([os.path.join(args.peer_bin, "llama-batched-bench"), "-m", gguf, "-t", threads,
+               "-c", "8192", "-b", "2048", "-ub", "512", "-npp", "32", "-ntg", "64",
+               "-npl", ",".join(map(str, BATCHES)), "--output-format", "jsonl"])
+    for line in out.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            figs[f"decode_b{r['pl']}"] = r["speed_tg"]
+    return figs
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--tandem", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--peer-bin", required=True)
+    ap.add_argument("--peer-models", required=True)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dtypes", default="f32,f16")
+    ap.add_argument("--json", help="also write the full results here")
+    args = ap.parse_args()
+    dtypes = args.dtypes.split(",")
+    rounds = {d: [] for d in dtypes}
+    for r in range(args.rounds):
+        for d in dtypes:
+            if r % 2 == 0:
+                t, p = ours(args, d), peer(args, d)
+            else:
+                p, t = peer(args, d), ours(args, d)
+            rounds[d].append({"tandem": t, "llama.cpp": p})
+            print(f"peer: round {r + 1}/{args.rounds} {d}: " + ", ".join(
+                f"{k} {t[k]:.1f} vs {p[k]:.1f}" for k in t), file=sys.stderr)
+    summary = {}
+    print(f"tandem vs llama.cpp, {args.rounds} rounds, tokens/s: median (min-max); "
+          "ratio = median of per-round tandem/llama.cpp")
+    print(f"{'dtype':5} {'figure':12} {'tandem':>24} {'llama.cpp':>24} {'ratio':>6}")
+    for d in dtypes:
+        summary[d] = {}
+        for fig in rounds[d][0]["tandem"]:
+            row = {}
+            for eng in ("tandem", "llama.cpp"):
+                v = [x[eng][fig] for x in rounds[d]]
+                row[eng] = {"median": statistics.median(v), "min": min(v), "max": max(v)}
+            row["ratio"] = statistics.median(x["tandem"][fig] / x["llama.cpp"][fig] for x in rounds[d])
+            summary[d][fig] = row
+            cell = lambda s: f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})"
+            print(f"{d:5} {fig:12} {cell(row['tandem']):>24} {cell(row['llama.cpp']):>24} "
+                  f"{row['ratio']:6.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rounds": rounds, "summary": summary}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

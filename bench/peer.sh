@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Measures tandem's engine against llama.cpp, the peer of ../shared/BASELINES.md, on this machine,
+# in one run: it builds llama.cpp (the revision bundled in llama-cpp-python 0.3.36, the one the
+# baselines used) under .tandem/peer/, makes F32 and F16 GGUFs from the served Q4_1 model with
+# llama-quantize (dequantised, so both engines run the same weights), then alternates rounds of
+# `tandem bench-engine` and llama.cpp's llama-bench / llama-batched-bench and prints medians,
+# min–max and per-round ratios (bench/peer.py). Shared, noisy machines: trust the ratios.
+#
+#   bench/peer.sh                # 5 rounds, F32 and F16
+#   bench/peer.sh --rounds 3 --dtypes f16 --json out.json
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+scripts/setup.sh
+cargo build -q --release -p tandem-cli
+
+peer="$root/.tandem/peer"
+venv="$root/.tandem/venv"
+src="$peer/llama_cpp_python-0.3.36/vendor/llama.cpp"
+bin="$src/build/bin"
+mkdir -p "$peer"
+if [[ ! -x "$bin/llama-batched-bench" || ! -x "$bin/llama-bench" || ! -x "$bin/llama-quantize" ]]; then
+  echo "peer: fetching llama-cpp-python 0.3.36 (sdist) and building llama.cpp's benchmarks" >&2
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check scikit-build-core cmake >&2
+  [[ -f "$peer/llama_cpp_python-0.3.36.tar.gz" ]] ||
+    "$venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps \
+      --no-build-isolation --no-binary :all: -d "$peer" llama-cpp-python==0.3.36 >&2
+  tar -xzf "$peer/llama_cpp_python-0.3.36.tar.gz" -C "$peer"
+  cmake="$venv/bin/cmake"
+  "$cmake" -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF >"$peer/cmake.log" 2>&1
+  "$cmake" --build "$src/build" -j"$(nproc)" \
+    --target llama-bench llama-batched-bench llama-quantize >"$peer/build.log" 2>&1
+fi
+
+model="$(target/release/tandem model path)"
+for t in F32 F16; do
+  [[ -f "$peer/smollm2-$t.gguf" ]] ||
+    "$bin/llama-quantize" --allow-requantize "$model" "$peer/smollm2-$t.gguf" "$t" >"$peer/quantize-$t.log" 2>&1
+done
+exec python3 bench/peer.py --tandem target/release/tandem --model "$model" \
+  --peer-bin "$bin" --peer-models "$peer" "$@"
