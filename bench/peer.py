@@ -6,6 +6,10 @@ Each round runs, for every dtype, `tandem bench-engine --runs 1` and llama.cpp's
 16/32 sequences: the same shape bench-engine times), alternating which engine goes first. Reported:
 each engine's median and min-max per figure, and the median of the per-round ratios tandem/peer
 (a ratio from one round compares runs seconds apart, so machine drift mostly cancels).
+
+Also per round, the machine's bounds: bench-engine's read-bandwidth probe (-> the single-sequence
+decode bound) and an f32 GEMM (numpy's OpenBLAS, 2048^2, all cores) divided by the FLOPs per token
+(-> the compute bound of batched decode and prefill); the summary gives tandem's fraction of each.
 """
 
 import argparse
@@ -14,6 +18,9 @@ import os
 import statistics
 import subprocess
 import sys
+import time
+
+import numpy as np
 
 BATCHES = [1, 4, 16, 32]
 
@@ -31,7 +38,22 @@ def ours(args, dtype):
     figs = {"prefill_512": rep["prefill_tok_s"]}
     for b in BATCHES:
         figs[f"decode_b{b}"] = rep["decode_tok_s"][str(b)]
-    return figs
+    bounds = {"bandwidth_bound_tok_s": rep["bandwidth_bound_tok_s"],
+              "flops_per_token": rep["flops_per_token"]}
+    return figs, bounds
+
+
+def gemm_gflops():
+    """Median of 7 f32 2048^2 GEMMs through numpy (OpenBLAS, all cores)."""
+    a = np.random.rand(2048, 2048).astype(np.float32)
+    b = np.random.rand(2048, 2048).astype(np.float32)
+    a @ b
+    ts = []
+    for _ in range(7):
+        t = time.perf_counter()
+        a @ b
+        ts.append(time.perf_counter() - t)
+    return 2 * 2048**3 / statistics.median(ts) / 1e9
 
 
 def peer(args, dtype):
@@ -65,10 +87,11 @@ def main():
     for r in range(args.rounds):
         for d in dtypes:
             if r % 2 == 0:
-                t, p = ours(args, d), peer(args, d)
+                (t, bounds), p = ours(args, d), peer(args, d)
             else:
-                p, t = peer(args, d), ours(args, d)
-            rounds[d].append({"tandem": t, "llama.cpp": p})
+                p, (t, bounds) = peer(args, d), ours(args, d)
+            bounds["gemm_gflop_s"] = gemm_gflops()
+            rounds[d].append({"tandem": t, "llama.cpp": p, "bounds": bounds})
             print(f"peer: round {r + 1}/{args.rounds} {d}: " + ", ".join(
                 f"{k} {t[k]:.1f} vs {p[k]:.1f}" for k in t), file=sys.stderr)
     summary = {}
@@ -87,6 +110,18 @@ def main():
             cell = lambda s: f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})"
             print(f"{d:5} {fig:12} {cell(row['tandem']):>24} {cell(row['llama.cpp']):>24} "
                   f"{row['ratio']:6.2f}")
+    print("tandem against the machine's bounds measured in each round (median of per-round fractions):")
+    for d in dtypes:
+        rs = rounds[d]
+        bw = statistics.median(x["tandem"]["decode_b1"] / x["bounds"]["bandwidth_bound_tok_s"] for x in rs)
+        gemm = statistics.median(x["bounds"]["gemm_gflop_s"] for x in rs)
+        compute = lambda fig: statistics.median(
+            x["tandem"][fig] * x["bounds"]["flops_per_token"] / (x["bounds"]["gemm_gflop_s"] * 1e9) for x in rs)
+        summary[d]["bounds"] = {"decode_b1_of_bandwidth_bound": bw, "gemm_gflop_s": gemm,
+                                "decode_b32_of_compute_bound": compute("decode_b32"),
+                                "prefill_of_compute_bound": compute("prefill_512")}
+        print(f"{d:5} decode b1 {bw:.2f} of the bandwidth bound; with GEMM at {gemm:.0f} GFLOP/s: "
+              f"decode b32 {compute('decode_b32'):.2f}, prefill {compute('prefill_512'):.2f} of the compute bound")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rounds": rounds, "summary": summary}, f, indent=1)

@@ -38,5 +38,5 @@ for t in F32 F16; do
   [[ -f "$peer/smollm2-$t.gguf" ]] ||
     "$bin/llama-quantize" --allow-requantize "$model" "$peer/smollm2-$t.gguf" "$t" >"$peer/quantize-$t.log" 2>&1
 done
-exec python3 bench/peer.py --tandem target/release/tandem --model "$model" \
+exec "$venv/bin/python" bench/peer.py --tandem target/release/tandem --model "$model" \
   --peer-bin "$bin" --peer-models "$peer" "$@"
