@@ -126,10 +126,12 @@ fn summarize(concurrency: usize, samples: &[Sample], wall: Duration) -> Level {
 
 fn prompts(args: &BenchServeArgs, level: usize, vocab: usize) -> Vec<Vec<u32>> {
     let mut rng = Rng::new(0xBE7C + level as u64);
+    // Skip the 256 byte tokens where the vocabulary has more (ordinary text tokens).
+    let first = if vocab > 512 { 256 } else { 0 };
     (0..args.requests)
         .map(|_| {
             (0..args.prompt_len)
-                .map(|_| 256 + rng.below((vocab - 256) as u64) as u32)
+                .map(|_| (first + rng.below((vocab - first) as u64) as usize) as u32)
                 .collect()
         })
         .collect()

@@ -115,7 +115,7 @@ impl EngineArgs {
 
     /// The engine configuration these flags describe, validated.
     pub fn engine_config(&self) -> Result<EngineConfig, EngineError> {
-        if !(self.kv_cache_gb > 0.0) || !self.kv_cache_gb.is_finite() {
+        if !self.kv_cache_gb.is_finite() || self.kv_cache_gb <= 0.0 {
             return Err(EngineError::InvalidConfig {
                 field: "kv_cache_gb",
                 value: self.kv_cache_gb.to_string(),

@@ -119,14 +119,15 @@ impl ModelConfig {
             }
         }
         let kv = self.kv_heads();
-        if kv == 0 || self.num_attention_heads % kv != 0 {
+        if kv == 0 || !self.num_attention_heads.is_multiple_of(kv) {
             return bad("num_key_value_heads", kv, "must divide num_attention_heads");
         }
         let hd = self.head_dim();
-        if hd == 0 || hd % 2 != 0 {
+        if hd == 0 || !hd.is_multiple_of(2) {
             return bad("head_dim", hd, "must be a positive even number (RoPE rotates pairs)");
         }
-        if !(self.rms_norm_eps > 0.0) || !(self.rope_theta > 0.0) {
+        let positive = |x: f64| x > 0.0; // false for NaN as well
+        if !positive(self.rms_norm_eps) || !positive(self.rope_theta) {
             return Err(EngineError::InvalidConfig {
                 field: "rope_theta/rms_norm_eps",
                 value: format!("{}/{}", self.rope_theta, self.rms_norm_eps),
