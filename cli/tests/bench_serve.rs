@@ -1,23 +1,11 @@
 //! `tandem bench-serve` end to end: a real local 1P+1D cluster (etcd, NATS, router, nodes) and
 //! the colocated engine each serve every request of every level, and the JSON report says so.
 
-use std::path::PathBuf;
-use std::process::Command;
+mod common;
 
-fn model() -> PathBuf {
-    let p = std::env::var_os("TANDEM_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap())
-                .join(".cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
-    assert!(
-        p.exists(),
-        "model missing at {}: run scripts/setup.sh",
-        p.display()
-    );
-    p
-}
+use common::model;
+
+use std::process::Command;
 
 #[test]
 fn both_sides_report_every_level_with_real_timings() {

@@ -1,23 +1,11 @@
 //! `tandem generate` end to end on the real model: stdout carries the completion and nothing
 //! else; bad input exits non-zero with a clear message and no panic.
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
+mod common;
 
-fn model() -> PathBuf {
-    let p = std::env::var_os("TANDEM_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap())
-                .join(".cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
-    assert!(
-        p.exists(),
-        "model missing at {}: run scripts/setup.sh",
-        p.display()
-    );
-    p
-}
+use common::model;
+
+use std::process::{Command, Output};
 
 fn tandem(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_tandem"))

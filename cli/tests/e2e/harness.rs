@@ -20,21 +20,7 @@ use tokio::sync::watch;
 /// Limit on every wait in these tests.
 pub const WAIT: Duration = Duration::from_secs(120);
 
-/// The real model (`$TANDEM_MODEL`, else the default cache path); fails with the fix if absent.
-pub fn model() -> PathBuf {
-    let p = std::env::var_os("TANDEM_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap())
-                .join(".cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
-    assert!(
-        p.exists(),
-        "model missing at {}: run scripts/setup.sh",
-        p.display()
-    );
-    p
-}
+pub use crate::common::model;
 
 fn free_addr() -> SocketAddr {
     TcpListener::bind("127.0.0.1:0")
