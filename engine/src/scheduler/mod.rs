@@ -18,6 +18,15 @@
 //! - `free + held == total` after any sequence of calls (asserted by the seeded tests).
 //!
 //! The scheduler is synchronous and deterministic: time is passed in (`now`), never read.
+//!
+//! | file | holds |
+//! |---|---|
+//! | `mod.rs` | the types, [`Scheduler::schedule`] (running sequences, then admission), chunk completion, removal, reservations, queries, invariant checks |
+//! | `admission.rs` | `add` / `add_prefilled`, the wait window, waiting → running (buckets, prefix-cache reuse) |
+//! | `preemption.rs` | preemption by recompute: victim choice, releasing its blocks, requeueing it |
+
+mod admission;
+mod preemption;
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -212,86 +221,6 @@ impl Scheduler {
         tokens.div_ceil(self.block_size)
     }
 
-    /// Queues a new sequence, or refuses it with a typed error if it could never run.
-    pub fn add(
-        &mut self,
-        seq_id: u64,
-        prompt: Vec<u32>,
-        max_new_tokens: usize,
-        priority: Priority,
-        now: Instant,
-    ) -> Result<(), EngineError> {
-        if self.seqs.contains_key(&seq_id) {
-            return Err(EngineError::DuplicateRequest(seq_id));
-        }
-        if prompt.is_empty() {
-            return Err(EngineError::InvalidRequest {
-                field: "prompt",
-                value: "\"\"".into(),
-                reason: "the prompt must contain at least one token".into(),
-            });
-        }
-        let total = prompt.len() + max_new_tokens;
-        if total > self.cfg.max_model_len {
-            return Err(EngineError::ContextOverflow {
-                prompt_tokens: prompt.len(),
-                max_new_tokens,
-                max_context_tokens: self.cfg.max_model_len,
-            });
-        }
-        let required_blocks = self.blocks_for(total);
-        if required_blocks > self.blocks.num_blocks() {
-            return Err(EngineError::NeverFits { required_blocks, total_blocks: self.blocks.num_blocks() });
-        }
-        if self.num_waiting() >= self.cfg.max_waiting {
-            return Err(EngineError::QueueFull { capacity: self.cfg.max_waiting });
-        }
-        let arrival = self.next_arrival;
-        self.next_arrival += 1;
-        self.seqs.insert(
-            seq_id,
-            Sequence {
-                priority,
-                arrival,
-                arrived_at: now,
-                tokens: prompt,
-                num_computed: 0,
-                blocks: Vec::new(),
-                block_hashes: Vec::new(),
-                cached_tokens: 0,
-                preemptions: 0,
-                running: false,
-            },
-        );
-        self.waiting[class(priority)].push_back(seq_id);
-        Ok(())
-    }
-
-    /// How long the caller should wait before the next step to gather a batch (the wait window),
-    /// or `None` to step now (or nothing to do).
-    pub fn wait_hint(&self, now: Instant) -> Option<Duration> {
-        if !self.running.is_empty() || self.cfg.max_wait.is_zero() {
-            return None;
-        }
-        let waiting = self.waiting.iter().flatten().map(|id| &self.seqs[id]);
-        let (mut oldest, mut tokens, mut n) = (None::<Instant>, 0usize, 0usize);
-        for s in waiting {
-            oldest = Some(oldest.map_or(s.arrived_at, |o: Instant| o.min(s.arrived_at)));
-            tokens += s.tokens.len();
-            n += 1;
-        }
-        let oldest = oldest?;
-        if tokens >= self.cfg.max_tokens_per_step || n >= self.cfg.max_num_seqs {
-            return None;
-        }
-        let deadline = oldest + self.cfg.max_wait;
-        (deadline > now).then(|| deadline - now)
-    }
-
-    fn bucket(&self, tokens: usize) -> usize {
-        self.cfg.length_buckets.iter().position(|&b| tokens <= b).unwrap_or(self.cfg.length_buckets.len())
-    }
-
     fn sort_running(&mut self) {
         let seqs = &self.seqs;
         self.running.sort_by_key(|id| (seqs[id].priority, seqs[id].arrival));
@@ -312,19 +241,8 @@ impl Scheduler {
             };
             let n = (len - computed).min(budget);
             let need = self.blocks_for(computed + n).saturating_sub(held);
-            let mut self_preempted = false;
-            while self.blocks.num_free() < need {
-                let victim_idx = self.running.len() - 1;
-                let victim = self.running[victim_idx];
-                self.preempt(victim_idx);
-                out.preempted.push(victim);
-                if victim == id {
-                    self_preempted = true;
-                    break;
-                }
-            }
-            if self_preempted {
-                continue;
+            if !self.make_room(need, id, &mut out.preempted) {
+                continue; // `id` itself was preempted
             }
             let new_blocks = self.blocks.allocate_n(need).expect("freed enough blocks above");
             let s = self.seqs.get_mut(&id).expect("running id is known");
@@ -336,99 +254,9 @@ impl Scheduler {
 
         // 2. Admit waiting sequences, unless this step had to preempt (no room).
         if out.preempted.is_empty() {
-            let mut head_bucket = None;
-            'classes: for c in 0..2 {
-                while self.running.len() < self.cfg.max_num_seqs && budget > 0 && !self.waiting[c].is_empty() {
-                    let pick = self.pick_waiting(c, head_bucket);
-                    let id = self.waiting[c][pick];
-                    match self.try_admit(id, budget) {
-                        Some(chunk) => {
-                            self.waiting[c].remove(pick);
-                            head_bucket.get_or_insert(self.bucket(chunk.len));
-                            budget -= chunk.len;
-                            out.chunks.push(chunk);
-                        }
-                        None => break 'classes, // no room: keep order, stop admitting
-                    }
-                }
-            }
-            self.sort_running();
+            self.admit_waiting(budget, &mut out.chunks);
         }
         out
-    }
-
-    /// Index in waiting queue `c` of the next sequence to admit: the first one in `bucket` among
-    /// the first 16, else the head.
-    fn pick_waiting(&self, c: usize, bucket: Option<usize>) -> usize {
-        let Some(b) = bucket else { return 0 };
-        self.waiting[c]
-            .iter()
-            .take(16)
-            .position(|id| {
-                let s = &self.seqs[id];
-                self.bucket(s.tokens.len() - s.num_computed) == b
-            })
-            .unwrap_or(0)
-    }
-
-    /// Allocates a first chunk for waiting sequence `id` (after prefix-cache reuse), or `None`
-    /// (changing nothing) when the blocks are not there.
-    fn try_admit(&mut self, id: u64, budget: usize) -> Option<ScheduledChunk> {
-        let bs = self.block_size;
-        let caching = self.cfg.enable_prefix_caching;
-        let s = self.seqs.get_mut(&id).expect("waiting id is known");
-        if s.num_computed > 0 {
-            // Arrived with its KV (decode node): it already holds blocks for what was computed.
-            let (computed, len, held) = (s.num_computed, s.tokens.len(), s.blocks.len());
-            let n = (len - computed).min(budget);
-            let need = (computed + n).div_ceil(bs).saturating_sub(held);
-            let fresh = self.blocks.allocate_n(need)?;
-            let s = self.seqs.get_mut(&id).expect("waiting id is known");
-            s.blocks.extend(fresh);
-            s.running = true;
-            self.running.push(id);
-            return Some(ScheduledChunk { seq_id: id, first_pos: computed, len: n, want_logits: computed + n == len });
-        }
-        debug_assert!(s.blocks.is_empty());
-        // Hashes of the full blocks, never covering the last token (it must run to give logits).
-        let full = (s.tokens.len() - 1) / bs;
-        if caching {
-            s.extend_hashes(full, bs);
-        }
-        let hits = if caching { self.blocks.match_prefix(&s.block_hashes[..full.min(s.block_hashes.len())]) } else { vec![] };
-        for &b in &hits {
-            self.blocks.retain(b);
-        }
-        let computed = hits.len() * bs;
-        let len = s.tokens.len();
-        let n = (len - computed).min(budget);
-        let need = (computed + n).div_ceil(bs) - hits.len();
-        let Some(fresh) = self.blocks.allocate_n(need) else {
-            self.blocks.release_all(&hits);
-            return None;
-        };
-        let s = self.seqs.get_mut(&id).expect("waiting id is known");
-        if s.preemptions == 0 {
-            s.cached_tokens = computed;
-        }
-        s.blocks = hits;
-        s.blocks.extend(fresh);
-        s.num_computed = computed;
-        s.running = true;
-        self.running.push(id);
-        Some(ScheduledChunk { seq_id: id, first_pos: computed, len: n, want_logits: computed + n == len })
-    }
-
-    /// Moves running sequence at `idx` back to the front of its waiting queue, releasing its blocks.
-    fn preempt(&mut self, idx: usize) {
-        let id = self.running.remove(idx);
-        let s = self.seqs.get_mut(&id).expect("running id is known");
-        self.blocks.release_all(&s.blocks);
-        s.blocks.clear();
-        s.num_computed = 0;
-        s.running = false;
-        s.preemptions += 1;
-        self.waiting[class(s.priority)].push_front(id);
     }
 
     /// Records that `chunk` ran: its KV is cached and, if it produced a token, `sampled` joins
@@ -463,48 +291,6 @@ impl Scheduler {
     /// Returns reserved blocks that were never adopted by a sequence.
     pub fn release_blocks(&mut self, blocks: &[BlockId]) {
         self.blocks.release_all(blocks);
-    }
-
-    /// Queues a sequence whose first `computed` tokens already have KV in `blocks` (received from
-    /// a prefill node). It is admitted ahead of new work of its class; if it is ever preempted it
-    /// is recomputed from scratch like any other (same output: the kernels are batch-invariant).
-    pub fn add_prefilled(
-        &mut self,
-        seq_id: u64,
-        tokens: Vec<u32>,
-        computed: usize,
-        blocks: Vec<BlockId>,
-        priority: Priority,
-        now: Instant,
-    ) -> Result<(), EngineError> {
-        if self.seqs.contains_key(&seq_id) {
-            return Err(EngineError::DuplicateRequest(seq_id));
-        }
-        assert!(
-            computed > 0 && computed < tokens.len() && blocks.len() * self.block_size >= computed,
-            "prefilled sequence: {computed} computed of {} tokens in {} blocks. This is a bug.",
-            tokens.len(),
-            blocks.len()
-        );
-        let arrival = self.next_arrival;
-        self.next_arrival += 1;
-        self.seqs.insert(
-            seq_id,
-            Sequence {
-                priority,
-                arrival,
-                arrived_at: now,
-                tokens,
-                num_computed: computed,
-                blocks,
-                block_hashes: Vec::new(),
-                cached_tokens: 0,
-                preemptions: 0,
-                running: false,
-            },
-        );
-        self.waiting[class(priority)].push_front(seq_id);
-        Ok(())
     }
 
     /// Removes a sequence but hands its blocks to the caller instead of releasing them (a prefill
@@ -582,12 +368,16 @@ impl Scheduler {
 mod tests {
     use super::*;
 
-    fn sched(blocks: usize, budget: usize) -> Scheduler {
+    /// A scheduler over `blocks` blocks of 4 tokens with a `budget`-token step (shared by the
+    /// submodules' tests).
+    pub(super) fn sched(blocks: usize, budget: usize) -> Scheduler {
         let cfg = SchedulerConfig { max_tokens_per_step: budget, ..Default::default() };
         Scheduler::new(cfg, blocks, 4).unwrap()
     }
 
-    fn run_step(s: &mut Scheduler) -> SchedulerOutput {
+    /// One step in which every scheduled chunk completes (sampling token 7), then the block
+    /// accounting check.
+    pub(super) fn run_step(s: &mut Scheduler) -> SchedulerOutput {
         let out = s.schedule();
         for c in &out.chunks {
             s.on_chunk_done(c, c.want_logits.then_some(7));
@@ -604,77 +394,5 @@ mod tests {
         assert_eq!(lens, vec![8, 8, 4]);
         let out = run_step(&mut s);
         assert_eq!(out.chunks[0], ScheduledChunk { seq_id: 1, first_pos: 20, len: 1, want_logits: true });
-    }
-
-    #[test]
-    fn interactive_is_admitted_before_batch() {
-        let mut s = sched(64, 4);
-        let now = Instant::now();
-        s.add(1, vec![1; 4], 4, Priority::Batch, now).unwrap();
-        s.add(2, vec![2; 4], 4, Priority::Interactive, now).unwrap();
-        assert_eq!(run_step(&mut s).chunks[0].seq_id, 2);
-    }
-
-    #[test]
-    fn requests_that_can_never_fit_are_refused_up_front() {
-        let mut s = sched(4, 64);
-        let err = s.add(1, vec![1; 10], 10, Priority::Interactive, Instant::now()).unwrap_err();
-        assert!(matches!(err, EngineError::NeverFits { required_blocks: 5, total_blocks: 4 }));
-        assert!(s.is_idle());
-        let err = s.add(2, vec![], 1, Priority::Interactive, Instant::now()).unwrap_err();
-        assert!(matches!(err, EngineError::InvalidRequest { field: "prompt", .. }));
-    }
-
-    #[test]
-    fn out_of_blocks_preempts_the_newest_and_everything_finishes() {
-        let mut s = sched(6, 64);
-        let now = Instant::now();
-        for id in 0..3 {
-            s.add(id, vec![id as u32; 6], 10, Priority::Interactive, now).unwrap();
-        }
-        let mut generated = HashMap::<u64, usize>::new();
-        let mut preempted = 0;
-        for _ in 0..500 {
-            if s.is_idle() {
-                break;
-            }
-            let out = run_step(&mut s);
-            preempted += out.preempted.len();
-            for c in out.chunks.iter().filter(|c| c.want_logits) {
-                let n = generated.entry(c.seq_id).or_default();
-                *n += 1;
-                if *n == 10 {
-                    assert!(s.remove(c.seq_id));
-                }
-            }
-        }
-        assert!(s.is_idle(), "all sequences finish (no deadlock)");
-        assert!(preempted > 0, "6 blocks cannot hold three 16-token sequences at once");
-        assert_eq!(s.blocks().num_free(), 6, "every block returned");
-    }
-
-    #[test]
-    fn a_shared_prefix_is_served_from_cached_blocks() {
-        let mut s = sched(64, 64);
-        let now = Instant::now();
-        let prompt: Vec<u32> = (0..13).collect();
-        s.add(1, prompt.clone(), 2, Priority::Interactive, now).unwrap();
-        run_step(&mut s);
-        s.add(2, prompt.clone(), 2, Priority::Interactive, now).unwrap();
-        let out = run_step(&mut s);
-        let c2 = out.chunks.iter().find(|c| c.seq_id == 2).unwrap();
-        assert_eq!(c2.first_pos, 12, "three full blocks reused");
-        assert_eq!(s.cached_tokens(2), 12);
-        assert_eq!(s.block_table(1).unwrap()[..3], s.block_table(2).unwrap()[..3]);
-    }
-
-    #[test]
-    fn wait_window_holds_a_small_first_batch_until_it_expires() {
-        let cfg = SchedulerConfig { max_wait: Duration::from_millis(5), ..Default::default() };
-        let mut s = Scheduler::new(cfg, 64, 4).unwrap();
-        let t0 = Instant::now();
-        s.add(1, vec![1; 4], 4, Priority::Interactive, t0).unwrap();
-        assert_eq!(s.wait_hint(t0), Some(Duration::from_millis(5)));
-        assert_eq!(s.wait_hint(t0 + Duration::from_millis(5)), None);
     }
 }

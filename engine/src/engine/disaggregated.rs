@@ -1,0 +1,133 @@
+//! Prefill/decode disaggregation: the calls a prefill node and a decode node make on top of the
+//! plain request path ([`Engine::add_request`], [`Engine::step`]).
+//!
+//! - Prefill node: [`Engine::add_prefill_request`] stops a request after its first token; its
+//!   blocks are not released but handed out in that token's [`StepOutput::held_blocks`], to be
+//!   pushed to a decode node and then given back with [`Engine::release_held`].
+//! - Decode node: [`Engine::reserve`] takes blocks for the KV a prefill node will push;
+//!   [`Engine::add_prefilled`] adopts them and continues the request from the first token
+//!   sampled there; [`Engine::release_reservation`] returns a reservation never adopted.
+//!
+//! # Invariants
+//! - Held and reserved blocks belong to no sequence: they are the caller's until
+//!   `release_held` / `release_reservation` returns them or `add_prefilled` hands them to a
+//!   sequence. [`Engine::reserved_and_held_blocks`] lists them so block accounting
+//!   ([`Scheduler::check_invariants_with`](crate::scheduler::Scheduler::check_invariants_with))
+//!   can count them as holders.
+//! - A prefilled request samples as one engine would have: its sampler skips the first token's
+//!   draw, so seeded sampling continues exactly.
+
+use std::time::Instant;
+
+use super::{Engine, Request, StepOutput};
+use crate::error::EngineError;
+use crate::kv::BlockId;
+
+impl Engine {
+    /// Queues a prefill-only request (a prefill node's work): it stops after its first token,
+    /// and its blocks are not released but handed out in that token's
+    /// [`StepOutput::held_blocks`], to be pushed to a decode node and then given back with
+    /// [`release_held`](Self::release_held).
+    pub fn add_prefill_request(&mut self, mut req: Request, now: Instant) -> Result<(), EngineError> {
+        self.validate(&req)?;
+        // The first token is all this node samples; the prompt must still fit the decode side.
+        self.sched.add(req.id, req.prompt.clone(), req.params.max_new_tokens, req.priority, now)?;
+        req.params.max_new_tokens = 1;
+        self.insert_state(req, true);
+        Ok(())
+    }
+
+    /// Gives back the blocks of a finished prefill-only request; false if none are held.
+    pub fn release_held(&mut self, request_id: u64) -> bool {
+        match self.held.remove(&request_id) {
+            Some(blocks) => {
+                self.sched.release_blocks(&blocks);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Reserves blocks for `tokens` tokens of KV that a prefill node will push (a decode node's
+    /// `Reserve`). The blocks are the caller's until [`add_prefilled`](Self::add_prefilled)
+    /// adopts them or [`release_reservation`](Self::release_reservation) returns them.
+    pub fn reserve(&mut self, reservation_id: u64, tokens: usize) -> Result<Vec<BlockId>, EngineError> {
+        if self.reservations.contains_key(&reservation_id) {
+            return Err(EngineError::DuplicateRequest(reservation_id));
+        }
+        let max = self.sched.config().max_model_len;
+        if tokens == 0 || tokens > max {
+            return Err(EngineError::ContextOverflow { prompt_tokens: tokens, max_new_tokens: 0, max_context_tokens: max });
+        }
+        let blocks = self.sched.reserve_blocks(tokens).ok_or(EngineError::OutOfBlocks {
+            requested_blocks: tokens.div_ceil(self.pool.layout().block_size_tokens),
+            free_blocks: self.sched.blocks().num_free(),
+        })?;
+        self.reservations.insert(reservation_id, blocks.clone());
+        Ok(blocks)
+    }
+
+    /// Returns an unadopted reservation's blocks; false if it is not held.
+    pub fn release_reservation(&mut self, reservation_id: u64) -> bool {
+        match self.reservations.remove(&reservation_id) {
+            Some(blocks) => {
+                self.sched.release_blocks(&blocks);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Continues a request whose prompt KV arrived in reservation `reservation_id` and whose first
+    /// token `first_token` was sampled elsewhere (a decode node's `Decode`). Returns the output
+    /// for the first token (its text; it may already finish the request: EOS, a stop string, or
+    /// `max_new_tokens == 1`). The sampler skips the first token's draw, so seeded sampling
+    /// continues exactly as one engine would have.
+    pub fn add_prefilled(
+        &mut self,
+        req: Request,
+        reservation_id: u64,
+        first_token: u32,
+        cached_prompt_tokens: usize,
+        now: Instant,
+    ) -> Result<StepOutput, EngineError> {
+        self.validate(&req)?;
+        let vocab = self.model.config().vocab_size;
+        if first_token as usize >= vocab {
+            return Err(EngineError::InvalidRequest {
+                field: "first_token_id",
+                value: first_token.to_string(),
+                reason: format!("outside the vocabulary of {vocab} tokens"),
+            });
+        }
+        let blocks = self.reservations.get(&reservation_id).ok_or(EngineError::UnknownReservation(reservation_id))?;
+        let need = (req.prompt.len() + req.params.max_new_tokens).div_ceil(self.pool.layout().block_size_tokens);
+        if blocks.len() < need {
+            return Err(EngineError::InvalidRequest {
+                field: "reservation_id",
+                value: reservation_id.to_string(),
+                reason: format!("holds {} blocks, the request needs {need}", blocks.len()),
+            });
+        }
+        let blocks = self.reservations.remove(&reservation_id).expect("checked above");
+        let (id, prompt_len, priority) = (req.id, req.prompt.len(), req.priority);
+        let mut tokens = req.prompt.clone();
+        tokens.push(first_token);
+        self.sched.add_prefilled(id, tokens, prompt_len, blocks, priority, now)?;
+        self.insert_state(req, false);
+        let st = self.reqs.get_mut(&id).expect("just inserted");
+        st.sampler.advance(1);
+        st.cached_prompt_tokens = cached_prompt_tokens;
+        let out = self.accept_token(id, first_token);
+        if out.finished.is_some() {
+            self.reqs.remove(&id);
+            self.sched.remove(id);
+        }
+        Ok(out)
+    }
+
+    /// Live reservations' blocks (tests: block accounting).
+    pub fn reserved_and_held_blocks(&self) -> Vec<BlockId> {
+        self.reservations.values().chain(self.held.values()).flatten().copied().collect()
+    }
+}

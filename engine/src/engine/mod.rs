@@ -1,0 +1,210 @@
+//! The engine: model + KV pool + scheduler + per-request sampling and detokenisation, driven one
+//! step at a time by its owner (a node's engine thread, or `tandem generate`).
+//!
+//! ```text
+//!   add_request ──► Scheduler (waiting → running, blocks) ──► step():
+//!                      schedule ─► Model::forward(chunks, KvPool) ─► sample ─► text/stop checks
+//!                      ◄── on_chunk_done / remove (blocks released) ◄────────────┘
+//! ```
+//! The engine is synchronous and single-threaded (the kernels parallelise internally); it never
+//! sleeps: [`Engine::wait_hint`] tells the driver how long the batching window wants it to wait.
+//!
+//! | file | holds |
+//! |---|---|
+//! | `mod.rs` | [`Engine`]: construction, accessors, request validation, `add_request`, `abort` |
+//! | `step.rs` | the step loop: `step`, `step_observed`, sampling, text and stop checks, `generate` |
+//! | `disaggregated.rs` | prefill/decode split: held prefill KV, reservations, `add_prefilled` |
+//! | `types.rs` | the public data types: config, request, outputs, stats |
+
+mod disaggregated;
+mod step;
+mod types;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tandem_kv_layout::KvLayout;
+
+use crate::error::EngineError;
+use crate::kv::{BlockId, KvPool};
+use crate::model::Model;
+use crate::sampler::Sampler;
+use crate::scheduler::Scheduler;
+use crate::tokenizer::Tokenizer;
+
+pub use self::types::{
+    ChunkView, Completion, EngineConfig, EngineStats, FinishReason, KvCapacity, LayerDone, Request, StepOutput, Usage,
+};
+
+struct ReqState {
+    sampler: Sampler,
+    hold_kv: bool,
+    prompt_len: usize,
+    generated: Vec<u32>,
+    pending: Vec<u8>,
+    text: String,
+    emitted: usize,
+    max_stop_len: usize,
+    /// Prompt tokens a prefill node served from its prefix cache (prefilled requests).
+    cached_prompt_tokens: usize,
+}
+
+/// The inference engine.
+pub struct Engine {
+    model: Model,
+    pool: KvPool,
+    sched: Scheduler,
+    tokenizer: Option<Arc<Tokenizer>>,
+    reqs: HashMap<u64, ReqState>,
+    eos: Vec<u32>,
+    stats: EngineStats,
+    /// Finished prefill-only requests' blocks, until released.
+    held: HashMap<u64, Vec<BlockId>>,
+    /// Blocks reserved for KV arriving from elsewhere, by reservation id.
+    reservations: HashMap<u64, Vec<BlockId>>,
+}
+
+impl Engine {
+    /// Builds an engine around `model`; the KV pool is allocated here, once.
+    pub fn new(model: Model, tokenizer: Option<Tokenizer>, cfg: EngineConfig) -> Result<Self, EngineError> {
+        let (layout, num_blocks) = Self::pool_shape(&model, &cfg)?;
+        let pool = KvPool::new(layout, num_blocks)?;
+        Self::with_pool(model, tokenizer, cfg, pool)
+    }
+
+    /// The KV layout and block count `cfg` asks of `model` (to allocate external memory for).
+    pub fn pool_shape(model: &Model, cfg: &EngineConfig) -> Result<(KvLayout, usize), EngineError> {
+        let layout = model.kv_layout(cfg.block_size_tokens, cfg.kv_dtype)?;
+        let num_blocks = match cfg.kv_capacity {
+            KvCapacity::Blocks(n) => n,
+            KvCapacity::Bytes(b) => layout.blocks_for_bytes(b),
+        };
+        if num_blocks == 0 {
+            return Err(EngineError::InvalidConfig {
+                field: "kv_cache",
+                value: format!("{:?}", cfg.kv_capacity),
+                reason: format!("smaller than one block ({} bytes)", layout.block_bytes()),
+            });
+        }
+        Ok((layout, num_blocks))
+    }
+
+    /// Builds an engine whose KV lives in `pool` (e.g. [`KvPool::external`] over memory a KV
+    /// transport allocated); the pool's layout must be the model's.
+    pub fn with_pool(model: Model, tokenizer: Option<Tokenizer>, cfg: EngineConfig, pool: KvPool) -> Result<Self, EngineError> {
+        model.kv_layout(cfg.block_size_tokens, cfg.kv_dtype)?.check_compatible(pool.layout())?;
+        let num_blocks = pool.num_blocks();
+        let mut sched_cfg = cfg.scheduler.clone();
+        sched_cfg.max_model_len = sched_cfg.max_model_len.min(model.config().max_position_embeddings);
+        let sched = Scheduler::new(sched_cfg, num_blocks, cfg.block_size_tokens)?;
+        let mut eos = model.config().eos_token_id.clone();
+        if let Some(t) = &tokenizer {
+            if !eos.contains(&t.eos_token_id()) {
+                eos.push(t.eos_token_id());
+            }
+        }
+        Ok(Engine { model, pool, sched, tokenizer: tokenizer.map(Arc::new), reqs: HashMap::new(), eos, stats: EngineStats::default(), held: HashMap::new(), reservations: HashMap::new() })
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// The tokenizer, if the checkpoint has one.
+    pub fn tokenizer(&self) -> Option<&Arc<Tokenizer>> {
+        self.tokenizer.as_ref()
+    }
+
+    /// The KV layout (with the model fingerprint).
+    pub fn kv_layout(&self) -> &KvLayout {
+        self.pool.layout()
+    }
+
+    /// The KV pool (kv-transfer reads and writes its bytes).
+    pub fn kv_pool(&self) -> &KvPool {
+        &self.pool
+    }
+
+    /// The KV pool, mutable: for copying received KV into reserved blocks in-process (colocated
+    /// transfers, tests). Writing blocks a sequence owns corrupts its output.
+    pub fn kv_pool_mut(&mut self) -> &mut KvPool {
+        &mut self.pool
+    }
+
+    /// The scheduler (queue lengths, block counts).
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.sched
+    }
+
+    /// Counters since start.
+    pub fn stats(&self) -> EngineStats {
+        self.stats
+    }
+
+    /// True when nothing is waiting or running.
+    pub fn is_idle(&self) -> bool {
+        self.sched.is_idle()
+    }
+
+    /// How long to wait before stepping, to let a batch gather (the configured window).
+    pub fn wait_hint(&self, now: Instant) -> Option<Duration> {
+        self.sched.wait_hint(now)
+    }
+
+    /// Validates and queues a request. Nothing changes on error.
+    pub fn add_request(&mut self, req: Request, now: Instant) -> Result<(), EngineError> {
+        self.validate(&req)?;
+        self.sched.add(req.id, req.prompt.clone(), req.params.max_new_tokens, req.priority, now)?;
+        self.insert_state(req, false);
+        Ok(())
+    }
+
+    fn validate(&self, req: &Request) -> Result<(), EngineError> {
+        req.params.validate()?;
+        let vocab = self.model.config().vocab_size;
+        if let Some(&bad) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::InvalidRequest {
+                field: "prompt",
+                value: format!("token id {bad}"),
+                reason: format!("outside the vocabulary of {vocab} tokens"),
+            });
+        }
+        if !req.params.stop.is_empty() && self.tokenizer.is_none() {
+            return Err(EngineError::InvalidRequest {
+                field: "stop",
+                value: format!("{:?}", req.params.stop),
+                reason: "stop strings need a tokenizer; this model has none".into(),
+            });
+        }
+        if self.reqs.contains_key(&req.id) || self.held.contains_key(&req.id) {
+            return Err(EngineError::DuplicateRequest(req.id));
+        }
+        Ok(())
+    }
+
+    fn insert_state(&mut self, req: Request, hold_kv: bool) {
+        let max_stop_len = req.params.stop.iter().map(|s| s.len()).max().unwrap_or(0);
+        self.reqs.insert(
+            req.id,
+            ReqState {
+                sampler: Sampler::new(req.params, req.id),
+                hold_kv,
+                cached_prompt_tokens: 0,
+                prompt_len: req.prompt.len(),
+                generated: Vec::new(),
+                pending: Vec::new(),
+                text: String::new(),
+                emitted: 0,
+                max_stop_len,
+            },
+        );
+    }
+
+    /// Stops a request and releases its blocks; false if it was not live.
+    pub fn abort(&mut self, request_id: u64) -> bool {
+        self.reqs.remove(&request_id);
+        self.sched.remove(request_id)
+    }
+}

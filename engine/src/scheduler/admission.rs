@@ -1,0 +1,287 @@
+//! Admission: how sequences enter the scheduler and move from waiting to running.
+//!
+//! [`Scheduler::add`] queues a new sequence, or refuses it with a typed error if it could never
+//! run; [`Scheduler::add_prefilled`] queues one whose first tokens already have KV (received from
+//! a prefill node) at the front of its class, ahead of new work. [`Scheduler::wait_hint`] is the
+//! wait window that lets a first batch gather before a step.
+//!
+//! In each step that preempted nothing, waiting sequences are admitted: interactive before batch,
+//! first-come first-served within a class, preferring (among the first 16 of a queue) sequences
+//! in the same length bucket as the first one admitted this step, reusing cached prefix blocks
+//! where the prefix cache has them. Admission stops, keeping queue order, at the first sequence
+//! whose blocks are not free, or when `max_num_seqs` run or the step's token budget is spent.
+//!
+//! # Invariants
+//! - A request is queued only if prompt + max new tokens fit `max_model_len` and the whole pool:
+//!   with preemption never taking the highest-priority oldest sequence, it always completes.
+//! - An admission that does not fit changes nothing: the prefix-cache hits it retained are
+//!   released again and the sequence stays where it was in its queue.
+//! - A prefix-cache match never covers a sequence's last token: it must run to give logits.
+
+use std::time::{Duration, Instant};
+
+use super::{Priority, ScheduledChunk, Scheduler, Sequence, class};
+use crate::error::EngineError;
+use crate::kv::BlockId;
+
+impl Scheduler {
+    /// Queues a new sequence, or refuses it with a typed error if it could never run.
+    pub fn add(
+        &mut self,
+        seq_id: u64,
+        prompt: Vec<u32>,
+        max_new_tokens: usize,
+        priority: Priority,
+        now: Instant,
+    ) -> Result<(), EngineError> {
+        if self.seqs.contains_key(&seq_id) {
+            return Err(EngineError::DuplicateRequest(seq_id));
+        }
+        if prompt.is_empty() {
+            return Err(EngineError::InvalidRequest {
+                field: "prompt",
+                value: "\"\"".into(),
+                reason: "the prompt must contain at least one token".into(),
+            });
+        }
+        let total = prompt.len() + max_new_tokens;
+        if total > self.cfg.max_model_len {
+            return Err(EngineError::ContextOverflow {
+                prompt_tokens: prompt.len(),
+                max_new_tokens,
+                max_context_tokens: self.cfg.max_model_len,
+            });
+        }
+        let required_blocks = self.blocks_for(total);
+        if required_blocks > self.blocks.num_blocks() {
+            return Err(EngineError::NeverFits { required_blocks, total_blocks: self.blocks.num_blocks() });
+        }
+        if self.num_waiting() >= self.cfg.max_waiting {
+            return Err(EngineError::QueueFull { capacity: self.cfg.max_waiting });
+        }
+        let arrival = self.next_arrival;
+        self.next_arrival += 1;
+        self.seqs.insert(
+            seq_id,
+            Sequence {
+                priority,
+                arrival,
+                arrived_at: now,
+                tokens: prompt,
+                num_computed: 0,
+                blocks: Vec::new(),
+                block_hashes: Vec::new(),
+                cached_tokens: 0,
+                preemptions: 0,
+                running: false,
+            },
+        );
+        self.waiting[class(priority)].push_back(seq_id);
+        Ok(())
+    }
+
+    /// Queues a sequence whose first `computed` tokens already have KV in `blocks` (received from
+    /// a prefill node). It is admitted ahead of new work of its class; if it is ever preempted it
+    /// is recomputed from scratch like any other (same output: the kernels are batch-invariant).
+    pub fn add_prefilled(
+        &mut self,
+        seq_id: u64,
+        tokens: Vec<u32>,
+        computed: usize,
+        blocks: Vec<BlockId>,
+        priority: Priority,
+        now: Instant,
+    ) -> Result<(), EngineError> {
+        if self.seqs.contains_key(&seq_id) {
+            return Err(EngineError::DuplicateRequest(seq_id));
+        }
+        assert!(
+            computed > 0 && computed < tokens.len() && blocks.len() * self.block_size >= computed,
+            "prefilled sequence: {computed} computed of {} tokens in {} blocks. This is a bug.",
+            tokens.len(),
+            blocks.len()
+        );
+        let arrival = self.next_arrival;
+        self.next_arrival += 1;
+        self.seqs.insert(
+            seq_id,
+            Sequence {
+                priority,
+                arrival,
+                arrived_at: now,
+                tokens,
+                num_computed: computed,
+                blocks,
+                block_hashes: Vec::new(),
+                cached_tokens: 0,
+                preemptions: 0,
+                running: false,
+            },
+        );
+        self.waiting[class(priority)].push_front(seq_id);
+        Ok(())
+    }
+
+    /// How long the caller should wait before the next step to gather a batch (the wait window),
+    /// or `None` to step now (or nothing to do).
+    pub fn wait_hint(&self, now: Instant) -> Option<Duration> {
+        if !self.running.is_empty() || self.cfg.max_wait.is_zero() {
+            return None;
+        }
+        let waiting = self.waiting.iter().flatten().map(|id| &self.seqs[id]);
+        let (mut oldest, mut tokens, mut n) = (None::<Instant>, 0usize, 0usize);
+        for s in waiting {
+            oldest = Some(oldest.map_or(s.arrived_at, |o: Instant| o.min(s.arrived_at)));
+            tokens += s.tokens.len();
+            n += 1;
+        }
+        let oldest = oldest?;
+        if tokens >= self.cfg.max_tokens_per_step || n >= self.cfg.max_num_seqs {
+            return None;
+        }
+        let deadline = oldest + self.cfg.max_wait;
+        (deadline > now).then(|| deadline - now)
+    }
+
+    fn bucket(&self, tokens: usize) -> usize {
+        self.cfg.length_buckets.iter().position(|&b| tokens <= b).unwrap_or(self.cfg.length_buckets.len())
+    }
+
+    /// Admits waiting sequences into the step (after the running ones took their share of
+    /// `budget`), appending their first chunks to `chunks`.
+    pub(super) fn admit_waiting(&mut self, mut budget: usize, chunks: &mut Vec<ScheduledChunk>) {
+        let mut head_bucket = None;
+        'classes: for c in 0..2 {
+            while self.running.len() < self.cfg.max_num_seqs && budget > 0 && !self.waiting[c].is_empty() {
+                let pick = self.pick_waiting(c, head_bucket);
+                let id = self.waiting[c][pick];
+                match self.try_admit(id, budget) {
+                    Some(chunk) => {
+                        self.waiting[c].remove(pick);
+                        head_bucket.get_or_insert(self.bucket(chunk.len));
+                        budget -= chunk.len;
+                        chunks.push(chunk);
+                    }
+                    None => break 'classes, // no room: keep order, stop admitting
+                }
+            }
+        }
+        self.sort_running();
+    }
+
+
+    /// Index in waiting queue `c` of the next sequence to admit: the first one in `bucket` among
+    /// the first 16, else the head.
+    fn pick_waiting(&self, c: usize, bucket: Option<usize>) -> usize {
+        let Some(b) = bucket else { return 0 };
+        self.waiting[c]
+            .iter()
+            .take(16)
+            .position(|id| {
+                let s = &self.seqs[id];
+                self.bucket(s.tokens.len() - s.num_computed) == b
+            })
+            .unwrap_or(0)
+    }
+
+    /// Allocates a first chunk for waiting sequence `id` (after prefix-cache reuse), or `None`
+    /// (changing nothing) when the blocks are not there.
+    fn try_admit(&mut self, id: u64, budget: usize) -> Option<ScheduledChunk> {
+        let bs = self.block_size;
+        let caching = self.cfg.enable_prefix_caching;
+        let s = self.seqs.get_mut(&id).expect("waiting id is known");
+        if s.num_computed > 0 {
+            // Arrived with its KV (decode node): it already holds blocks for what was computed.
+            let (computed, len, held) = (s.num_computed, s.tokens.len(), s.blocks.len());
+            let n = (len - computed).min(budget);
+            let need = (computed + n).div_ceil(bs).saturating_sub(held);
+            let fresh = self.blocks.allocate_n(need)?;
+            let s = self.seqs.get_mut(&id).expect("waiting id is known");
+            s.blocks.extend(fresh);
+            s.running = true;
+            self.running.push(id);
+            return Some(ScheduledChunk { seq_id: id, first_pos: computed, len: n, want_logits: computed + n == len });
+        }
+        debug_assert!(s.blocks.is_empty());
+        // Hashes of the full blocks, never covering the last token (it must run to give logits).
+        let full = (s.tokens.len() - 1) / bs;
+        if caching {
+            s.extend_hashes(full, bs);
+        }
+        let hits = if caching { self.blocks.match_prefix(&s.block_hashes[..full.min(s.block_hashes.len())]) } else { vec![] };
+        for &b in &hits {
+            self.blocks.retain(b);
+        }
+        let computed = hits.len() * bs;
+        let len = s.tokens.len();
+        let n = (len - computed).min(budget);
+        let need = (computed + n).div_ceil(bs) - hits.len();
+        let Some(fresh) = self.blocks.allocate_n(need) else {
+            self.blocks.release_all(&hits);
+            return None;
+        };
+        let s = self.seqs.get_mut(&id).expect("waiting id is known");
+        if s.preemptions == 0 {
+            s.cached_tokens = computed;
+        }
+        s.blocks = hits;
+        s.blocks.extend(fresh);
+        s.num_computed = computed;
+        s.running = true;
+        self.running.push(id);
+        Some(ScheduledChunk { seq_id: id, first_pos: computed, len: n, want_logits: computed + n == len })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use crate::error::EngineError;
+    use crate::scheduler::tests::{run_step, sched};
+    use crate::scheduler::{Priority, Scheduler, SchedulerConfig};
+
+    #[test]
+    fn interactive_is_admitted_before_batch() {
+        let mut s = sched(64, 4);
+        let now = Instant::now();
+        s.add(1, vec![1; 4], 4, Priority::Batch, now).unwrap();
+        s.add(2, vec![2; 4], 4, Priority::Interactive, now).unwrap();
+        assert_eq!(run_step(&mut s).chunks[0].seq_id, 2);
+    }
+
+    #[test]
+    fn requests_that_can_never_fit_are_refused_up_front() {
+        let mut s = sched(4, 64);
+        let err = s.add(1, vec![1; 10], 10, Priority::Interactive, Instant::now()).unwrap_err();
+        assert!(matches!(err, EngineError::NeverFits { required_blocks: 5, total_blocks: 4 }));
+        assert!(s.is_idle());
+        let err = s.add(2, vec![], 1, Priority::Interactive, Instant::now()).unwrap_err();
+        assert!(matches!(err, EngineError::InvalidRequest { field: "prompt", .. }));
+    }
+
+    #[test]
+    fn a_shared_prefix_is_served_from_cached_blocks() {
+        let mut s = sched(64, 64);
+        let now = Instant::now();
+        let prompt: Vec<u32> = (0..13).collect();
+        s.add(1, prompt.clone(), 2, Priority::Interactive, now).unwrap();
+        run_step(&mut s);
+        s.add(2, prompt.clone(), 2, Priority::Interactive, now).unwrap();
+        let out = run_step(&mut s);
+        let c2 = out.chunks.iter().find(|c| c.seq_id == 2).unwrap();
+        assert_eq!(c2.first_pos, 12, "three full blocks reused");
+        assert_eq!(s.cached_tokens(2), 12);
+        assert_eq!(s.block_table(1).unwrap()[..3], s.block_table(2).unwrap()[..3]);
+    }
+
+    #[test]
+    fn wait_window_holds_a_small_first_batch_until_it_expires() {
+        let cfg = SchedulerConfig { max_wait: Duration::from_millis(5), ..Default::default() };
+        let mut s = Scheduler::new(cfg, 64, 4).unwrap();
+        let t0 = Instant::now();
+        s.add(1, vec![1; 4], 4, Priority::Interactive, t0).unwrap();
+        assert_eq!(s.wait_hint(t0), Some(Duration::from_millis(5)));
+        assert_eq!(s.wait_hint(t0 + Duration::from_millis(5)), None);
+    }
+}
