@@ -11,6 +11,13 @@
 //! [`copy_with_checksum`] fuses the sender's copy into a peer's mapped pool with its hash, so the
 //! source is read once.
 //!
+//! [`slab_checksums`] and [`copy_slabs_with_checksums`] work on a chunk's slabs at once: with
+//! AVX-512 they run four equal-length slabs through one loop, a 64-byte stripe of each per step.
+//! On a cold source one core's bandwidth is bounded by the misses it keeps in flight, not by the
+//! hash: one stream copies+hashes at 5-7 GB/s here, four at 8.5-9.8 GB/s (glibc memcpy: 7.6-8.9
+//! in the same runs). The copy can also use non-temporal stores, which skip the read-for-
+//! ownership of every destination line.
+//!
 //! A single flipped byte changes the hash with probability 1 − 2⁻⁶⁴ (XXH3's accumulation is a
 //! bijection of the input stripe on the 512-bit state; only the final fold can collide).
 
@@ -42,6 +49,70 @@ pub unsafe fn copy_with_checksum(src: &[u8], dst: *mut u8) -> u64 {
     xxhash_rust::xxh3::xxh3_64(src)
 }
 
+/// How many slabs the AVX-512 kernels interleave.
+const STREAMS: usize = 4;
+
+/// XXH3-64 of each slab, in order, appended to `out`. With AVX-512, runs of four equal-length
+/// slabs are hashed in one interleaved pass (four streams of misses in flight instead of one:
+/// on a cold source this is what keeps one core near its memory bandwidth).
+pub fn slab_checksums(slabs: &[&[u8]], out: &mut Vec<u64>) {
+    out.reserve(slabs.len());
+    let mut rest = slabs;
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        while let Some((group, tail)) = rest.split_first_chunk::<STREAMS>() {
+            let len = group[0].len();
+            if len <= MIDSIZE_MAX || group.iter().any(|s| s.len() != len) {
+                break;
+            }
+            // SAFETY: AVX-512F is available (checked above); lengths are equal and over 240.
+            out.extend(unsafe { avx512::xxh3_64_multi(*group) });
+            rest = tail;
+        }
+    }
+    out.extend(rest.iter().map(|s| slab_checksum(s)));
+}
+
+/// Copies each `(source, destination)` slab and appends XXH3-64 of the bytes to `out`, in one
+/// pass over each source. `streaming` asks for non-temporal stores (the destination goes to
+/// memory, not into this core's caches: right for transfers larger than the cache, wrong when
+/// the reader is about to read the bytes from cache); it applies to runs of four equal-length,
+/// 64-byte-aligned destinations with AVX-512, the rest are copied with plain stores.
+///
+/// # Safety
+/// Every destination is valid for its source's length of writes and overlaps no source.
+pub unsafe fn copy_slabs_with_checksums(
+    slabs: &[(&[u8], *mut u8)],
+    streaming: bool,
+    out: &mut Vec<u64>,
+) {
+    out.reserve(slabs.len());
+    let mut rest = slabs;
+    #[cfg(target_arch = "x86_64")]
+    if streaming && std::arch::is_x86_feature_detected!("avx512f") {
+        while let Some((group, tail)) = rest.split_first_chunk::<STREAMS>() {
+            let len = group[0].0.len();
+            if len <= MIDSIZE_MAX
+                || group
+                    .iter()
+                    .any(|(s, d)| s.len() != len || !(*d as usize).is_multiple_of(64))
+            {
+                break;
+            }
+            // SAFETY: AVX-512F is available; equal lengths over 240; aligned destinations valid
+            // for `len` bytes per the caller.
+            out.extend(unsafe {
+                avx512::copy_nt_xxh3_64_multi(group.map(|(s, _)| s), group.map(|(_, d)| d))
+            });
+            rest = tail;
+        }
+    }
+    for &(src, dst) in rest {
+        // SAFETY: per the caller.
+        out.push(unsafe { copy_with_checksum(src, dst) });
+    }
+}
+
 /// A block's checksum across layers: XXH3 over its per-layer slab checksums in layer order.
 pub fn block_checksum(slab_checksums_by_layer: impl Iterator<Item = u64>) -> u64 {
     let mut h = xxhash_rust::xxh3::Xxh3::new();
@@ -58,7 +129,7 @@ const MIDSIZE_MAX: usize = 240;
 mod avx2 {
     use std::arch::x86_64::*;
 
-    const SECRET: [u8; 192] = [
+    pub(super) const SECRET: [u8; 192] = [
         0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c, 0xf7, 0x21, 0xad,
         0x1c, 0xde, 0xd4, 0x6d, 0xe9, 0x83, 0x90, 0x97, 0xdb, 0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3,
         0x67, 0x1f, 0xcb, 0x79, 0xe6, 0x4e, 0xcc, 0xc0, 0xe5, 0x78, 0x82, 0x5a, 0xd0, 0x7d, 0xcc,
@@ -73,18 +144,18 @@ mod avx2 {
         0x47, 0xa1, 0xfc, 0x8f, 0xf8, 0xb8, 0xd1, 0x7a, 0xd0, 0x31, 0xce, 0x45, 0xcb, 0x3a, 0x8f,
         0x95, 0x16, 0x04, 0x28, 0xaf, 0xd7, 0xfb, 0xca, 0xbb, 0x4b, 0x40, 0x7e,
     ];
-    const PRIME32_1: u64 = 0x9E37_79B1;
-    const PRIME32_2: u64 = 0x85EB_CA77;
-    const PRIME32_3: u64 = 0xC2B2_AE3D;
-    const PRIME64_1: u64 = 0x9E37_79B1_85EB_CA87;
-    const PRIME64_2: u64 = 0xC2B2_AE3D_27D4_EB4F;
-    const PRIME64_3: u64 = 0x1656_67B1_9E37_79F9;
-    const PRIME64_4: u64 = 0x85EB_CA77_C2B2_AE63;
-    const PRIME64_5: u64 = 0x27D4_EB2F_1656_67C5;
-    const STRIPE: usize = 64;
-    const CONSUME: usize = 8;
-    const STRIPES_PER_BLOCK: usize = (SECRET.len() - STRIPE) / CONSUME;
-    const BLOCK: usize = STRIPE * STRIPES_PER_BLOCK;
+    pub(super) const PRIME32_1: u64 = 0x9E37_79B1;
+    pub(super) const PRIME32_2: u64 = 0x85EB_CA77;
+    pub(super) const PRIME32_3: u64 = 0xC2B2_AE3D;
+    pub(super) const PRIME64_1: u64 = 0x9E37_79B1_85EB_CA87;
+    pub(super) const PRIME64_2: u64 = 0xC2B2_AE3D_27D4_EB4F;
+    pub(super) const PRIME64_3: u64 = 0x1656_67B1_9E37_79F9;
+    pub(super) const PRIME64_4: u64 = 0x85EB_CA77_C2B2_AE63;
+    pub(super) const PRIME64_5: u64 = 0x27D4_EB2F_1656_67C5;
+    pub(super) const STRIPE: usize = 64;
+    pub(super) const CONSUME: usize = 8;
+    pub(super) const STRIPES_PER_BLOCK: usize = (SECRET.len() - STRIPE) / CONSUME;
+    pub(super) const BLOCK: usize = STRIPE * STRIPES_PER_BLOCK;
 
     #[inline(always)]
     unsafe fn accumulate_512(acc: &mut [__m256i; 2], input: *const u8, secret: *const u8) {
@@ -241,6 +312,11 @@ mod avx2 {
             _mm256_storeu_si256(lanes.as_mut_ptr().cast(), acc[0]);
             _mm256_storeu_si256(lanes.as_mut_ptr().add(4).cast(), acc[1]);
         }
+        finish(lanes, len)
+    }
+
+    /// The final merge of the eight accumulator lanes of an input of `len` bytes.
+    pub(super) fn finish(lanes: [u64; 8], len: usize) -> u64 {
         let mut result = (len as u64).wrapping_mul(PRIME64_1);
         for i in 0..4 {
             let at = 11 + 16 * i;
@@ -250,6 +326,167 @@ mod avx2 {
             ));
         }
         avalanche(result)
+    }
+}
+
+/// XXH3-64 with AVX-512: several equal-length slabs hashed (and copied) in one interleaved loop.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::avx2::{BLOCK, CONSUME, PRIME32_1, SECRET, STRIPE, STRIPES_PER_BLOCK, finish};
+    use std::arch::x86_64::*;
+
+    #[inline(always)]
+    unsafe fn accumulate(acc: &mut __m512i, data: __m512i, secret: *const u8) {
+        // SAFETY: AVX-512F per the caller's target_feature; the secret load stays in the
+        // 192-byte secret.
+        unsafe {
+            let key = _mm512_loadu_si512(secret.cast());
+            let data_key = _mm512_xor_si512(data, key);
+            let data_key_hi = _mm512_srli_epi64::<32>(data_key);
+            let product = _mm512_mul_epu32(data_key, data_key_hi);
+            let swapped = _mm512_shuffle_epi32::<0b01_00_11_10>(data);
+            *acc = _mm512_add_epi64(*acc, _mm512_add_epi64(product, swapped));
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn scramble(acc: &mut __m512i, secret: *const u8) {
+        // SAFETY: as in `accumulate`.
+        unsafe {
+            let key = _mm512_loadu_si512(secret.cast());
+            let x = _mm512_xor_si512(_mm512_xor_si512(*acc, _mm512_srli_epi64::<47>(*acc)), key);
+            let prime = _mm512_set1_epi32(PRIME32_1 as i32);
+            let lo = _mm512_mul_epu32(x, prime);
+            let hi = _mm512_mul_epu32(_mm512_srli_epi64::<32>(x), prime);
+            *acc = _mm512_add_epi64(lo, _mm512_slli_epi64::<32>(hi));
+        }
+    }
+
+    /// Copies each of `N` equal-length inputs (over 240 bytes) to its destination with
+    /// non-temporal stores while hashing it; returns XXH3-64 (seed 0) of each. The `N` streams
+    /// advance together, one 64-byte stripe of each per step: more independent misses in flight
+    /// than one stream has, and `N` independent hash chains.
+    ///
+    /// # Safety
+    /// The CPU supports AVX-512F; every `dst[i]` is 64-byte aligned, valid for `len` bytes and
+    /// overlaps no input.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn copy_nt_xxh3_64_multi<const N: usize>(
+        inputs: [&[u8]; N],
+        dsts: [*mut u8; N],
+    ) -> [u64; N] {
+        // SAFETY: per the caller.
+        unsafe { multi::<N, true>(inputs, dsts) }
+    }
+
+    /// XXH3-64 (seed 0) of each of `N` equal-length inputs over 240 bytes, streams interleaved
+    /// as in [`copy_nt_xxh3_64_multi`].
+    ///
+    /// # Safety
+    /// The CPU supports AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn xxh3_64_multi<const N: usize>(inputs: [&[u8]; N]) -> [u64; N] {
+        // SAFETY: per the caller; nothing is stored.
+        unsafe { multi::<N, false>(inputs, [std::ptr::null_mut(); N]) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn multi<const N: usize, const COPY: bool>(
+        inputs: [&[u8]; N],
+        dsts: [*mut u8; N],
+    ) -> [u64; N] {
+        let len = inputs[0].len();
+        debug_assert!(len > super::MIDSIZE_MAX && inputs.iter().all(|i| i.len() == len));
+        let init = [
+            super::avx2::PRIME32_3,
+            super::avx2::PRIME64_1,
+            super::avx2::PRIME64_2,
+            super::avx2::PRIME64_3,
+            super::avx2::PRIME64_4,
+            super::avx2::PRIME32_2,
+            super::avx2::PRIME64_5,
+            PRIME32_1,
+        ];
+        // SAFETY: `init` is 64 bytes.
+        let mut acc: [__m512i; N] = [unsafe { _mm512_loadu_si512(init.as_ptr().cast()) }; N];
+        let s = SECRET.as_ptr();
+        // A plain fn, not a closure: closures do not inherit the caller's target features.
+        #[inline(always)]
+        unsafe fn step<const N: usize, const COPY: bool>(
+            acc: &mut [__m512i; N],
+            inputs: &[&[u8]; N],
+            dsts: &[*mut u8; N],
+            at: usize,
+            secret: *const u8,
+        ) {
+            for i in 0..N {
+                // SAFETY: the callers keep `at + 64 <= len`; `dsts[i]` is aligned and valid
+                // for `len` bytes.
+                unsafe {
+                    let d = _mm512_loadu_si512(inputs[i].as_ptr().add(at).cast());
+                    if COPY {
+                        _mm512_stream_si512(dsts[i].add(at).cast(), d);
+                    }
+                    accumulate(&mut acc[i], d, secret);
+                }
+            }
+        }
+        let blocks = (len - 1) / BLOCK;
+        for b in 0..blocks {
+            for st in 0..STRIPES_PER_BLOCK {
+                // SAFETY: as in avx2::long; the secret offset st * 8 + 64 <= 192.
+                unsafe {
+                    step::<N, COPY>(
+                        &mut acc,
+                        &inputs,
+                        &dsts,
+                        b * BLOCK + st * STRIPE,
+                        s.add(st * CONSUME),
+                    )
+                };
+            }
+            for a in acc.iter_mut() {
+                // SAFETY: secret[128..192].
+                unsafe { scramble(a, s.add(SECRET.len() - STRIPE)) };
+            }
+        }
+        let stripes = ((len - 1) - BLOCK * blocks) / STRIPE;
+        for st in 0..stripes {
+            // SAFETY: below len - 1 by the definition of `stripes`.
+            unsafe {
+                step::<N, COPY>(
+                    &mut acc,
+                    &inputs,
+                    &dsts,
+                    blocks * BLOCK + st * STRIPE,
+                    s.add(st * CONSUME),
+                )
+            };
+        }
+        let done = blocks * BLOCK + stripes * STRIPE;
+        let mut out = [0u64; N];
+        for i in 0..N {
+            let p = inputs[i].as_ptr();
+            // SAFETY: done < len; the tail and the last stripe are within the input and dst;
+            // secret offset 192 - 64 - 7 leaves 64 bytes.
+            unsafe {
+                if COPY {
+                    std::ptr::copy_nonoverlapping(p.add(done), dsts[i].add(done), len - done);
+                }
+                let last = _mm512_loadu_si512(p.add(len - STRIPE).cast());
+                accumulate(&mut acc[i], last, s.add(SECRET.len() - STRIPE - 7));
+            }
+            let mut lanes = [0u64; 8];
+            // SAFETY: 64 bytes of room.
+            unsafe { _mm512_storeu_si512(lanes.as_mut_ptr().cast(), acc[i]) };
+            out[i] = finish(lanes, len);
+        }
+        if COPY {
+            // Orders the streaming stores before whatever follows.
+            _mm_sfence();
+        }
+        out
     }
 }
 
@@ -294,6 +531,97 @@ mod tests {
                 (0, 0),
                 "nothing written outside, len {len}"
             );
+        }
+    }
+
+    #[test]
+    fn interleaved_avx512_copy_and_hash_match_xxh3_per_stream() {
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            eprintln!("no AVX-512 here: the interleaved kernels are not used on this CPU");
+            return;
+        }
+        let data: Vec<u8> = (0..300_000u32)
+            .map(|i| (i.wrapping_mul(2_246_822_519) >> 9) as u8)
+            .collect();
+        for len in [241, 1000, 1024, 1025, 6144, 65_536, 65_537] {
+            let ins: [&[u8]; 4] = std::array::from_fn(|i| &data[i * 70_001 + 3..][..len]);
+            let want: Vec<u64> = ins.iter().map(|s| xxhash_rust::xxh3::xxh3_64(s)).collect();
+            // SAFETY: AVX-512F checked above.
+            assert_eq!(
+                unsafe { avx512::xxh3_64_multi(ins) }.to_vec(),
+                want,
+                "len {len}"
+            );
+            let stride = (len + 64).next_multiple_of(64);
+            let mut out = AlignedBuf::new(4 * stride);
+            let dsts: [*mut u8; 4] = std::array::from_fn(|i| out.ptr().wrapping_add(i * stride));
+            // SAFETY: AVX-512F; each destination is 64-byte aligned with `len` bytes of room
+            // and does not overlap `data`.
+            let got = unsafe { avx512::copy_nt_xxh3_64_multi(ins, dsts) };
+            assert_eq!(got.to_vec(), want, "copy len {len}");
+            for (i, src) in ins.iter().enumerate() {
+                assert_eq!(
+                    &out.bytes()[i * stride..i * stride + len],
+                    *src,
+                    "stream {i} len {len}"
+                );
+                assert!(
+                    out.bytes()[i * stride + len..(i + 1) * stride]
+                        .iter()
+                        .all(|&b| b == 0)
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn batch_checksums_and_copies_equal_per_slab_xxh3_in_order() {
+        let data: Vec<u8> = (0..200_000u32)
+            .map(|i| (i.wrapping_mul(3_266_489_917) >> 11) as u8)
+            .collect();
+        // Six equal slabs (one interleaved group of four and a tail of two), then an odd one.
+        let slab = 6144;
+        let mut slabs: Vec<&[u8]> = (0..6).map(|i| &data[i * slab..(i + 1) * slab]).collect();
+        slabs.push(&data[100_000..100_100]);
+        let want: Vec<u64> = slabs
+            .iter()
+            .map(|s| xxhash_rust::xxh3::xxh3_64(s))
+            .collect();
+        let mut got = vec![7u64];
+        slab_checksums(&slabs, &mut got);
+        assert_eq!(got[1..], want[..]);
+        for streaming in [false, true] {
+            let mut out = AlignedBuf::new(8 * slab);
+            let base = out.ptr();
+            let pairs: Vec<(&[u8], *mut u8)> = slabs
+                .iter()
+                .enumerate()
+                .map(|(i, s)| (*s, base.wrapping_add(i * slab)))
+                .collect();
+            let mut sums = Vec::new();
+            // SAFETY: each destination has `slab` bytes of room in `out`, apart from the others.
+            unsafe { copy_slabs_with_checksums(&pairs, streaming, &mut sums) };
+            assert_eq!(sums, want, "streaming {streaming}");
+            for (i, s) in slabs.iter().enumerate() {
+                assert_eq!(&out.bytes()[i * slab..i * slab + s.len()], *s, "slab {i}");
+            }
+        }
+    }
+
+    /// A zeroed, 64-byte-aligned test buffer.
+    struct AlignedBuf(Vec<u8>, usize);
+
+    impl AlignedBuf {
+        fn new(len: usize) -> Self {
+            let v = vec![0u8; len + 64];
+            let skip = v.as_ptr().align_offset(64);
+            Self(v, skip)
+        }
+        fn ptr(&mut self) -> *mut u8 {
+            self.0[self.1..].as_mut_ptr()
+        }
+        fn bytes(&self) -> &[u8] {
+            &self.0[self.1..]
         }
     }
 

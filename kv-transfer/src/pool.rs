@@ -187,6 +187,28 @@ impl KvPool {
         })
     }
 
+    /// XXH3-64 of the slabs of `blocks` in layers `layers`, layer-major (the order of a
+    /// `Chunk` frame's checksums), hashed four slabs at a time where the CPU allows.
+    ///
+    /// # Safety
+    /// No one writes these slabs while they are hashed.
+    pub unsafe fn slab_checksums(
+        &self,
+        layers: std::ops::Range<u32>,
+        blocks: &[BlockId],
+    ) -> Result<Vec<u64>, TransferError> {
+        let mut slabs = Vec::with_capacity(layers.len() * blocks.len());
+        for layer in layers {
+            for &b in blocks {
+                // SAFETY: no concurrent writer, per the caller.
+                slabs.push(unsafe { self.slab(layer as usize, b) }?);
+            }
+        }
+        let mut sums = Vec::with_capacity(slabs.len());
+        crate::checksum::slab_checksums(&slabs, &mut sums);
+        Ok(sums)
+    }
+
     /// The bytes of one (layer, block) slab, writable.
     ///
     /// # Safety

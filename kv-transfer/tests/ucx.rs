@@ -12,6 +12,21 @@ mod shm_mapped {
     scenario_tests!(|src, dst| crate::common::ucx_pair(src, dst, "shm", true));
 }
 
+/// The same through the streaming-store copy (non-temporal stores, four slabs per pass), which
+/// the default config keeps for chunks of 8 MiB and more: forced here on the small layout.
+mod shm_mapped_streaming {
+    scenario_tests!(|src, dst| crate::common::ucx_pair_with(
+        src,
+        dst,
+        "shm",
+        true,
+        tandem_kv_transfer::TransferConfig {
+            streaming_store_min_chunk_bytes: 0,
+            ..crate::common::small_chunks()
+        }
+    ));
+}
+
 mod shm_put {
     scenario_tests!(|src, dst| crate::common::ucx_pair(src, dst, "shm", false));
 }

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use super::{InboundRegistry, InboundReport};
-use crate::checksum::{block_checksum, slab_checksum};
+use crate::checksum::block_checksum;
 use crate::error::TransferError;
 use crate::pool::{BlockId, BlockRun, KvPool};
 
@@ -104,15 +104,9 @@ impl InboundSession {
         let pool = Arc::clone(self.pool());
         let dst = Arc::clone(&self.dst_blocks);
         move || {
-            let mut sums = Vec::with_capacity((layer_end - layer_start) as usize * dst.len());
-            for layer in layer_start..layer_end {
-                for &b in dst.iter() {
-                    // SAFETY: this slab belongs to a reservation claimed by the session, which
-                    // outlives the job; its bytes have landed and nobody writes them now.
-                    sums.push(slab_checksum(unsafe { pool.slab(layer as usize, b) }?));
-                }
-            }
-            Ok(sums)
+            // SAFETY: these slabs belong to a reservation claimed by the session, which outlives
+            // the job; their bytes have landed and nobody writes them now.
+            unsafe { pool.slab_checksums(layer_start..layer_end, &dst) }
         }
     }
 

@@ -9,7 +9,6 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::NetShared;
 use super::conn::{ClientConn, Event, InlineChunk, RouteGuard, SendPath, WriterCmd, get_conn};
-use crate::checksum::slab_checksum;
 use crate::error::{Phase, TransferError};
 use crate::pool::{KvPool, block_runs};
 use crate::transport::{PoolRegistration, PushDriver, TransferReport, layers_per_chunk};
@@ -283,8 +282,9 @@ async fn send_chunks_inner(
             #[cfg(feature = "ucx")]
             SendPath::Ucx(ucx) if ucx.mapped() => {
                 // The peer's pool is mapped here: copy and hash in one pass, then commit.
+                let streaming = chunk_bytes >= net.config.streaming_store_min_chunk_bytes as u64;
                 let checksums = ucx
-                    .copy_chunk(&pool, ranges, slab, faults)
+                    .copy_chunk(&pool, ranges, slab, streaming, faults)
                     .await
                     .map_err(Stop::Local)?;
                 if faults.cut_at.is_some() {
@@ -345,14 +345,8 @@ fn source_checksums(
     start: u32,
     end: u32,
 ) -> Result<Vec<u64>, TransferError> {
-    let mut sums = Vec::with_capacity((end - start) as usize * blocks.len());
-    for layer in start..end {
-        for &b in blocks {
-            // SAFETY: source slabs of a push are not written while it is in flight (pool contract).
-            sums.push(slab_checksum(unsafe { pool.slab(layer as usize, b) }?));
-        }
-    }
-    Ok(sums)
+    // SAFETY: source slabs of a push are not written while it is in flight (pool contract).
+    unsafe { pool.slab_checksums(start..end, blocks) }
 }
 
 fn cut_error(peer: &str) -> TransferError {

@@ -9,7 +9,7 @@ use tokio::sync::oneshot;
 
 use super::runtime::{Cmd, Keep, UcxRuntime};
 use super::{PutOp, TagOp, tag_for};
-use crate::checksum::copy_with_checksum;
+use crate::checksum::copy_slabs_with_checksums;
 use crate::error::TransferError;
 use crate::fault::ChunkFaults;
 use crate::pool::KvPool;
@@ -40,7 +40,9 @@ impl UcxPeer {
     }
 
     /// Copies one chunk's ranges `(src offset, dst offset, len)` into the peer's mapped pool,
-    /// hashing each slab in the same pass; returns the slab checksums in payload order. Runs on
+    /// hashing each slab in the same pass (non-temporal stores when `streaming`: see
+    /// [`crate::TransferConfig::streaming_store_min_chunk_bytes`]); returns the slab checksums
+    /// in payload order. Runs on
     /// a blocking thread and always completes (it is not cancelled midway: the mapping must
     /// outlive every write, and the caller holds the endpoint until this returns).
     pub async fn copy_chunk(
@@ -48,6 +50,7 @@ impl UcxPeer {
         pool: &Arc<KvPool>,
         ranges: Vec<(usize, usize, usize)>,
         slab_bytes: usize,
+        streaming: bool,
         faults: ChunkFaults,
     ) -> Result<Vec<u64>, TransferError> {
         let base = self
@@ -70,7 +73,7 @@ impl UcxPeer {
         let pool = Arc::clone(pool);
         // Awaited to the end, never dropped midway: the copy must not outlive the mapping.
         let sums = tokio::task::spawn_blocking(move || {
-            copy_slabs(&pool, base, &slabs, slab_bytes, faults)
+            copy_slabs(&pool, base, &slabs, slab_bytes, streaming, faults)
         })
         .await
         .map_err(|_| TransferError::Shutdown)?;
@@ -199,35 +202,42 @@ impl UcxPeer {
 }
 
 /// Copies `slabs` (source offset, destination offset) of `slab_bytes` each into the mapped pool
-/// at `base`, hashing each. Stops early (returning fewer sums) at a cut fault.
+/// at `base`, hashing each in the same pass (with non-temporal stores when `streaming`). Stops
+/// early (returning fewer sums) at a cut fault.
 fn copy_slabs(
     pool: &KvPool,
     base: usize,
     slabs: &[(usize, usize)],
     slab_bytes: usize,
+    streaming: bool,
     faults: ChunkFaults,
 ) -> Vec<u64> {
     let limit = faults.cut_at.unwrap_or(u64::MAX);
-    let mut sums = Vec::with_capacity(slabs.len());
-    for (i, &(s, t)) in slabs.iter().enumerate() {
-        let offset = (i * slab_bytes) as u64;
-        if offset + slab_bytes as u64 > limit {
-            break; // cut: the rest never moves
-        }
-        // SAFETY: (s, slab_bytes) is a checked slab range of the source pool, which the caller
-        // keeps alive and nobody writes during the push.
-        let src = unsafe { std::slice::from_raw_parts(pool.as_ptr().add(s), slab_bytes) };
-        let dst = (base + t) as *mut u8;
-        // SAFETY: t + slab_bytes <= the peer pool's length (checked by the caller), inside its
-        // mapping, which stays mapped while the caller holds the endpoint; the receiver keeps
-        // these blocks untouched while the transfer holds them.
-        sums.push(unsafe { copy_with_checksum(src, dst) });
-        if let Some(at) = faults
-            .corrupt_at
-            .filter(|&at| at >= offset && at < offset + slab_bytes as u64)
-        {
-            // SAFETY: inside the slab just written.
-            unsafe { *dst.add((at - offset) as usize) ^= 0xFF };
+    // Whole slabs before the cut; the rest never moves.
+    let moving = slabs.len().min(
+        (limit / slab_bytes.max(1) as u64)
+            .try_into()
+            .unwrap_or(usize::MAX),
+    );
+    let pairs: Vec<(&[u8], *mut u8)> = slabs[..moving]
+        .iter()
+        .map(|&(s, t)| {
+            // SAFETY: (s, slab_bytes) is a checked slab range of the source pool, which the
+            // caller keeps alive and nobody writes during the push.
+            let src = unsafe { std::slice::from_raw_parts(pool.as_ptr().add(s), slab_bytes) };
+            (src, (base + t) as *mut u8)
+        })
+        .collect();
+    let mut sums = Vec::with_capacity(moving);
+    // SAFETY: every t + slab_bytes <= the peer pool's length (checked by the caller), inside its
+    // mapping, which stays mapped while the caller holds the endpoint; the receiver keeps these
+    // blocks untouched while the transfer holds them; source and destination pools differ.
+    unsafe { copy_slabs_with_checksums(&pairs, streaming, &mut sums) };
+    if let Some(at) = faults.corrupt_at {
+        let (slab, within) = ((at / slab_bytes as u64) as usize, at % slab_bytes as u64);
+        if let Some(&(_, dst)) = pairs.get(slab) {
+            // SAFETY: inside a slab just written (its checksum was taken before the flip).
+            unsafe { *dst.add(within as usize) ^= 0xFF };
         }
     }
     sums

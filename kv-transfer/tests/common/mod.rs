@@ -209,13 +209,25 @@ pub async fn ucx_pair(
     tls: &str,
     allocated: bool,
 ) -> Pair {
+    ucx_pair_with(src_layout, dst_layout, tls, allocated, small_chunks()).await
+}
+
+/// [`ucx_pair`] with the sender's and receiver's `config`.
+#[cfg(feature = "ucx")]
+pub async fn ucx_pair_with(
+    src_layout: KvLayout,
+    dst_layout: KvLayout,
+    tls: &str,
+    allocated: bool,
+    config: TransferConfig,
+) -> Pair {
     use tandem_kv_transfer::{UcxConfig, UcxKvTransport};
     let cfg = UcxConfig {
         tls: Some(tls.to_string()),
         ..Default::default()
     };
-    let sender = UcxKvTransport::new(small_chunks(), cfg.clone()).unwrap();
-    let receiver = Arc::new(UcxKvTransport::new(small_chunks(), cfg).unwrap());
+    let sender = UcxKvTransport::new(config.clone(), cfg.clone()).unwrap();
+    let receiver = Arc::new(UcxKvTransport::new(config, cfg).unwrap());
     let (src, dst) = if allocated {
         let src = sender.allocate(src_layout, BLOCKS).unwrap();
         let ids: Vec<u32> = (0..BLOCKS as u32).collect();
