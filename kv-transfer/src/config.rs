@@ -19,12 +19,12 @@ pub struct TransferConfig {
     pub max_connections: usize,
     /// Chunks a sender keeps in flight per transfer (checksumming the next while one moves).
     pub chunks_in_flight: usize,
-    /// Chunks at least this large are copied into a peer's mapped pool (UCX shared memory) with
-    /// non-temporal stores: such chunks stream through memory either way, and plain stores
-    /// would first read every destination line for ownership (a third byte of memory traffic
-    /// per byte moved). Smaller chunks use plain stores and stay in the cache the receiver's
-    /// checksum reads them from. `0` streams every chunk.
-    pub streaming_store_min_chunk_bytes: usize,
+    /// Transfers at least this large are copied into a peer's mapped pool (UCX shared memory)
+    /// with non-temporal stores: they stream through memory either way, and plain stores would
+    /// first read every destination line for ownership (a third byte of memory traffic per byte
+    /// moved). Smaller transfers use plain stores and stay in the cache that the receiver's
+    /// checksum (and soon its decode step) reads them from. `0` streams every transfer.
+    pub streaming_store_min_transfer_bytes: usize,
 }
 
 impl Default for TransferConfig {
@@ -35,7 +35,7 @@ impl Default for TransferConfig {
             fence_timeout: Duration::from_secs(2),
             max_connections: 256,
             chunks_in_flight: 2,
-            streaming_store_min_chunk_bytes: 8 << 20,
+            streaming_store_min_transfer_bytes: 8 << 20,
         }
     }
 }

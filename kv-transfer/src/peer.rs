@@ -55,6 +55,10 @@ pub struct TransportArgs {
     /// Largest chunk sent as one unit.
     #[arg(long, default_value_t = 16 << 20)]
     pub max_chunk_bytes: usize,
+    /// Transfers at least this large are copied into a mapped peer pool with non-temporal
+    /// stores (UCX shared memory; see `TransferConfig::streaming_store_min_transfer_bytes`).
+    #[arg(long, default_value_t = TransferConfig::default().streaming_store_min_transfer_bytes)]
+    pub streaming_store_min_bytes: usize,
 }
 
 impl TransportArgs {
@@ -62,6 +66,7 @@ impl TransportArgs {
     pub fn build(&self) -> anyhow::Result<NetTransport> {
         let config = TransferConfig {
             max_chunk_bytes: self.max_chunk_bytes,
+            streaming_store_min_transfer_bytes: self.streaming_store_min_bytes,
             ..Default::default()
         };
         let ucx = UcxConfig {
@@ -80,6 +85,8 @@ impl TransportArgs {
             format!("{:?}", self.ucx_data_mode).to_lowercase(),
             "--max-chunk-bytes".into(),
             self.max_chunk_bytes.to_string(),
+            "--streaming-store-min-bytes".into(),
+            self.streaming_store_min_bytes.to_string(),
         ];
         if let Some(tls) = &self.ucx_tls {
             a.extend(["--ucx-tls".into(), tls.clone()]);

@@ -33,6 +33,9 @@ fn transport(kind: TransportKind, tls: Option<&str>) -> TransportArgs {
         ucx_data_mode: UcxDataMode::Auto,
         // One layer per chunk of the small layout, so faults can land mid-transfer.
         max_chunk_bytes: 8 << 10,
+        // Shared-memory copies take the streaming-store path the big transfers take (the
+        // in-process tests cover plain stores).
+        streaming_store_min_bytes: 0,
     }
 }
 

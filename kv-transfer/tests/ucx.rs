@@ -13,7 +13,7 @@ mod shm_mapped {
 }
 
 /// The same through the streaming-store copy (non-temporal stores, four slabs per pass), which
-/// the default config keeps for chunks of 8 MiB and more: forced here on the small layout.
+/// the default config keeps for transfers of 8 MiB and more: forced here on the small layout.
 mod shm_mapped_streaming {
     scenario_tests!(|src, dst| crate::common::ucx_pair_with(
         src,
@@ -21,7 +21,7 @@ mod shm_mapped_streaming {
         "shm",
         true,
         tandem_kv_transfer::TransferConfig {
-            streaming_store_min_chunk_bytes: 0,
+            streaming_store_min_transfer_bytes: 0,
             ..crate::common::small_chunks()
         }
     ));

@@ -216,6 +216,9 @@ async fn send_chunks_inner(
     );
     let runs = block_runs(&d.req.src_blocks, &d.req.dst_blocks);
     let per_chunk = layers_per_chunk(slab, n, net.config.max_chunk_bytes);
+    #[cfg(feature = "ucx")]
+    let streaming = (layers as usize * n * slab) as u64
+        >= net.config.streaming_store_min_transfer_bytes as u64;
     let remote_blocks = conn.remote_blocks as usize;
     let peer = conn.shared.peer.clone();
     let (mut sent, mut seq, mut offset) = (0u32, 0u32, 0u64);
@@ -282,7 +285,6 @@ async fn send_chunks_inner(
             #[cfg(feature = "ucx")]
             SendPath::Ucx(ucx) if ucx.mapped() => {
                 // The peer's pool is mapped here: copy and hash in one pass, then commit.
-                let streaming = chunk_bytes >= net.config.streaming_store_min_chunk_bytes as u64;
                 let checksums = ucx
                     .copy_chunk(&pool, ranges, slab, streaming, faults)
                     .await

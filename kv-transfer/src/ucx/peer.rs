@@ -41,7 +41,7 @@ impl UcxPeer {
 
     /// Copies one chunk's ranges `(src offset, dst offset, len)` into the peer's mapped pool,
     /// hashing each slab in the same pass (non-temporal stores when `streaming`: see
-    /// [`crate::TransferConfig::streaming_store_min_chunk_bytes`]); returns the slab checksums
+    /// [`crate::TransferConfig::streaming_store_min_transfer_bytes`]); returns the slab checksums
     /// in payload order. Runs on
     /// a blocking thread and always completes (it is not cancelled midway: the mapping must
     /// outlive every write, and the caller holds the endpoint until this returns).
