@@ -234,7 +234,7 @@ async fn fill(
     let slab = layout.slab_bytes();
     let n = d.req.src_blocks.len();
     let runs = block_runs(&d.req.src_blocks, &d.req.dst_blocks);
-    let per_chunk = layers_per_chunk(slab, n, max_chunk_bytes);
+    let per_chunk = layers_per_chunk(slab, n, layout.num_layers, max_chunk_bytes);
     let peer = d.req.peer.clone();
     let receiver_abort = || {
         let reason = hook

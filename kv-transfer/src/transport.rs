@@ -372,8 +372,47 @@ impl Drop for PushDriver {
     }
 }
 
-/// Layers per chunk: as many as fit in `max_chunk_bytes`, at least one.
-pub(crate) fn layers_per_chunk(slab_bytes: usize, blocks: usize, max_chunk_bytes: usize) -> u32 {
+/// A transfer is cut into at least this many chunks (when they stay over
+/// [`MIN_PIPELINED_CHUNK_BYTES`]), so the receiver verifies one while the next moves.
+const PIPELINE_CHUNKS: usize = 4;
+/// Chunks are not cut smaller than this for pipelining: below it, a chunk's round of frames
+/// costs more than the overlap saves.
+const MIN_PIPELINED_CHUNK_BYTES: usize = 1 << 20;
+
+/// Layers per chunk: as many as fit in `max_chunk_bytes`, at least one, and few enough that a
+/// transfer of `layers` layers moves in [`PIPELINE_CHUNKS`] chunks or more (chunks of at least
+/// [`MIN_PIPELINED_CHUNK_BYTES`]): with a single chunk, nothing overlaps the receiver's check.
+pub(crate) fn layers_per_chunk(
+    slab_bytes: usize,
+    blocks: usize,
+    layers: usize,
+    max_chunk_bytes: usize,
+) -> u32 {
     let per_layer = (slab_bytes * blocks).max(1);
-    (max_chunk_bytes / per_layer).max(1) as u32
+    let pipelined = (per_layer * layers)
+        .div_ceil(PIPELINE_CHUNKS)
+        .max(MIN_PIPELINED_CHUNK_BYTES);
+    (max_chunk_bytes.min(pipelined) / per_layer).max(1) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::layers_per_chunk;
+
+    #[test]
+    fn chunks_fit_the_cap_and_split_mid_size_transfers_for_overlap() {
+        let slab = 64 << 10; // the 70B layout's slab
+        // 64 blocks × 80 layers = 320 MiB: the 16 MiB cap decides (4 layers of 4 MiB).
+        assert_eq!(layers_per_chunk(slab, 64, 80, 16 << 20), 4);
+        // 3 blocks × 80 layers = 15 MiB: under the cap, still cut into >= 4 chunks.
+        let per = layers_per_chunk(slab, 3, 80, 16 << 20);
+        assert_eq!(per, 20);
+        assert!(80u32.div_ceil(per) >= 4);
+        // Small transfers are not cut below 1 MiB per chunk: SmolLM2, 8 blocks (48 KiB a
+        // layer, 1.4 MiB in all) moves in 21 + 9 layers, 2 blocks' worth in one chunk.
+        assert_eq!(layers_per_chunk(6144, 8, 30, 16 << 20), 21);
+        assert_eq!(layers_per_chunk(6144, 2, 30, 16 << 20), 85);
+        // A cap below one layer still moves a whole layer at a time.
+        assert_eq!(layers_per_chunk(slab, 64, 80, 1 << 10), 1);
+    }
 }

@@ -261,6 +261,7 @@ async fn run_async(args: &BenchTransferArgs) -> anyhow::Result<BenchReport> {
     let message_bytes = crate::transport::layers_per_chunk(
         layout.slab_bytes(),
         args.blocks,
+        layout.num_layers,
         args.transport.max_chunk_bytes,
     )
     .min(layout.num_layers as u32) as usize

@@ -215,7 +215,7 @@ async fn send_chunks_inner(
         d.req.src_blocks.len(),
     );
     let runs = block_runs(&d.req.src_blocks, &d.req.dst_blocks);
-    let per_chunk = layers_per_chunk(slab, n, net.config.max_chunk_bytes);
+    let per_chunk = layers_per_chunk(slab, n, layers as usize, net.config.max_chunk_bytes);
     #[cfg(feature = "ucx")]
     let streaming = (layers as usize * n * slab) as u64
         >= net.config.streaming_store_min_transfer_bytes as u64;
