@@ -57,7 +57,8 @@ impl SamplingParams {
         let bad = |field: &'static str, value: String, reason: &str| {
             Err(EngineError::InvalidRequest { field, value, reason: reason.into() })
         };
-        if !(self.temperature >= 0.0) || !self.temperature.is_finite() {
+        // `!is_finite` also catches NaN, which no comparison does.
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
             return bad("temperature", self.temperature.to_string(), "must be a finite number >= 0");
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {

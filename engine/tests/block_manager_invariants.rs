@@ -111,7 +111,7 @@ fn block_manager_keeps_its_invariants_over_100k_seeded_rounds() {
         m.check_invariants();
         let held: usize = seqs.iter().map(|s| s.blocks.len()).sum();
         assert!(held >= m.num_used(), "round {round}");
-        let mut owners = vec![0u32; BLOCKS];
+        let mut owners = [0u32; BLOCKS];
         for s in &seqs {
             for &b in &s.blocks {
                 owners[b as usize] += 1;

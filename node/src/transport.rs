@@ -103,7 +103,7 @@ unsafe impl KvBacking for TransferBacking {
         self.0.pool().as_ptr()
     }
 
-    fn len(&self) -> usize {
+    fn len_bytes(&self) -> usize {
         self.0.pool().len_bytes()
     }
 }
@@ -138,7 +138,7 @@ mod tests {
             tandem_engine::KvLayout::new(2, 1, 8, 4, tandem_engine::KvDtype::F32, 1).unwrap();
         let reg = tandem_kv_transfer::KvTransport::allocate(&*t, layout, 3).unwrap();
         let b = TransferBacking(reg.clone());
-        assert_eq!(b.len(), layout.pool_bytes(3));
+        assert_eq!(b.len_bytes(), layout.pool_bytes(3));
         assert_eq!(b.as_ptr() as usize % 64, 0);
         tandem_engine::kv::KvPool::external(layout, 3, Arc::new(b)).unwrap();
     }

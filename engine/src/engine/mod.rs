@@ -99,10 +99,10 @@ impl Engine {
         sched_cfg.max_model_len = sched_cfg.max_model_len.min(model.config().max_position_embeddings);
         let sched = Scheduler::new(sched_cfg, num_blocks, cfg.block_size_tokens)?;
         let mut eos = model.config().eos_token_id.clone();
-        if let Some(t) = &tokenizer {
-            if !eos.contains(&t.eos_token_id()) {
-                eos.push(t.eos_token_id());
-            }
+        if let Some(t) = &tokenizer
+            && !eos.contains(&t.eos_token_id())
+        {
+            eos.push(t.eos_token_id());
         }
         Ok(Engine { model, pool, sched, tokenizer: tokenizer.map(Arc::new), reqs: HashMap::new(), eos, stats: EngineStats::default(), held: HashMap::new(), reservations: HashMap::new() })
     }

@@ -110,20 +110,20 @@ impl Engine {
         let params = st.sampler.params();
         let is_eos = !params.ignore_eos && self.eos.contains(&tok);
         let mut finished = None;
-        if !is_eos {
-            if let Some(t) = &self.tokenizer {
-                st.pending.extend_from_slice(t.token_bytes(tok).unwrap_or(&[]));
-                let valid = match std::str::from_utf8(&st.pending) {
-                    Ok(s) => s.len(),
-                    Err(e) if e.error_len().is_some() => st.pending.len(), // invalid, not partial
-                    Err(e) => e.valid_up_to(),
-                };
-                let piece: Vec<u8> = st.pending.drain(..valid).collect();
-                st.text.push_str(&String::from_utf8_lossy(&piece));
-                if let Some(cut) = params.stop.iter().filter_map(|s| st.text.find(s.as_str())).min() {
-                    st.text.truncate(cut);
-                    finished = Some(FinishReason::StopString);
-                }
+        if !is_eos
+            && let Some(t) = &self.tokenizer
+        {
+            st.pending.extend_from_slice(t.token_bytes(tok).unwrap_or(&[]));
+            let valid = match std::str::from_utf8(&st.pending) {
+                Ok(s) => s.len(),
+                Err(e) if e.error_len().is_some() => st.pending.len(), // invalid, not partial
+                Err(e) => e.valid_up_to(),
+            };
+            let piece: Vec<u8> = st.pending.drain(..valid).collect();
+            st.text.push_str(&String::from_utf8_lossy(&piece));
+            if let Some(cut) = params.stop.iter().filter_map(|s| st.text.find(s.as_str())).min() {
+                st.text.truncate(cut);
+                finished = Some(FinishReason::StopString);
             }
         }
         if finished.is_none() {

@@ -31,7 +31,7 @@ pub unsafe trait KvBacking: Send + Sync {
     /// Start of the region.
     fn as_ptr(&self) -> *mut u8;
     /// Length in bytes.
-    fn len(&self) -> usize;
+    fn len_bytes(&self) -> usize;
 }
 
 enum Storage {
@@ -63,10 +63,10 @@ impl KvPool {
     /// A pool in `backing`, which must hold at least `layout.pool_bytes(num_blocks)` bytes.
     pub fn external(layout: KvLayout, num_blocks: usize, backing: Arc<dyn KvBacking>) -> Result<Self, EngineError> {
         let need = layout.pool_bytes(num_blocks);
-        if num_blocks == 0 || backing.len() < need || backing.as_ptr() as usize % 4 != 0 {
+        if num_blocks == 0 || backing.len_bytes() < need || !(backing.as_ptr() as usize).is_multiple_of(4) {
             return Err(EngineError::InvalidConfig {
                 field: "kv_backing",
-                value: format!("{} bytes at {:p}", backing.len(), backing.as_ptr()),
+                value: format!("{} bytes at {:p}", backing.len_bytes(), backing.as_ptr()),
                 reason: format!("needs {need} bytes (4-byte aligned) for {num_blocks} blocks"),
             });
         }
