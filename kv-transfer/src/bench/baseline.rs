@@ -128,6 +128,46 @@ pub fn memcpy_gb_per_s(src: &KvPool, bytes: usize, iterations: usize) -> f64 {
     bytes as f64 / median(&times).as_secs_f64() / 1e9
 }
 
+/// Cumulative CPU time of all CPUs (Linux `/proc/stat`), to tell how much of a run the
+/// hypervisor gave to other guests ("steal"): a two-process transfer needs both cores at once and
+/// suffers more from it than a one-core baseline does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CpuTimes {
+    steal: u64,
+    total: u64,
+}
+
+impl CpuTimes {
+    /// Now, or `None` where `/proc/stat` is missing or unreadable.
+    pub fn now() -> Option<Self> {
+        Self::parse(&std::fs::read_to_string("/proc/stat").ok()?)
+    }
+
+    /// From the text of `/proc/stat`: the aggregate `cpu` line's fields are user, nice, system,
+    /// idle, iowait, irq, softirq, steal, ... (in clock ticks).
+    fn parse(stat: &str) -> Option<Self> {
+        let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+        let ticks: Vec<u64> = line
+            .split_whitespace()
+            .skip(1)
+            .map(|f| f.parse().ok())
+            .collect::<Option<_>>()?;
+        // guest and guest_nice (fields 9 and 10) are already counted in user and nice.
+        let total = ticks.iter().take(8).sum();
+        Some(Self {
+            steal: *ticks.get(7)?,
+            total,
+        })
+    }
+
+    /// Percent of all CPU time stolen between `earlier` and `self`.
+    pub fn steal_pct_since(&self, earlier: &Self) -> Option<f64> {
+        let total = self.total.checked_sub(earlier.total)?;
+        let steal = self.steal.checked_sub(earlier.steal)?;
+        (total > 0).then(|| 100.0 * steal as f64 / total as f64)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -137,5 +177,14 @@ mod tests {
         let out = "+-----+\nFinal:                  1000   3125.692  3152.981  3154.249     5074.56    5072.52         317         317\n";
         assert_eq!(parse_final_mib_per_s(out), Some(5072.52));
         assert_eq!(parse_final_mib_per_s("no result"), None);
+    }
+
+    #[test]
+    fn steal_is_the_eighth_field_as_a_share_of_the_first_eight() {
+        let a = CpuTimes::parse("cpu  100 0 50 800 0 0 0 50 0 0\ncpu0 1 2 3\n").unwrap();
+        let b = CpuTimes::parse("cpu  200 0 50 850 0 0 0 100 7 0\n").unwrap();
+        assert_eq!(b.steal_pct_since(&a), Some(25.0));
+        assert_eq!(a.steal_pct_since(&b), None);
+        assert_eq!(CpuTimes::parse("intr 1 2\n"), None);
     }
 }

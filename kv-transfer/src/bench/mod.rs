@@ -210,6 +210,11 @@ pub struct BenchReport {
     /// Streamed runs, when asked for.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub streaming: Option<StreamingReport>,
+    /// Percent of the host's CPU time the hypervisor gave to other guests during the run
+    /// (Linux `/proc/stat` steal): above a few percent, ratios against the one-core baselines
+    /// understate the transfer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_steal_pct: Option<f64>,
 }
 
 /// Runs the benchmark (on its own tokio runtime), prints the report in `args.format`, returns it.
@@ -230,6 +235,7 @@ async fn run_async(args: &BenchTransferArgs) -> anyhow::Result<BenchReport> {
     if args.iterations == 0 || args.blocks == 0 {
         bail!("--iterations and --blocks must be > 0");
     }
+    let started = baseline::CpuTimes::now();
     let peer = args
         .peer_bin
         .clone()
@@ -373,6 +379,9 @@ async fn run_async(args: &BenchTransferArgs) -> anyhow::Result<BenchReport> {
         ratio_transfer,
         memcpy_gb_per_s: memcpy,
         streaming,
+        cpu_steal_pct: started
+            .zip(baseline::CpuTimes::now())
+            .and_then(|(a, b)| b.steal_pct_since(&a)),
     })
 }
 
@@ -456,6 +465,9 @@ fn print_text(r: &BenchReport) {
             "  streamed with {:.2} ms/layer compute: total {:.1} ms vs compute {:.1} ms, transfer {:.1} ms (total/max {:.2}, total/sum {:.2})",
             s.compute_ms_per_layer, s.total_ms, s.compute_ms, s.transfer_ms, s.over_max, s.over_sum
         );
+    }
+    if let Some(p) = r.cpu_steal_pct {
+        println!("  host CPU steal during the run: {p:.1}%");
     }
 }
 

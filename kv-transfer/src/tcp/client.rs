@@ -217,8 +217,8 @@ async fn send_chunks_inner(
     let runs = block_runs(&d.req.src_blocks, &d.req.dst_blocks);
     let per_chunk = layers_per_chunk(slab, n, layers as usize, net.config.max_chunk_bytes);
     #[cfg(feature = "ucx")]
-    let streaming = (layers as usize * n * slab) as u64
-        >= net.config.streaming_store_min_transfer_bytes as u64;
+    let streaming =
+        (layers as usize * n * slab) as u64 >= net.config.streaming_store_min_transfer_bytes as u64;
     let remote_blocks = conn.remote_blocks as usize;
     let peer = conn.shared.peer.clone();
     let (mut sent, mut seq, mut offset) = (0u32, 0u32, 0u64);
