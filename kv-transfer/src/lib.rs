@@ -9,7 +9,7 @@
 //! # Module map
 //! - [`transport`]: the [`KvTransport`] seam, [`PushRequest`], [`OutboundTransfer`], [`PoolRegistration`].
 //! - [`inbound`]: the receiver's [`InboundRegistry`] of reservations and its fail-closed checks.
-//! - [`pool`]: [`KvPool`] memory and block runs; [`checksum`]: slab checksums (XXH3-64, AVX2).
+//! - [`pool`]: [`KvPool`] memory and block runs; [`checksum`]: slab checksums (XXH3-64, AVX2/AVX-512).
 //! - [`wire`]: rkyv descriptors and framing (checked access on everything received).
 //! - [`tcp`]: [`TcpKvTransport`] (tokio) and the stream protocol UCX reuses for control.
 //! - `ucx` (feature `ucx`, default): [`UcxKvTransport`] over our `tandem-ucx-sys` bindings.

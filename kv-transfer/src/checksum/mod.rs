@@ -1,4 +1,4 @@
-//! Slab checksums: XXH3-64 (seed 0, default secret), with an AVX2 path for long inputs.
+//! Slab checksums: XXH3-64 (seed 0, default secret), with AVX2 and AVX-512 paths for long inputs.
 //!
 //! Every slab is hashed twice per transfer (sender before it leaves, receiver after it lands),
 //! so the hash sits on the data path: at 320 MiB per 70B-layout transfer it costs as much CPU as
@@ -14,8 +14,9 @@
 //! [`slab_checksums`] and [`copy_slabs_with_checksums`] work on a chunk's slabs at once: with
 //! AVX-512 they run four equal-length slabs through one loop, a 64-byte stripe of each per step.
 //! On a cold source one core's bandwidth is bounded by the misses it keeps in flight, not by the
-//! hash: one stream copies+hashes at 5-7 GB/s here, four at 8.5-9.8 GB/s (glibc memcpy: 7.6-8.9
-//! in the same runs). The copy can also use non-temporal stores, which skip the read-for-
+//! hash: on this project's 2-vCPU host, one stream copies+hashes 320 MiB at 4.4-7.4 GB/s, four at
+//! 7.1-9.8 GB/s (glibc `memcpy` of the whole buffer: 6.8-8.9 in the same runs; see
+//! `BENCH_RESULTS.md`). The copy can also use non-temporal stores, which skip the read-for-
 //! ownership of every destination line.
 //!
 //! A single flipped byte changes the hash with probability 1 − 2⁻⁶⁴ (XXH3's accumulation is a
