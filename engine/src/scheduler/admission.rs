@@ -59,6 +59,22 @@ impl Scheduler {
         if self.num_waiting() >= self.cfg.max_waiting {
             return Err(EngineError::QueueFull { capacity: self.cfg.max_waiting });
         }
+        self.insert_new(seq_id, priority, now, prompt, 0, Vec::new());
+        self.waiting[class(priority)].push_back(seq_id);
+        Ok(())
+    }
+
+    /// Inserts a new, not yet queued sequence (the next arrival number) whose first
+    /// `num_computed` tokens already have KV in `blocks`.
+    fn insert_new(
+        &mut self,
+        seq_id: u64,
+        priority: Priority,
+        now: Instant,
+        tokens: Vec<u32>,
+        num_computed: usize,
+        blocks: Vec<BlockId>,
+    ) {
         let arrival = self.next_arrival;
         self.next_arrival += 1;
         self.seqs.insert(
@@ -67,17 +83,15 @@ impl Scheduler {
                 priority,
                 arrival,
                 arrived_at: now,
-                tokens: prompt,
-                num_computed: 0,
-                blocks: Vec::new(),
+                tokens,
+                num_computed,
+                blocks,
                 block_hashes: Vec::new(),
                 cached_tokens: 0,
                 preemptions: 0,
                 running: false,
             },
         );
-        self.waiting[class(priority)].push_back(seq_id);
-        Ok(())
     }
 
     /// Queues a sequence whose first `computed` tokens already have KV in `blocks` (received from
@@ -101,23 +115,7 @@ impl Scheduler {
             tokens.len(),
             blocks.len()
         );
-        let arrival = self.next_arrival;
-        self.next_arrival += 1;
-        self.seqs.insert(
-            seq_id,
-            Sequence {
-                priority,
-                arrival,
-                arrived_at: now,
-                tokens,
-                num_computed: computed,
-                blocks,
-                block_hashes: Vec::new(),
-                cached_tokens: 0,
-                preemptions: 0,
-                running: false,
-            },
-        );
+        self.insert_new(seq_id, priority, now, tokens, computed, blocks);
         self.waiting[class(priority)].push_front(seq_id);
         Ok(())
     }
