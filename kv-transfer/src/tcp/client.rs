@@ -12,7 +12,9 @@ use super::conn::{ClientConn, Event, InlineChunk, RouteGuard, SendPath, WriterCm
 use crate::error::{Phase, TransferError};
 use crate::pool::{KvPool, block_runs};
 use crate::transport::{PoolRegistration, PushDriver, TransferReport, layers_per_chunk};
-use crate::wire::{Abort, Begin, Chunk, DataMode, Msg, WireError};
+#[cfg(feature = "ucx")]
+use crate::wire::DataMode;
+use crate::wire::{Abort, Begin, Chunk, Msg, WireError};
 
 /// Why the chunk loop stopped early.
 enum Stop {
