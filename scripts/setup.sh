@@ -11,10 +11,17 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
 # --- Debian packages -------------------------------------------------------------------------
-# The list, with what each is for, is deploy/local/packages.txt (protoc, etcd, NATS, UCX, libclang,
-# Python).
-if [[ "${TANDEM_SKIP_APT:-0}" != 1 ]]; then
-  deploy/local/install.sh
+# The list, with what each is for and how to see it is there, is deploy/local/packages.txt
+# (protoc and its includes, etcd, NATS, UCX, libclang, Python). scripts/doctor.sh checks the
+# parts themselves (a command, a header), so a package that is installed but incomplete shows.
+if ! scripts/doctor.sh >/dev/null 2>&1; then
+  if [[ "${TANDEM_SKIP_APT:-0}" != 1 ]]; then
+    deploy/local/install.sh
+  fi
+  if ! scripts/doctor.sh; then
+    echo "setup: system dependencies missing (above); TANDEM_SKIP_APT=${TANDEM_SKIP_APT:-0}" >&2
+    exit 1
+  fi
 fi
 
 # --- Python environment for the tests ---------------------------------------------------------

@@ -279,12 +279,15 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<String> {
         let free = |_: ()| -> anyhow::Result<std::net::SocketAddr> {
             Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
         };
+        // The cluster's data and logs are scratch: a temporary directory, removed afterwards
+        // (never the source tree the benchmark happens to run in).
+        let run_dir = std::env::temp_dir().join(format!("tandem-bench-serve-{}", std::process::id()));
         let up_args = UpArgs {
             prefill: 1,
             decode: 1,
             grpc: free(())?,
             http: free(())?,
-            run_dir: None,
+            run_dir: Some(run_dir.clone()),
             cluster: format!("bench-{}", std::process::id()),
             model: Some(model.clone()),
             etcd_bin: "etcd".into(),
@@ -296,7 +299,8 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<String> {
             ready_timeout_secs: 180,
             node_args: vec![],
         };
-        let mut cluster = up::start(&up_args, &rt).context("starting the local 1P+1D cluster")?;
+        let interrupt = up::Interrupt::install(&rt)?;
+        let mut cluster = up::start(&up_args, &rt, &interrupt).context("starting the local 1P+1D cluster")?;
         // Warm-up: one request through the whole path.
         rt.block_on(disaggregated_level(
             up_args.grpc,
@@ -315,6 +319,7 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<String> {
             report.disaggregated.push(level);
         }
         cluster.shutdown();
+        let _ = std::fs::remove_dir_all(&run_dir);
     }
     if args.mode != Mode::Disaggregated {
         let eargs = EngineArgs {

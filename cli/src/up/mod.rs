@@ -6,20 +6,20 @@
 //! SIGTERM shuts everything down in order: router (stop new work), prefill and decode nodes
 //! (each drains and deregisters), then NATS and etcd.
 //!
-//! Every child runs in its own process group, so a terminal's Ctrl-C reaches `tandem up` alone
-//! and the shutdown order holds; if `tandem up` itself is killed, the children notice their
-//! parent's pipe closing only through their own health (they keep serving): stop them with
-//! `pkill -f 'tandem (router|prefill|decode)'` in that case.
+//! No child outlives `tandem up`, however it ends (a signal during startup or the sample request,
+//! an error, even SIGKILL): see [`procs`].
 
 use std::io::{BufRead, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Args;
+mod procs;
+pub use procs::Interrupt;
+use procs::Procs;
+
 use tandem_cluster::{Discovery, EtcdConfig, EtcdDiscovery, Role};
 use tandem_proto::v1::inference_client::InferenceClient;
 use tandem_proto::v1::{
@@ -79,76 +79,6 @@ pub struct UpArgs {
     pub node_args: Vec<String>,
 }
 
-/// A child process with its name and log.
-struct Proc {
-    name: String,
-    child: Child,
-    log: PathBuf,
-}
-
-impl Proc {
-    fn spawn(name: &str, program: &Path, args: &[String], logs: &Path) -> anyhow::Result<Proc> {
-        let log = logs.join(format!("{name}.log"));
-        let out =
-            std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
-        let err = out.try_clone()?;
-        let child = Command::new(program)
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err)
-            .process_group(0)
-            .spawn()
-            .with_context(|| format!("starting {name} ({})", program.display()))?;
-        Ok(Proc {
-            name: name.to_string(),
-            child,
-            log,
-        })
-    }
-
-    /// Fails with the log's tail if the process has exited.
-    fn check_alive(&mut self) -> anyhow::Result<()> {
-        if let Some(status) = self.child.try_wait()? {
-            bail!(
-                "{} exited ({status}) during startup; last lines of {}:\n{}",
-                self.name,
-                self.log.display(),
-                tail(&self.log, 15)
-            );
-        }
-        Ok(())
-    }
-
-    /// SIGTERM, then wait up to `grace`, then SIGKILL.
-    fn stop(&mut self, grace: Duration) {
-        if self.child.try_wait().ok().flatten().is_some() {
-            return;
-        }
-        // SAFETY: plain kill(2) on our own child's pid.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let t0 = Instant::now();
-        while t0.elapsed() < grace {
-            if self.child.try_wait().ok().flatten().is_some() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        eprintln!(
-            "tandem up: {} did not stop within {grace:?}; killing it",
-            self.name
-        );
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn tail(path: &Path, lines: usize) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    let all: Vec<&str> = text.lines().collect();
-    all[all.len().saturating_sub(lines)..].join("\n")
-}
-
 fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
@@ -164,30 +94,9 @@ fn which(bin: &str) -> Option<PathBuf> {
         .find(|p| p.exists())
 }
 
-/// Waits until `cond` holds, checking that the processes are alive meanwhile.
-fn wait_until(
-    what: &str,
-    deadline: Instant,
-    procs: &mut [Proc],
-    mut cond: impl FnMut() -> bool,
-) -> anyhow::Result<()> {
-    loop {
-        if cond() {
-            return Ok(());
-        }
-        for p in procs.iter_mut() {
-            p.check_alive()?;
-        }
-        if Instant::now() > deadline {
-            bail!("timed out waiting for {what}");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
 /// A running local cluster: processes in start order, stopped in reverse order on drop.
 pub struct Cluster {
-    procs: Vec<Proc>,
+    procs: Procs,
     /// Where its data and logs are.
     pub run_dir: PathBuf,
     /// etcd client URL.
@@ -197,24 +106,26 @@ pub struct Cluster {
 }
 
 impl Cluster {
-    /// Stops in reverse start order: router, prefill, decode, NATS, etcd.
+    /// Stops in reverse start order: router, prefill, decode, NATS, etcd. Dropping the cluster
+    /// does the same.
     pub fn shutdown(&mut self) {
-        while let Some(mut p) = self.procs.pop() {
-            eprintln!("tandem up: stopping {}", p.name);
-            p.stop(Duration::from_secs(40));
-        }
+        self.procs.shutdown();
     }
-}
 
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        self.shutdown();
+    /// `(name, pid)` of every running child, in start order.
+    pub fn pids(&self) -> Vec<(String, u32)> {
+        self.procs.iter().map(|p| (p.name.clone(), p.pid())).collect()
     }
 }
 
 /// Starts the cluster `args` describe and waits until every node is registered and the router
-/// is healthy.
-pub fn start(args: &UpArgs, rt: &tokio::runtime::Runtime) -> anyhow::Result<Cluster> {
+/// is healthy. A signal `interrupt` catches ends the wait with an error, and every child
+/// started so far is stopped (as on any error).
+pub fn start(
+    args: &UpArgs,
+    rt: &tokio::runtime::Runtime,
+    interrupt: &Interrupt,
+) -> anyhow::Result<Cluster> {
     anyhow::ensure!(
         args.prefill > 0 && args.decode > 0,
         "--prefill and --decode must each be at least 1"
@@ -239,10 +150,9 @@ pub fn start(args: &UpArgs, rt: &tokio::runtime::Runtime) -> anyhow::Result<Clus
                 .to_string(),
         ),
     };
-    let logs = run_dir.join("logs");
-    std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
+    std::fs::create_dir_all(&run_dir)
+        .with_context(|| format!("creating {}", run_dir.display()))?;
     let run_dir = run_dir.canonicalize()?;
-    let logs = run_dir.join("logs");
     let me = std::env::current_exe()?;
     let deadline = Instant::now() + Duration::from_secs(args.ready_timeout_secs);
     eprintln!("tandem up: run directory {}", run_dir.display());
@@ -252,7 +162,7 @@ pub fn start(args: &UpArgs, rt: &tokio::runtime::Runtime) -> anyhow::Result<Clus
     let etcd_url = format!("http://127.0.0.1:{etcd_port}");
     let nats_url = format!("nats://127.0.0.1:{nats_port}");
     let mut cluster = Cluster {
-        procs: Vec::new(),
+        procs: Procs::new(&run_dir)?,
         run_dir: run_dir.clone(),
         etcd_url: etcd_url.clone(),
         nats_url: nats_url.clone(),
@@ -267,18 +177,14 @@ pub fn start(args: &UpArgs, rt: &tokio::runtime::Runtime) -> anyhow::Result<Clus
         format!("--initial-advertise-peer-urls={peer_url}"),
         format!("--initial-cluster=tandem-local={peer_url}"),
     ];
-    cluster
-        .procs
-        .push(Proc::spawn("etcd", &etcd, &etcd_args, &logs)?);
+    cluster.procs.spawn("etcd", &etcd, &etcd_args)?;
     let nats_args = vec!["--addr=127.0.0.1".into(), format!("--port={nats_port}")];
-    cluster
-        .procs
-        .push(Proc::spawn("nats", &nats, &nats_args, &logs)?);
+    cluster.procs.spawn("nats", &nats, &nats_args)?;
     for port in [etcd_port, nats_port] {
-        wait_until(
+        cluster.procs.wait_until(
             &format!("127.0.0.1:{port}"),
             deadline,
-            &mut cluster.procs,
+            interrupt,
             || TcpStream::connect(("127.0.0.1", port)).is_ok(),
         )?;
     }
@@ -300,9 +206,7 @@ pub fn start(args: &UpArgs, rt: &tokio::runtime::Runtime) -> anyhow::Result<Clus
             a.extend(common.iter().cloned());
             a.extend(["--node-id".into(), format!("{role}-{i}")]);
             a.extend(args.node_args.iter().cloned());
-            cluster
-                .procs
-                .push(Proc::spawn(&format!("{role}-{i}"), &me, &a, &logs)?);
+            cluster.procs.spawn(&format!("{role}-{i}"), &me, &a)?;
         }
     }
     let mut a = vec!["router".to_string()];
@@ -313,12 +217,12 @@ pub fn start(args: &UpArgs, rt: &tokio::runtime::Runtime) -> anyhow::Result<Clus
         "--http-addr".into(),
         args.http.to_string(),
     ]);
-    cluster.procs.push(Proc::spawn("router", &me, &a, &logs)?);
+    cluster.procs.spawn("router", &me, &a)?;
 
-    let discovery = rt.block_on(EtcdDiscovery::connect(EtcdConfig::new(
-        vec![etcd_url.clone()],
-        args.cluster.clone(),
-    )))?;
+    let config = EtcdConfig::new(vec![etcd_url.clone()], args.cluster.clone());
+    let discovery = rt.block_on(until_interrupted(interrupt, async {
+        Ok(EtcdDiscovery::connect(config).await?)
+    }))?;
     let registered = |role: Role| {
         rt.block_on(discovery.list(role))
             .map(|v| v.len())
@@ -328,16 +232,18 @@ pub fn start(args: &UpArgs, rt: &tokio::runtime::Runtime) -> anyhow::Result<Clus
         "tandem up: waiting for {} decode and {} prefill node(s) to load the model and register",
         args.decode, args.prefill
     );
-    wait_until(
+    cluster.procs.wait_until(
         "every node to register",
         deadline,
-        &mut cluster.procs,
+        interrupt,
         || registered(Role::Decode) >= args.decode && registered(Role::Prefill) >= args.prefill,
     )?;
     let http = args.http;
-    wait_until("the router's /health", deadline, &mut cluster.procs, || {
-        http_health_ok(http)
-    })?;
+    cluster
+        .procs
+        .wait_until("the router's /health", deadline, interrupt, || {
+            http_health_ok(http)
+        })?;
     Ok(cluster)
 }
 
@@ -347,7 +253,9 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let mut cluster = start(args, &rt)?;
+    // Before any child exists: from here on SIGTERM/SIGINT unwind through the ordered stop.
+    let interrupt = Interrupt::install(&rt)?;
+    let mut cluster = start(args, &rt, &interrupt)?;
     let (etcd_url, nats_url, logs) = (
         cluster.etcd_url.clone(),
         cluster.nats_url.clone(),
@@ -358,7 +266,7 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
             "tandem up: streaming a sample answer through the router (gRPC {})",
             args.grpc
         );
-        rt.block_on(sample(args))?;
+        rt.block_on(until_interrupted(&interrupt, sample(args)))?;
     }
     eprintln!(
         "tandem up: cluster `{}` is serving\n  gRPC  (tandem.v1.Inference)  {}\n  HTTP  (OpenAI API)            http://{}/v1\n  etcd  {etcd_url}\n  NATS  {nats_url}\n  logs  {}",
@@ -372,16 +280,24 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     eprintln!("tandem up: Ctrl-C or SIGTERM stops the cluster");
-    rt.block_on(async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-        anyhow::Ok(())
-    })?;
+    rt.block_on(interrupt.wait());
+    eprintln!(
+        "tandem up: {} received; stopping the cluster",
+        interrupt.signal().unwrap_or("signal")
+    );
     cluster.shutdown();
     Ok(())
+}
+
+/// Runs `work` unless a signal arrives first (then the error says which).
+async fn until_interrupted<T>(
+    interrupt: &Interrupt,
+    work: impl std::future::Future<Output = anyhow::Result<T>>,
+) -> anyhow::Result<T> {
+    tokio::select! {
+        r = work => r,
+        _ = interrupt.wait() => Err(interrupt.error()),
+    }
 }
 
 fn http_health_ok(addr: SocketAddr) -> bool {
