@@ -15,7 +15,14 @@ use tandem_node::engine_thread::{self, Driver};
 use tokio::sync::oneshot;
 
 fn tiny_engine() -> Engine {
-    let dir = std::env::temp_dir().join(format!("tandem-node-dummy-{}", std::process::id()));
+    // One directory per call: tests run in parallel threads, and a shared config.json could be
+    // read while another test rewrites it (seen: "EOF while parsing" on a cold CI run).
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "tandem-node-dummy-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
     std::fs::create_dir_all(&dir).unwrap();
     let cfg = dir.join("config.json");
     std::fs::write(
