@@ -78,19 +78,30 @@ enum ModelCommand {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    // Nodes set up their own logging (their `--log`, default info).
-    if !matches!(
+    // Logs on stderr (and, for the router, spans over OTLP when an endpoint is set). Nodes set
+    // up their own (their `--log`, default info, and their own trace flags).
+    let trace = match &cli.command {
+        Command::Router(a) => a.trace.clone(),
+        _ => tandem_telemetry::TraceArgs::default(),
+    };
+    let service = match &cli.command {
+        Command::Router(_) => "tandem-router",
+        _ => "tandem",
+    };
+    let _telemetry = if matches!(
         cli.command,
         Command::Prefill { .. } | Command::Decode { .. }
     ) {
-        tracing_subscriber::fmt()
-            .with_writer(std::io::stderr)
-            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-            .with_env_filter(
-                tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "warn".into()),
-            )
-            .init();
-    }
+        None
+    } else {
+        match tandem_telemetry::init(service, &cli.log, &trace) {
+            Ok(guard) => Some(guard),
+            Err(error) => {
+                eprintln!("error: {error}");
+                return ExitCode::FAILURE;
+            }
+        }
+    };
     let result = match &cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Plan(a) => plan::run(a).map(|s| println!("{s}")),

@@ -87,6 +87,10 @@ pub struct NodeInfo {
     pub version: String,
     /// When the node process started, Unix milliseconds.
     pub started_at_unix_ms: u64,
+    /// Where its Prometheus `/metrics` answers, e.g. `http://10.0.0.5:9100/metrics` (empty: none;
+    /// records written before this field existed read as empty).
+    #[serde(default)]
+    pub metrics_url: String,
 }
 
 impl NodeInfo {
@@ -111,7 +115,14 @@ impl NodeInfo {
             draining: false,
             version: env!("CARGO_PKG_VERSION").to_string(),
             started_at_unix_ms: unix_ms_now(),
+            metrics_url: String::new(),
         }
+    }
+
+    /// Sets the metrics URL.
+    pub fn with_metrics_url(mut self, url: impl Into<String>) -> Self {
+        self.metrics_url = url.into();
+        self
     }
 
     /// Adds a KV-transfer address.

@@ -19,7 +19,9 @@ use std::time::Instant;
 
 use tandem_engine::{Engine, EngineError, Request, StepOutput};
 use tandem_node::engine_thread::Driver;
-use tandem_node::{InFlightGuard, convert, status};
+use tandem_node::metrics::Outcome;
+use tandem_node::{InFlightGuard, NodeMetrics, convert, status};
+use tandem_telemetry::trace::propagation;
 use tandem_proto::v1::decode_response::Event;
 use tandem_proto::v1::{DecodeFinal, DecodeResponse, TokenBatch};
 use tokio::sync::mpsc::{self, error::TrySendError};
@@ -45,6 +47,10 @@ pub struct Start {
     pub events: Events,
     /// Held until the stream's last message.
     pub in_flight: InFlightGuard,
+    /// `decode.request` (the call's server span).
+    pub span: tracing::Span,
+    /// When the Decode call arrived (TTFT).
+    pub received_at: Instant,
 }
 
 /// Commands of the decode engine thread.
@@ -74,6 +80,10 @@ struct Stream {
     finish: Option<DecodeFinal>,
     finished_in_engine: bool,
     _in_flight: InFlightGuard,
+    /// `decode.stream`: from adoption to the final message.
+    span: tracing::Span,
+    /// Tokens generated here (the first token included).
+    tokens: u32,
 }
 
 enum Flush {
@@ -87,11 +97,22 @@ enum Flush {
 
 impl Stream {
     fn push(&mut self, o: &StepOutput) {
+        self.tokens += 1;
         let b = self.pending.get_or_insert_with(TokenBatch::default);
         b.token_ids.push(o.token);
         b.text.push_str(&o.text);
         if let Some(reason) = o.finished {
             self.finished_in_engine = true;
+            self.span.record("gen_ai.usage.output_tokens", self.tokens);
+            propagation::set_strings(
+                &self.span,
+                "gen_ai.response.finish_reasons",
+                &[match convert::finish_reason(reason) {
+                    tandem_proto::v1::FinishReason::Length => "length",
+                    tandem_proto::v1::FinishReason::Cancelled => "cancelled",
+                    _ => "stop",
+                }],
+            );
             self.finish = Some(DecodeFinal {
                 finish_reason: convert::finish_reason(reason) as i32,
                 usage: Some(convert::usage(o.usage)),
@@ -130,15 +151,18 @@ impl Stream {
 }
 
 /// The decode role's [`Driver`].
-#[derive(Default)]
 pub struct DecodeDriver {
     streams: HashMap<u64, Stream>,
+    metrics: NodeMetrics,
 }
 
 impl DecodeDriver {
-    /// A driver with no streams.
-    pub fn new() -> Self {
-        Self::default()
+    /// A driver with no streams, counting into `metrics`.
+    pub fn new(metrics: NodeMetrics) -> Self {
+        DecodeDriver {
+            streams: HashMap::new(),
+            metrics,
+        }
     }
 
     /// Delivers what `id` has; ends it when finished and delivered, aborts it if the client left.
@@ -149,6 +173,7 @@ impl DecodeDriver {
         match s.flush() {
             Flush::Blocked => {}
             Flush::Delivered if s.finished_in_engine => {
+                self.metrics.request(Outcome::Ok);
                 self.streams.remove(&id);
             }
             Flush::Delivered => {}
@@ -157,6 +182,8 @@ impl DecodeDriver {
                     engine.abort(id);
                 }
                 tracing::debug!(request = %s.label, "client went away; request aborted, blocks freed");
+                self.metrics.request(Outcome::Cancelled);
+                s.span.record("error.type", "cancelled");
                 self.streams.remove(&id);
             }
         }
@@ -167,7 +194,10 @@ impl DecodeDriver {
             if !s.finished_in_engine {
                 engine.abort(id);
             }
-            let _ = s.events.try_send(Err(status()));
+            let st = status();
+            self.metrics.request(Outcome::Failed);
+            propagation::mark_error(&s.span, "node_failed", st.message());
+            let _ = s.events.try_send(Err(st));
         }
     }
 }
@@ -196,8 +226,11 @@ impl Driver for DecodeDriver {
                     label,
                     events,
                     in_flight,
+                    span,
+                    received_at,
                 } = *start;
                 let id = request.id;
+                let prompt_tokens = request.prompt.len() as u64;
                 match engine.add_prefilled(
                     request,
                     reservation_id,
@@ -208,9 +241,19 @@ impl Driver for DecodeDriver {
                     Err(e) => {
                         // Nothing adopted the blocks: give them back (false if already gone).
                         engine.release_reservation(reservation_id);
+                        self.metrics.request(Outcome::Failed);
+                        propagation::mark_error(&span, e.error_type(), &e);
                         let _ = events.try_send(Err(status::engine_status(&e)));
                     }
                     Ok(first) => {
+                        self.metrics.first_token(received_at.elapsed());
+                        self.metrics
+                            .prompt(prompt_tokens, cached_prompt_tokens as u64);
+                        let stream_span = tracing::info_span!(
+                            parent: &span,
+                            "decode.stream",
+                            gen_ai.usage.output_tokens = tracing::field::Empty,
+                        );
                         let mut s = Stream {
                             label,
                             events,
@@ -218,6 +261,8 @@ impl Driver for DecodeDriver {
                             finish: None,
                             finished_in_engine: false,
                             _in_flight: in_flight,
+                            span: stream_span,
+                            tokens: 0,
                         };
                         s.push(&first);
                         self.streams.insert(id, s);

@@ -34,6 +34,7 @@ use tandem_kv_transfer::{InboundRegistry, TransferConfig};
 use tandem_node::engine_thread::{self, EngineHandle, EngineSnapshot};
 use tandem_node::env_names::*;
 use tandem_node::lifecycle::{self, ShutdownPlan};
+use tandem_node::NodeMetrics;
 use tandem_node::{
     Coordination, KvAddress, Lifecycle, NodeArgs, NodeError, membership, model, server, transport,
 };
@@ -120,16 +121,30 @@ impl DecodeNode {
             host_port: listen.advertised(kv_bound),
         };
 
+        let node_id = args
+            .node
+            .cluster
+            .node_id
+            .clone()
+            .unwrap_or_else(|| lifecycle::default_node_id("decode"));
+        let metrics = NodeMetrics::new("decode", &node_id);
+        metrics.watch_transfers(kind.as_str(), Arc::clone(net.metrics()));
         let engine_args = args.node.engine.clone();
         let alloc = Arc::clone(&net);
-        let (engine, (layout, num_blocks, registration)) =
-            engine_thread::spawn("decode-engine", COMMAND_QUEUE, move |_ctx| {
+        let driver = DecodeDriver::new(metrics.clone());
+        let (engine, (layout, num_blocks, registration)) = engine_thread::spawn_observed(
+            "decode-engine",
+            COMMAND_QUEUE,
+            Some(metrics.step_histogram()),
+            move |_ctx| {
                 let (engine, registration) = model::build_engine(&engine_args, &*alloc)?;
                 let layout = *engine.kv_layout();
                 let blocks = engine.scheduler().blocks().num_blocks();
-                Ok((engine, DecodeDriver::new(), (layout, blocks, registration)))
-            })
-            .await?;
+                Ok((engine, driver, (layout, blocks, registration)))
+            },
+        )
+        .await?;
+        metrics.watch_engine(engine.snapshot());
         let registry = InboundRegistry::new(registration, TransferConfig::default().fence_timeout);
         let background = CancellationToken::new();
         {
@@ -141,12 +156,6 @@ impl DecodeNode {
                 }
             });
         }
-        let node_id = args
-            .node
-            .cluster
-            .node_id
-            .clone()
-            .unwrap_or_else(|| lifecycle::default_node_id("decode"));
         let lifecycle = Lifecycle::new();
         let ttl = Duration::from_millis(args.reservation_ttl_ms);
         let reservations = Reservations::new(
@@ -163,6 +172,7 @@ impl DecodeNode {
             node_id.clone(),
             kv_address.clone(),
             layout.fingerprint(),
+            metrics.clone(),
         );
         let routes = tonic::service::Routes::new(DecodeServer::new(service));
         let server = match server::spawn(grpc_listener, routes, "tandem.v1.Decode").await {
@@ -173,9 +183,19 @@ impl DecodeNode {
                 return Err(e);
             }
         };
+        let (metrics_server, metrics_url) = match tandem_node::metrics::serve(listen, &metrics).await
+        {
+            Ok(m) => m,
+            Err(e) => {
+                background.cancel();
+                engine.shutdown().await;
+                return Err(e);
+            }
+        };
         let grpc_url = format!("http://{}", listen.advertised(grpc_addr));
         let info = NodeInfo::new(&node_id, Role::Decode, &grpc_url, layout, num_blocks as u64)
-            .with_kv_transfer_addr(kv_address.to_string());
+            .with_kv_transfer_addr(kv_address.to_string())
+            .with_metrics_url(&metrics_url);
         let mut plan = ShutdownPlan {
             lifecycle,
             server,
@@ -183,6 +203,7 @@ impl DecodeNode {
             engine: engine.clone(),
             background,
             drain_timeout: listen.drain_timeout(),
+            metrics_server: Some(metrics_server),
         };
         match membership::join(
             &args.node,
@@ -193,7 +214,10 @@ impl DecodeNode {
         )
         .await
         {
-            Ok(m) => plan.membership = Some(m),
+            Ok(m) => {
+                m.export_to(&metrics);
+                plan.membership = Some(m);
+            }
             Err(e) => {
                 plan.run().await;
                 return Err(e);
@@ -275,7 +299,10 @@ pub async fn run(args: DecodeArgs, shutdown: impl Future<Output = ()>) -> Result
 /// run on a multi-threaded runtime until SIGTERM or Ctrl-C. Errors are startup failures.
 pub fn main_with_args(argv: Vec<OsString>) -> anyhow::Result<()> {
     let args = DecodeArgs::parse_layered(argv).unwrap_or_else(|e| e.exit());
-    lifecycle::init_logging(&args.log);
+    // Logs on stderr, spans over OTLP when an endpoint is set; flushed when dropped (after the
+    // runtime has shut down).
+    let _telemetry = tandem_telemetry::init("tandem-decode", &args.log, &args.node.trace)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("decode-rt")

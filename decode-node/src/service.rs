@@ -13,7 +13,12 @@
 //! value, so a wait in progress cannot be fenced early from here.)
 
 use tandem_node::engine_thread::EngineHandle;
-use tandem_node::{KvAddress, Lifecycle, convert, status};
+use std::time::Instant;
+
+use tandem_node::metrics::Outcome;
+use tandem_node::{KvAddress, Lifecycle, NodeMetrics, convert, status};
+use tandem_telemetry::trace::propagation::{self, RemoteParent};
+use tracing::Instrument;
 use tandem_proto::v1::decode_server::Decode;
 use tandem_proto::v1::{
     DecodeRequest, DecodeResponse, KvTarget, ReleaseRequest, ReleaseResponse, ReserveRequest,
@@ -37,6 +42,7 @@ pub struct DecodeService {
     node_id: String,
     kv_address: KvAddress,
     fingerprint: u64,
+    metrics: NodeMetrics,
 }
 
 impl DecodeService {
@@ -48,6 +54,7 @@ impl DecodeService {
         node_id: String,
         kv_address: KvAddress,
         fingerprint: u64,
+        metrics: NodeMetrics,
     ) -> Self {
         DecodeService {
             engine,
@@ -56,6 +63,7 @@ impl DecodeService {
             node_id,
             kv_address,
             fingerprint,
+            metrics,
         }
     }
 }
@@ -66,8 +74,82 @@ impl Decode for DecodeService {
         &self,
         request: Request<ReserveRequest>,
     ) -> Result<Response<ReserveResponse>, Status> {
-        let in_flight = self.lifecycle.admit()?;
+        let span = tracing::info_span!(
+            "decode.reserve",
+            otel.kind = "server",
+            tandem.node_id = %self.node_id,
+            tandem.kv.tokens = tracing::field::Empty,
+            tandem.reservation_id = tracing::field::Empty,
+            error.type = tracing::field::Empty,
+        );
+        propagation::adopt(&span, RemoteParent::from_grpc(request.metadata()));
         let r = request.into_inner();
+        span.record(
+            "tandem.kv.tokens",
+            u64::from(r.prompt_tokens) + u64::from(r.max_new_tokens),
+        );
+        let result = self.reserve_inner(r).instrument(span.clone()).await;
+        match &result {
+            Ok(reply) => {
+                if let Some(t) = &reply.get_ref().target {
+                    span.record("tandem.reservation_id", t.reservation_id);
+                }
+            }
+            Err(status) => {
+                self.metrics.request(Outcome::Refused);
+                span.record("error.type", "refused");
+                tracing::debug!(parent: &span, code = ?status.code(), message = status.message(), "reserve refused");
+            }
+        }
+        result
+    }
+
+    async fn release(
+        &self,
+        request: Request<ReleaseRequest>,
+    ) -> Result<Response<ReleaseResponse>, Status> {
+        let r = request.into_inner();
+        let released = self.reservations.release(r.reservation_id, r.epoch).await;
+        Ok(Response::new(ReleaseResponse { released }))
+    }
+
+    type DecodeStream = ReceiverStream<Result<DecodeResponse, Status>>;
+
+    async fn decode(
+        &self,
+        request: Request<DecodeRequest>,
+    ) -> Result<Response<Self::DecodeStream>, Status> {
+        let received_at = Instant::now();
+        let span = tracing::info_span!(
+            "decode.request",
+            otel.kind = "server",
+            tandem.node_id = %self.node_id,
+            tandem.request_id = tracing::field::Empty,
+            tandem.reservation_id = tracing::field::Empty,
+            gen_ai.usage.input_tokens = tracing::field::Empty,
+            error.type = tracing::field::Empty,
+        );
+        propagation::adopt(&span, RemoteParent::from_grpc(request.metadata()));
+        let r = request.into_inner();
+        span.record("tandem.request_id", r.request_id.as_str());
+        span.record("tandem.reservation_id", r.reservation_id);
+        span.record("gen_ai.usage.input_tokens", r.prompt_token_ids.len());
+        let result = self.decode_inner(r, span.clone(), received_at);
+        if let Err(status) = &result {
+            self.metrics.request(Outcome::Refused);
+            span.record("error.type", "refused");
+            tracing::debug!(parent: &span, code = ?status.code(), message = status.message(), "decode refused");
+        }
+        result
+    }
+}
+
+impl DecodeService {
+    async fn reserve_inner(
+        &self,
+        r: ReserveRequest,
+    ) -> Result<Response<ReserveResponse>, Status> {
+        let in_flight = self.lifecycle.admit()?;
         if r.prompt_tokens == 0 {
             return Err(status::invalid("prompt_tokens", "must be at least 1"));
         }
@@ -96,22 +178,12 @@ impl Decode for DecodeService {
         }))
     }
 
-    async fn release(
+    fn decode_inner(
         &self,
-        request: Request<ReleaseRequest>,
-    ) -> Result<Response<ReleaseResponse>, Status> {
-        let r = request.into_inner();
-        let released = self.reservations.release(r.reservation_id, r.epoch).await;
-        Ok(Response::new(ReleaseResponse { released }))
-    }
-
-    type DecodeStream = ReceiverStream<Result<DecodeResponse, Status>>;
-
-    async fn decode(
-        &self,
-        request: Request<DecodeRequest>,
-    ) -> Result<Response<Self::DecodeStream>, Status> {
-        let r = request.into_inner();
+        r: DecodeRequest,
+        span: tracing::Span,
+        received_at: Instant,
+    ) -> Result<Response<ReceiverStream<Result<DecodeResponse, Status>>>, Status> {
         let (pending, claimed) = self.reservations.claim(r.reservation_id, r.epoch)?;
         let params =
             convert::sampling_params(r.sampling.as_ref(), &r.request_id, pending.max_new_tokens);
@@ -159,12 +231,15 @@ impl Decode for DecodeService {
             label: r.request_id,
             events,
             in_flight: self.lifecycle.track(),
+            span,
+            received_at,
         };
         tokio::spawn(await_kv_then_decode(
             self.engine.clone(),
             pending,
             claimed,
             start,
+            self.metrics.clone(),
         ));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
@@ -177,6 +252,7 @@ async fn await_kv_then_decode(
     pending: Pending,
     claimed: Claimed,
     start: Start,
+    metrics: NodeMetrics,
 ) {
     let Pending {
         inbound,
@@ -184,15 +260,40 @@ async fn await_kv_then_decode(
         in_flight: reservation_unit,
         ..
     } = pending;
-    let result = inbound.wait().await;
+    // The receiving side of the transfer; linked to the sender's `kv.push` span (its context
+    // travels in the transfer's descriptor) once the report names it.
+    let receive_span = tracing::info_span!(
+        parent: &start.span,
+        "kv.receive",
+        tandem.kv.bytes = tracing::field::Empty,
+        tandem.kv.blocks = tracing::field::Empty,
+        tandem.kv.verified = tracing::field::Empty,
+    );
+    let result = inbound.wait().instrument(receive_span.clone()).await;
     drop(reservation_unit); // the stream's own unit (in `start`) covers the rest
+    match &result {
+        Ok(report) => {
+            receive_span.record("tandem.kv.bytes", report.bytes);
+            receive_span.record("tandem.kv.blocks", report.dst_blocks.len());
+            receive_span.record("tandem.kv.verified", true);
+            propagation::link(&receive_span, &report.trace_context);
+        }
+        Err(e) => {
+            receive_span.record("tandem.kv.verified", false);
+            propagation::mark_error(&receive_span, e.kind().as_str(), e);
+        }
+    }
+    drop(receive_span);
     match result {
         Err(e) => {
+            metrics.request(Outcome::Failed);
+            propagation::mark_error(&start.span, e.kind().as_str(), &e);
             tracing::warn!(request = %label, error = %e, retry_safe = e.retry_safe(), "KV did not arrive intact; nothing decoded");
             let _ = start.events.send(Err(status::inbound_status(&e))).await;
             drop(claimed);
         }
         Ok(report) if start.events.is_closed() => {
+            metrics.request(Outcome::Cancelled);
             tracing::debug!(request = %label, bytes = report.bytes, "client left while the KV arrived; blocks freed");
             drop(claimed);
         }

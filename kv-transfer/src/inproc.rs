@@ -164,6 +164,7 @@ async fn run(
     let begin = Begin {
         transfer_id,
         request_id: d.req.request_id,
+        trace_context: d.req.trace_context.clone(),
         reservation_id: d.req.reservation_id,
         epoch: d.req.epoch,
         layout_fingerprint: layout.fingerprint(),

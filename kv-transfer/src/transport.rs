@@ -151,6 +151,8 @@ pub struct PushRequest {
     pub peer: String,
     /// The request these blocks belong to (logs, traces).
     pub request_id: u128,
+    /// The sender's W3C `traceparent` (empty: none), carried to the receiver in the descriptor.
+    pub trace_context: String,
     /// The receiver's reservation.
     pub reservation_id: u64,
     /// The reservation's epoch.
@@ -178,6 +180,7 @@ impl PushRequest {
         Self {
             peer: peer.into(),
             request_id: 0,
+            trace_context: String::new(),
             reservation_id,
             epoch,
             src_blocks,
@@ -191,6 +194,12 @@ impl PushRequest {
     /// Sets the request id.
     pub fn request_id(mut self, id: u128) -> Self {
         self.request_id = id;
+        self
+    }
+
+    /// Sets the W3C `traceparent` the receiver sees (the sender's transfer span).
+    pub fn trace_context(mut self, traceparent: impl Into<String>) -> Self {
+        self.trace_context = traceparent.into();
         self
     }
 

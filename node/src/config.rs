@@ -84,6 +84,11 @@ pub struct ListenArgs {
     /// At shutdown, how long in-flight requests may take to finish before they are cut.
     #[arg(long, env = TANDEM_DRAIN_TIMEOUT_SECS, default_value_t = 30)]
     pub drain_timeout_secs: u64,
+
+    /// Prometheus `/metrics` listen address (port 0 picks a free port; the URL is registered
+    /// in etcd as `metrics_url` for service discovery).
+    #[arg(long, env = TANDEM_METRICS_ADDR, default_value = "127.0.0.1:0")]
+    pub metrics_addr: SocketAddr,
 }
 
 /// Everything a node takes besides its role's own flags.
@@ -105,6 +110,10 @@ pub struct NodeArgs {
     /// Model, KV cache and scheduler.
     #[command(flatten)]
     pub engine: EngineArgs,
+
+    /// Trace export (OTLP); the standard OTEL_* variables apply.
+    #[command(flatten)]
+    pub trace: tandem_telemetry::TraceArgs,
 }
 
 impl NodeArgs {

@@ -30,6 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use prometheus_client::metrics::histogram::Histogram;
 use tandem_engine::{Engine, EngineError, EngineStats};
 use tokio::runtime::Handle;
 use tokio::sync::mpsc::error::TryRecvError;
@@ -91,11 +92,18 @@ pub struct EngineSnapshot {
     pub batch_size: usize,
     /// Forward passes since start.
     pub steps: u64,
+    /// Prompt tokens computed since start (prefix-cache hits excluded).
+    pub prefill_tokens: u64,
+    /// Tokens sampled since start.
+    pub decode_tokens: u64,
+    /// Preemptions by recompute since start.
+    pub preemptions: u64,
 }
 
 impl EngineSnapshot {
     fn of(engine: &Engine, tokens_per_s: f64, batch_size: usize) -> Self {
         let s = engine.scheduler();
+        let stats = engine.stats();
         EngineSnapshot {
             waiting: s.num_waiting(),
             running: s.num_running(),
@@ -104,7 +112,10 @@ impl EngineSnapshot {
             reserved_or_held_blocks: engine.reserved_and_held_blocks().len(),
             tokens_per_s,
             batch_size,
-            steps: engine.stats().steps,
+            steps: stats.steps,
+            prefill_tokens: stats.prefill_tokens,
+            decode_tokens: stats.decode_tokens,
+            preemptions: stats.preemptions,
         }
     }
 
@@ -222,6 +233,22 @@ where
     R: Send + 'static,
     F: FnOnce(BuildContext<D::Command>) -> Result<(Engine, D, R), NodeError> + Send + 'static,
 {
+    spawn_observed(name, queue, None, build).await
+}
+
+/// [`spawn`], observing every step's duration into `step_seconds` (a node's
+/// `tandem_node_step_duration_seconds`).
+pub async fn spawn_observed<D, R, F>(
+    name: &str,
+    queue: usize,
+    step_seconds: Option<Histogram>,
+    build: F,
+) -> Result<(EngineHandle<D::Command>, R), NodeError>
+where
+    D: Driver,
+    R: Send + 'static,
+    F: FnOnce(BuildContext<D::Command>) -> Result<(Engine, D, R), NodeError> + Send + 'static,
+{
     let (tx, rx) = mpsc::channel(queue.max(1));
     let (snap_tx, snap_rx) = watch::channel(EngineSnapshot::default());
     let handle = EngineHandle {
@@ -244,7 +271,7 @@ where
                 }
                 Ok((engine, driver, value)) => {
                     let _ = ready_tx.send(Ok(value));
-                    run_loop(engine, driver, rx, snap_tx, runtime);
+                    run_loop(engine, driver, rx, snap_tx, runtime, step_seconds);
                 }
             }
         })
@@ -284,6 +311,7 @@ fn run_loop<D: Driver>(
     mut rx: mpsc::Receiver<Envelope<D::Command>>,
     snap_tx: watch::Sender<EngineSnapshot>,
     runtime: Handle,
+    step_seconds: Option<Histogram>,
 ) {
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let mut meter = RateMeter {
@@ -314,7 +342,12 @@ fn run_loop<D: Driver>(
             };
             match wait {
                 None => match driver.step(&mut engine) {
-                    Ok(n) => batch = n,
+                    Ok(n) => {
+                        batch = n;
+                        if let Some(h) = &step_seconds {
+                            h.observe(now.elapsed().as_secs_f64());
+                        }
+                    }
                     Err(e) => {
                         tracing::error!(error = %e, kind = e.error_type(), "engine step failed; failing its requests");
                         driver.on_step_error(&mut engine, &e);

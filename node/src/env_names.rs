@@ -3,7 +3,8 @@
 //! file, the file over built-in defaults.
 //!
 //! The engine's own flags (`TANDEM_MODEL`, `TANDEM_KV_DTYPE`, ...) are listed in
-//! `tandem_engine::EngineArgs`; `RUST_LOG` sets the log filter.
+//! `tandem_engine::EngineArgs`; `RUST_LOG` sets the log filter; the trace flags read the
+//! standard `OTEL_*` variables (`tandem_telemetry::trace::config`).
 
 /// `--config`: a TOML file with flag values.
 pub const TANDEM_CONFIG: &str = "TANDEM_CONFIG";
@@ -29,6 +30,8 @@ pub const TANDEM_KV_ADDR: &str = "TANDEM_KV_ADDR";
 pub const TANDEM_ADVERTISE_HOST: &str = "TANDEM_ADVERTISE_HOST";
 /// `--kv-transport`: ucx, tcp or auto.
 pub const TANDEM_KV_TRANSPORT: &str = "TANDEM_KV_TRANSPORT";
+/// `--metrics-addr`: where `/metrics` binds.
+pub const TANDEM_METRICS_ADDR: &str = "TANDEM_METRICS_ADDR";
 /// `--drain-timeout-secs`: bound on finishing in-flight work at shutdown.
 pub const TANDEM_DRAIN_TIMEOUT_SECS: &str = "TANDEM_DRAIN_TIMEOUT_SECS";
 /// `--push-deadline-ms` (prefill): bound on one KV push.

@@ -20,6 +20,7 @@
 //! | [`server`] | the tonic server with `grpc.health.v1.Health` and server reflection |
 //! | [`membership`] | etcd registration (retry at startup, layout refusal) and NATS load reports |
 //! | [`lifecycle`] | admission while draining, in-flight tracking, signals, the phased shutdown |
+//! | [`metrics`] | every metric family of a node, its `/metrics` endpoint |
 //! | [`convert`] | proto ⇄ engine types (sampling, priority, finish reason, usage) and seeds |
 //! | [`status`] | engine and transfer errors → `tonic::Status` with retry metadata |
 //! | [`error`] | [`NodeError`], this crate's boundary error |
@@ -38,6 +39,7 @@ pub mod error;
 pub mod fetch;
 pub mod lifecycle;
 pub mod membership;
+pub mod metrics;
 pub mod model;
 pub mod server;
 pub mod status;
@@ -48,4 +50,5 @@ pub use engine_thread::{Driver, EngineHandle, EngineSnapshot};
 pub use error::NodeError;
 pub use lifecycle::{InFlightGuard, Lifecycle};
 pub use membership::{Coordination, Membership};
+pub use metrics::NodeMetrics;
 pub use transport::{KvAddress, TransferBacking};

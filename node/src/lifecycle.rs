@@ -7,7 +7,8 @@
 //!   1. draining: etcd record `draining: true`, health NOT_SERVING, new work refused (UNAVAILABLE)
 //!   2. drain:    in-flight requests finish (every InFlightGuard dropped), bounded by --drain-timeout-secs
 //!   3. stop:     the engine thread ends what is left (clients see UNAVAILABLE), servers stop
-//!   4. leave:    load reports stop, the etcd record is deleted and its lease revoked; exit 0
+//!   4. leave:    load reports stop, the etcd record is deleted and its lease revoked,
+//!                `/metrics` stops; exit 0
 //! ```
 
 use std::sync::Arc;
@@ -123,6 +124,8 @@ pub struct ShutdownPlan<C> {
     pub background: CancellationToken,
     /// Phase 2's bound.
     pub drain_timeout: Duration,
+    /// `/metrics`, stopped last so scrapes see the drain to its end.
+    pub metrics_server: Option<tandem_telemetry::metrics::MetricsServer>,
 }
 
 impl<C: Send + 'static> ShutdownPlan<C> {
@@ -147,6 +150,9 @@ impl<C: Send + 'static> ShutdownPlan<C> {
         self.background.cancel();
         if let Some(m) = self.membership {
             m.leave().await;
+        }
+        if let Some(m) = self.metrics_server {
+            m.stop().await;
         }
         tracing::info!("stopped");
     }

@@ -7,11 +7,12 @@
 //! registration is a startup condition, bounded by `--startup-timeout-secs`.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tandem_cluster::{
     ClusterError, Discovery, EtcdConfig, EtcdDiscovery, LoadPublisher, LoadReport, LoadSignals,
-    NatsConfig, NatsLoadSignals, NodeInfo, Registration,
+    NatsConfig, NatsLoadSignals, NodeInfo, Registration, RegistrationState,
 };
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -40,6 +41,9 @@ pub struct Membership {
     registration: Registration,
     publisher: LoadPublisher,
     forwarder: JoinHandle<()>,
+    signals: Arc<dyn LoadSignals>,
+    lease_failures: Arc<AtomicU64>,
+    lease_watch: JoinHandle<()>,
 }
 
 /// Registers `info` and starts publishing load from `snapshots`. `cancel` stops the publisher
@@ -92,12 +96,45 @@ pub async fn join(
     .await?;
     let (load_tx, load_rx) = watch::channel(LoadReport::idle(node_id, role, total));
     let forwarder = tokio::spawn(forward(snapshots, load_tx));
-    let publisher = LoadPublisher::spawn(signals, load_rx, args.load_report_period(), cancel);
+    let publisher = LoadPublisher::spawn(
+        Arc::clone(&signals),
+        load_rx,
+        args.load_report_period(),
+        cancel,
+    );
+    let lease_failures = Arc::new(AtomicU64::new(0));
+    let lease_watch = tokio::spawn(count_lease_failures(
+        registration.state(),
+        Arc::clone(&lease_failures),
+    ));
     Ok(Membership {
         registration,
         publisher,
         forwarder,
+        signals,
+        lease_failures,
+        lease_watch,
     })
+}
+
+/// Counts every time the registration leaves `Live` for `Reconnecting` or `Reregistering`
+/// (etcd unreachable, or the lease lost): `tandem_node_lease_renewal_failures_total`.
+async fn count_lease_failures(
+    mut state: watch::Receiver<RegistrationState>,
+    failures: Arc<AtomicU64>,
+) {
+    let mut was_live = matches!(*state.borrow(), RegistrationState::Live { .. });
+    while state.changed().await.is_ok() {
+        let now = state.borrow_and_update().clone();
+        match now {
+            RegistrationState::Live { .. } => was_live = true,
+            RegistrationState::Reconnecting | RegistrationState::Reregistering if was_live => {
+                failures.fetch_add(1, Ordering::Relaxed);
+                was_live = false;
+            }
+            _ => {}
+        }
+    }
 }
 
 /// Registers, retrying retryable failures (etcd unreachable, a dead predecessor's record not yet
@@ -161,6 +198,15 @@ async fn forward(mut snapshots: watch::Receiver<EngineSnapshot>, load: watch::Se
 }
 
 impl Membership {
+    /// Hands the registration state, lease failures and NATS status to `metrics`.
+    pub fn export_to(&self, metrics: &crate::metrics::NodeMetrics) {
+        metrics.watch_control_plane(
+            self.registration.state(),
+            self.signals.status(),
+            Arc::clone(&self.lease_failures),
+        );
+    }
+
     /// Sets the `draining` flag in the node's record (routers stop sending new work). A failure
     /// is logged: the flag is written once etcd answers again.
     pub async fn set_draining(&self) {
@@ -173,6 +219,7 @@ impl Membership {
     pub async fn leave(self) {
         self.publisher.stop().await;
         self.forwarder.abort();
+        self.lease_watch.abort();
         if let Err(e) = self.registration.deregister().await {
             tracing::warn!(error = %e, "deregistering failed; the record expires with its lease");
         } else {

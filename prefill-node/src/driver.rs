@@ -29,7 +29,9 @@ use tandem_kv_transfer::{
     TransportKind,
 };
 use tandem_node::engine_thread::{Driver, EngineHandle};
-use tandem_node::{InFlightGuard, KvAddress, status};
+use tandem_node::metrics::Outcome;
+use tandem_node::{InFlightGuard, KvAddress, NodeMetrics, status};
+use tandem_telemetry::trace::propagation;
 use tandem_proto::v1::{FirstToken, KvPushed, PrefillResponse, prefill_response::Event};
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
@@ -64,6 +66,10 @@ pub struct Job {
     pub events: Events,
     /// Held until the stream's last message (the drain waits for it).
     pub in_flight: InFlightGuard,
+    /// `prefill.request` (the call's server span): ends when the job is dropped.
+    pub span: tracing::Span,
+    /// When the call arrived (TTFT).
+    pub received_at: Instant,
 }
 
 /// Commands of the prefill engine thread.
@@ -122,6 +128,10 @@ struct Live {
     push: Option<OutboundTransfer>,
     push_error: Option<TransferError>,
     started: Instant,
+    /// `prefill.forward`: admission to first token (queue wait and every chunk).
+    forward_span: tracing::Span,
+    /// `kv.push`: the transfer, from its start to the receiver's confirmation.
+    push_span: tracing::Span,
 }
 
 /// The prefill role's [`Driver`].
@@ -132,6 +142,7 @@ pub struct PrefillDriver {
     settings: PushSettings,
     block_size: usize,
     live: HashMap<u64, Live>,
+    metrics: NodeMetrics,
 }
 
 impl PrefillDriver {
@@ -142,6 +153,7 @@ impl PrefillDriver {
         senders: Senders,
         settings: PushSettings,
         block_size: usize,
+        metrics: NodeMetrics,
     ) -> Self {
         PrefillDriver {
             runtime,
@@ -150,6 +162,7 @@ impl PrefillDriver {
             settings,
             block_size,
             live: HashMap::new(),
+            metrics,
         }
     }
 
@@ -157,6 +170,9 @@ impl PrefillDriver {
         for (id, l) in self.live.drain() {
             l.cancel.cancel();
             engine.abort(id);
+            self.metrics.request(Outcome::Failed);
+            let s = status();
+            propagation::mark_error(&l.job.span, "node_failed", s.message());
             let _ = l.job.events.try_send(Err(status()));
         }
     }
@@ -168,11 +184,24 @@ fn start_push(
     settings: &PushSettings,
     runtime: &Handle,
     request_id: u64,
-    live: &Live,
+    live: &mut Live,
     src: Vec<u32>,
     streamed: bool,
 ) -> Result<OutboundTransfer, TransferError> {
     let t = &live.job.target;
+    let span = tracing::info_span!(
+        parent: &live.job.span,
+        "kv.push",
+        tandem.kv.transport = t.address.kind.as_str(),
+        tandem.kv.blocks = src.len(),
+        tandem.kv.streamed = streamed,
+        tandem.kv.bytes = tracing::field::Empty,
+        tandem.kv.mode = tracing::field::Empty,
+        tandem.reservation_id = t.reservation_id,
+        server.address = %t.address.host_port,
+    );
+    let trace_context = propagation::traceparent(&span).unwrap_or_default();
+    live.push_span = span;
     let (transport, pool) =
         senders
             .for_kind(t.address.kind)
@@ -188,7 +217,8 @@ fn start_push(
         t.dst_blocks.clone(),
     )
     .deadline(settings.deadline)
-    .request_id(request_id as u128);
+    .request_id(request_id as u128)
+    .trace_context(trace_context);
     if streamed {
         req = req.streamed();
     }
@@ -227,6 +257,12 @@ impl Driver for PrefillDriver {
                     return;
                 }
                 tracing::debug!(request = %job.label, prompt_tokens = job.request.prompt.len(), "prefill admitted");
+                let forward_span = tracing::info_span!(
+                    parent: &job.span,
+                    "prefill.forward",
+                    gen_ai.usage.input_tokens = job.request.prompt.len(),
+                    tandem.cached_prompt_tokens = tracing::field::Empty,
+                );
                 let live = Live {
                     job: *job,
                     prompt_blocks,
@@ -234,6 +270,8 @@ impl Driver for PrefillDriver {
                     push: None,
                     push_error: None,
                     started: Instant::now(),
+                    forward_span,
+                    push_span: tracing::Span::none(),
                 };
                 self.live.insert(id, live);
             }
@@ -297,6 +335,16 @@ impl Driver for PrefillDriver {
                 })),
             };
             let _ = l.job.events.try_send(Ok(first));
+            self.metrics.first_token(l.job.received_at.elapsed());
+            self.metrics
+                .prompt(o.usage.prompt_tokens as u64, o.usage.cached_tokens as u64);
+            l.forward_span
+                .record("tandem.cached_prompt_tokens", o.usage.cached_tokens);
+            l.job
+                .span
+                .record("tandem.cached_prompt_tokens", o.usage.cached_tokens);
+            // The forward span ends with the first token.
+            l.forward_span = tracing::Span::none();
             let push = match (l.push.take(), l.push_error.take()) {
                 (Some(p), _) => Ok(p),
                 (None, Some(e)) => Err(e),
@@ -309,7 +357,7 @@ impl Driver for PrefillDriver {
                             &self.settings,
                             &self.runtime,
                             id,
-                            &l,
+                            &mut l,
                             src.to_vec(),
                             false,
                         ),
@@ -327,12 +375,16 @@ impl Driver for PrefillDriver {
             match push {
                 Err(e) => {
                     tracing::warn!(request = %l.job.label, error = %e, "KV push could not start");
+                    self.metrics.request(Outcome::Failed);
+                    propagation::mark_error(&l.job.span, e.kind().as_str(), &e);
                     let _ = l.job.events.try_send(Err(status::push_status(&e)));
                     drop(guard);
                 }
                 Ok(push) => {
                     let blocks = l.prompt_blocks as u32;
-                    self.runtime.spawn(finish_push(push, l, blocks, guard));
+                    let metrics = self.metrics.clone();
+                    self.runtime
+                        .spawn(finish_push(push, l, blocks, guard, metrics));
                 }
             }
         }
@@ -348,6 +400,8 @@ impl Driver for PrefillDriver {
             .collect();
         for id in gone {
             if let Some(l) = self.live.remove(&id) {
+                self.metrics.request(Outcome::Cancelled);
+                l.job.span.record("error.type", "cancelled");
                 tracing::debug!(request = %l.job.label, "client went away before its first token; aborted");
                 l.cancel.cancel();
                 engine.abort(id);
@@ -369,7 +423,13 @@ impl Driver for PrefillDriver {
 
 /// Awaits a push (or the client's departure, which cancels it and still awaits its end), reports
 /// the outcome, then releases the blocks (`guard`) and the in-flight unit.
-async fn finish_push(push: OutboundTransfer, l: Live, blocks: u32, guard: HeldBlocks) {
+async fn finish_push(
+    push: OutboundTransfer,
+    l: Live,
+    blocks: u32,
+    guard: HeldBlocks,
+    metrics: NodeMetrics,
+) {
     let events = l.job.events.clone();
     let mut fut = std::future::IntoFuture::into_future(push);
     let result = tokio::select! {
@@ -386,6 +446,10 @@ async fn finish_push(push: OutboundTransfer, l: Live, blocks: u32, guard: HeldBl
                 blocks,
                 transfer_us: report.elapsed.as_micros() as u64,
             };
+            l.push_span.record("tandem.kv.bytes", report.bytes);
+            l.push_span
+                .record("tandem.kv.mode", tracing::field::debug(report.data_mode));
+            metrics.request(Outcome::Ok);
             tracing::debug!(
                 request = %l.job.label, bytes = report.bytes, blocks, mode = report.data_mode,
                 push_us = msg.transfer_us, total_ms = l.started.elapsed().as_millis() as u64, "KV pushed"
@@ -397,9 +461,14 @@ async fn finish_push(push: OutboundTransfer, l: Live, blocks: u32, guard: HeldBl
                 .await;
         }
         Err(e) if events.is_closed() => {
+            metrics.request(Outcome::Cancelled);
+            l.job.span.record("error.type", "cancelled");
             tracing::debug!(request = %l.job.label, error = %e, "push ended after the client left")
         }
         Err(e) => {
+            metrics.request(Outcome::Failed);
+            propagation::mark_error(&l.push_span, e.kind().as_str(), &e);
+            propagation::mark_error(&l.job.span, e.kind().as_str(), &e);
             tracing::warn!(request = %l.job.label, error = %e, retry_safe = e.retry_safe(), "KV push failed");
             let _ = events.send(Err(status::push_status(&e))).await;
         }

@@ -32,6 +32,7 @@ use tandem_kv_transfer::{KvTransport, TransportKind};
 use tandem_node::engine_thread::{self, EngineHandle, EngineSnapshot};
 use tandem_node::env_names::*;
 use tandem_node::lifecycle::{self, ShutdownPlan};
+use tandem_node::NodeMetrics;
 use tandem_node::{
     Coordination, Lifecycle, NodeArgs, NodeError, membership, model, server, transport,
 };
@@ -118,9 +119,24 @@ impl PrefillNode {
             #[cfg(feature = "fault-injection")]
             fault: Arc::clone(&fault),
         };
+        let node_id = args
+            .node
+            .cluster
+            .node_id
+            .clone()
+            .unwrap_or_else(|| lifecycle::default_node_id("prefill"));
+        let metrics = NodeMetrics::new("prefill", &node_id);
+        metrics.watch_transfers(kind.as_str(), Arc::clone(primary.metrics()));
+        if let Some(t) = &tcp {
+            metrics.watch_transfers("tcp", Arc::clone(t.metrics()));
+        }
         let engine_args = args.node.engine.clone();
-        let (engine, (layout, num_blocks, kinds)) =
-            engine_thread::spawn("prefill-engine", COMMAND_QUEUE, move |ctx| {
+        let driver_metrics = metrics.clone();
+        let (engine, (layout, num_blocks, kinds)) = engine_thread::spawn_observed(
+            "prefill-engine",
+            COMMAND_QUEUE,
+            Some(metrics.step_histogram()),
+            move |ctx| {
                 let (engine, registration) = model::build_engine(&engine_args, &*primary)?;
                 let tcp = match tcp {
                     Some(t) => {
@@ -147,10 +163,13 @@ impl PrefillNode {
                     senders,
                     settings,
                     layout.block_size_tokens,
+                    driver_metrics,
                 );
                 Ok((engine, driver, (layout, blocks, kinds)))
-            })
-            .await?;
+            },
+        )
+        .await?;
+        metrics.watch_engine(engine.snapshot());
         let lifecycle = Lifecycle::new();
         let service = PrefillService::new(
             engine.clone(),
@@ -158,6 +177,8 @@ impl PrefillNode {
             layout.fingerprint(),
             layout.block_size_tokens,
             kinds,
+            metrics.clone(),
+            node_id.clone(),
         );
         let routes = tonic::service::Routes::new(PrefillServer::new(service));
         let server = match server::spawn(listener, routes, "tandem.v1.Prefill").await {
@@ -168,12 +189,13 @@ impl PrefillNode {
             }
         };
         let background = CancellationToken::new();
-        let node_id = args
-            .node
-            .cluster
-            .node_id
-            .clone()
-            .unwrap_or_else(|| lifecycle::default_node_id("prefill"));
+        let (metrics_server, metrics_url) = match tandem_node::metrics::serve(&args.node.listen, &metrics).await {
+            Ok(m) => m,
+            Err(e) => {
+                engine.shutdown().await;
+                return Err(e);
+            }
+        };
         let grpc_url = format!("http://{}", args.node.listen.advertised(grpc_addr));
         let info = NodeInfo::new(
             &node_id,
@@ -181,7 +203,8 @@ impl PrefillNode {
             &grpc_url,
             layout,
             num_blocks as u64,
-        );
+        )
+        .with_metrics_url(&metrics_url);
         let mut plan = ShutdownPlan {
             lifecycle,
             server,
@@ -189,6 +212,7 @@ impl PrefillNode {
             engine: engine.clone(),
             background,
             drain_timeout: args.node.listen.drain_timeout(),
+            metrics_server: Some(metrics_server),
         };
         match membership::join(
             &args.node,
@@ -199,7 +223,10 @@ impl PrefillNode {
         )
         .await
         {
-            Ok(m) => plan.membership = Some(m),
+            Ok(m) => {
+                m.export_to(&metrics);
+                plan.membership = Some(m);
+            }
             Err(e) => {
                 plan.run().await;
                 return Err(e);
@@ -268,7 +295,10 @@ pub async fn run(args: PrefillArgs, shutdown: impl Future<Output = ()>) -> Resul
 /// run on a multi-threaded runtime until SIGTERM or Ctrl-C. Errors are startup failures.
 pub fn main_with_args(argv: Vec<OsString>) -> anyhow::Result<()> {
     let args = PrefillArgs::parse_layered(argv).unwrap_or_else(|e| e.exit());
-    lifecycle::init_logging(&args.log);
+    // Logs on stderr, spans over OTLP when an endpoint is set; flushed when dropped (after the
+    // runtime has shut down).
+    let _telemetry = tandem_telemetry::init("tandem-prefill", &args.log, &args.node.trace)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("prefill-rt")

@@ -13,10 +13,13 @@
 //! The engine validates the rest (token ids, sampling, context length).
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use tandem_kv_transfer::TransportKind;
 use tandem_node::engine_thread::EngineHandle;
-use tandem_node::{KvAddress, Lifecycle, convert, status};
+use tandem_node::metrics::Outcome;
+use tandem_node::{KvAddress, Lifecycle, NodeMetrics, convert, status};
+use tandem_telemetry::trace::propagation::{self, RemoteParent};
 use tandem_proto::v1::prefill_server::Prefill;
 use tandem_proto::v1::{PrefillRequest, PrefillResponse};
 use tokio::sync::mpsc;
@@ -36,6 +39,8 @@ pub struct PrefillService {
     block_size: usize,
     kinds: Vec<TransportKind>,
     next_id: AtomicU64,
+    metrics: NodeMetrics,
+    node_id: String,
 }
 
 impl PrefillService {
@@ -47,6 +52,8 @@ impl PrefillService {
         fingerprint: u64,
         block_size: usize,
         kinds: Vec<TransportKind>,
+        metrics: NodeMetrics,
+        node_id: String,
     ) -> Self {
         PrefillService {
             engine,
@@ -55,6 +62,8 @@ impl PrefillService {
             block_size,
             kinds,
             next_id: AtomicU64::new(1),
+            metrics,
+            node_id,
         }
     }
 }
@@ -67,8 +76,39 @@ impl Prefill for PrefillService {
         &self,
         request: Request<PrefillRequest>,
     ) -> Result<Response<Self::PrefillStream>, Status> {
-        let in_flight = self.lifecycle.admit()?;
+        let received_at = Instant::now();
+        let span = tracing::info_span!(
+            "prefill.request",
+            otel.kind = "server",
+            tandem.node_id = %self.node_id,
+            tandem.request_id = tracing::field::Empty,
+            gen_ai.usage.input_tokens = tracing::field::Empty,
+            tandem.cached_prompt_tokens = tracing::field::Empty,
+            error.type = tracing::field::Empty,
+        );
+        propagation::adopt(&span, RemoteParent::from_grpc(request.metadata()));
         let r = request.into_inner();
+        span.record("tandem.request_id", r.request_id.as_str());
+        span.record("gen_ai.usage.input_tokens", r.prompt_token_ids.len());
+        let result = self.accept(r, span.clone(), received_at).await;
+        if let Err(status) = &result {
+            self.metrics.request(Outcome::Refused);
+            span.record("error.type", "refused");
+            tracing::debug!(parent: &span, code = ?status.code(), message = status.message(), "prefill refused");
+        }
+        result
+    }
+}
+
+impl PrefillService {
+    /// The checks of the module docs, then the job to the engine thread.
+    async fn accept(
+        &self,
+        r: PrefillRequest,
+        span: tracing::Span,
+        received_at: Instant,
+    ) -> Result<Response<ReceiverStream<Result<PrefillResponse, Status>>>, Status> {
+        let in_flight = self.lifecycle.admit()?;
         let target = r
             .target
             .ok_or_else(|| status::invalid("target", "is required"))?;
@@ -134,6 +174,8 @@ impl Prefill for PrefillService {
             },
             events,
             in_flight,
+            span,
+            received_at,
         };
         self.engine
             .send(Command::Prefill(Box::new(job)))

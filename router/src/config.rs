@@ -140,6 +140,10 @@ pub struct RouterArgs {
     /// How long startup keeps retrying while etcd or NATS is unreachable, seconds [default: 30].
     #[arg(long, env = env::STARTUP_TIMEOUT_SECS)]
     pub startup_timeout_secs: Option<u64>,
+    /// Trace export (OTLP); the standard OTEL_* variables apply.
+    #[command(flatten)]
+    #[serde(skip)]
+    pub trace: tandem_telemetry::TraceArgs,
 }
 
 /// The resolved configuration.

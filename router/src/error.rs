@@ -337,6 +337,18 @@ impl RouterError {
         }
     }
 
+    /// Whether the caller's request was at fault (HTTP 4xx other than overload): a malformed
+    /// or invalid request, a wrong key, an unknown model.
+    pub fn is_client_error(&self) -> bool {
+        matches!(
+            self.root(),
+            RouterError::Unauthenticated
+                | RouterError::InvalidArgument { .. }
+                | RouterError::MalformedBody { .. }
+                | RouterError::ModelNotFound { .. }
+        )
+    }
+
     /// A low-cardinality name for metrics and logs.
     pub fn kind(&self) -> &'static str {
         match self {

@@ -2,6 +2,8 @@
 //! the standard `grpc.health.v1.Health` and server reflection on the same port.
 //!
 //! Authentication: metadata `authorization: Bearer <key>` (when API keys are configured).
+//! Tracing: a W3C `traceparent` (and `tracestate`) in the request metadata continues the
+//! caller's trace; the response metadata carries the request span's `traceparent`.
 //! Health: the overall service `""` and `tandem.v1.Inference` are SERVING exactly while at
 //! least one prefill and one decode node accept work, NOT_SERVING otherwise (updated on every
 //! membership change). Errors map to codes in [`to_status`]; messages name the field.
@@ -19,7 +21,8 @@ use tonic::{Request, Response, Status};
 use tonic_health::ServingStatus;
 
 use crate::error::RouterError;
-use crate::pipeline::{GenerationEvent, Router};
+use crate::pipeline::{GenerationEvent, RequestContext, Router};
+use tandem_telemetry::trace::propagation::{RemoteParent, TRACEPARENT};
 use crate::request::{Field, GenerateRequest, Priority, PromptInput, Sampling};
 
 /// The gRPC status for an error.
@@ -142,16 +145,27 @@ impl Inference for InferenceService {
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         self.authorize(&request)?;
+        let context = RequestContext {
+            parent: RemoteParent::from_grpc(request.metadata()),
+        };
         let request = from_proto(request.into_inner()).map_err(|e| to_status(&e))?;
         let stream = self
             .router
-            .generate(request)
+            .generate_with(request, context)
             .await
             .map_err(|e| to_status(&e))?;
+        let traceparent = stream
+            .traceparent()
+            .and_then(|t| tonic::metadata::MetadataValue::try_from(t).ok());
         // Dropping this stream (the client cancelled) drops the GenerationStream, which
         // cancels the request on the nodes.
         let responses = stream.map(|item| item.map(to_response).map_err(|e| to_status(&e)));
-        Ok(Response::new(Box::pin(responses)))
+        let mut response = Response::new(Box::pin(responses) as Self::GenerateStream);
+        // The trace id goes back to the caller in the response metadata.
+        if let Some(value) = traceparent {
+            response.metadata_mut().insert(TRACEPARENT, value);
+        }
+        Ok(response)
     }
 
     async fn list_models(

@@ -10,7 +10,7 @@
 //!                 admission.rs (API keys, bounded priority queue)
 //!                 pipeline/attempt.rs (Reserve → Prefill → Decode), pipeline/reservation.rs (RAII release)
 //!  config.rs (flags, env, TOML) ─ server.rs (run both servers) ─ model.rs (tokenizer, context length)
-//!  error.rs (RouterError, NodeFault: classified once) ─ stats.rs (counters)
+//!  error.rs (RouterError, NodeFault: classified once) ─ stats.rs (counters) ─ metrics.rs (Prometheus families)
 //! ```
 //!
 //! Servers take bound listeners and a shutdown future ([`serve`], [`grpc::serve`],
@@ -25,6 +25,7 @@ pub mod config;
 pub mod error;
 pub mod grpc;
 pub mod http;
+pub mod metrics;
 pub mod model;
 pub mod nodes;
 pub mod pipeline;
@@ -38,7 +39,8 @@ pub use config::{RouterArgs, RouterConfig};
 pub use error::{NodeFault, RouterError, Step};
 pub use model::ServedModel;
 pub use pipeline::{
-    FinishReason, GenerationEvent, GenerationFinal, GenerationStream, Router, RouterOptions, Usage,
+    FinishReason, GenerationEvent, GenerationFinal, GenerationStream, RequestContext, Router,
+    RouterOptions, Usage,
 };
 pub use request::{Field, GenerateRequest, Priority, PromptInput, Sampling, TokenLimits};
 pub use server::{run, run_blocking, serve};

@@ -18,13 +18,14 @@ struct Cli {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "info".into()),
-        )
-        .init();
+    // Logs on stderr, and spans over OTLP when an endpoint is set; flushed when dropped.
+    let _telemetry = match tandem_telemetry::init("tandem-router", &cli.log, &cli.args.trace) {
+        Ok(guard) => guard,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
     match tandem_router::run_blocking(cli.args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {

@@ -222,6 +222,17 @@ impl NodePool {
             .count()
     }
 
+    /// Age of the newest load report of each node that sent one.
+    pub fn load_report_ages(&self) -> Vec<(String, Duration)> {
+        let loads = self.loads.borrow();
+        let mut out: Vec<_> = loads
+            .iter()
+            .map(|(id, r)| (id.clone(), r.age()))
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
     /// Registered nodes that accept work, with this router's in-flight count on each.
     pub fn in_flight_by_node(&self) -> Vec<(String, u32)> {
         let mut state = lock(&self.state);

@@ -83,19 +83,17 @@ pub fn render(registry: &Registry) -> String {
     out
 }
 
-/// An axum router answering `GET /metrics` from `registry` (for processes whose HTTP server is
+/// What a `/metrics` endpoint serves: the text of every family, rendered per scrape.
+pub type RenderFn = Arc<dyn Fn() -> String + Send + Sync>;
+
+/// An axum router answering `GET /metrics` with `render()` (for processes whose HTTP server is
 /// only this; the router adds the same handler to its own server).
-pub fn routes(registry: Arc<Registry>) -> axum::Router {
+pub fn routes(render: RenderFn) -> axum::Router {
     axum::Router::new().route(
         "/metrics",
         axum::routing::get(move || {
-            let registry = Arc::clone(&registry);
-            async move {
-                (
-                    [(axum::http::header::CONTENT_TYPE, CONTENT_TYPE)],
-                    render(&registry),
-                )
-            }
+            let render = Arc::clone(&render);
+            async move { ([(axum::http::header::CONTENT_TYPE, CONTENT_TYPE)], render()) }
         }),
     )
 }
@@ -108,13 +106,13 @@ pub struct MetricsServer {
 }
 
 impl MetricsServer {
-    /// Serves `GET /metrics` from `registry` on `listener` until [`stop`](Self::stop).
-    pub fn spawn(listener: TcpListener, registry: Arc<Registry>) -> std::io::Result<Self> {
+    /// Serves `GET /metrics` with `render()` on `listener` until [`stop`](Self::stop).
+    pub fn spawn(listener: TcpListener, render: RenderFn) -> std::io::Result<Self> {
         let addr = listener.local_addr()?;
         let stop = CancellationToken::new();
         let signal = stop.clone();
         let task = tokio::spawn(async move {
-            axum::serve(listener, routes(registry))
+            axum::serve(listener, routes(render))
                 .with_graceful_shutdown(signal.cancelled_owned())
                 .await
         });
@@ -133,13 +131,32 @@ impl MetricsServer {
     }
 }
 
-/// The kind of a [`Sample`]'s family.
+/// The kind of a [`Family`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
     /// A value that goes up and down.
     Gauge,
     /// A monotonic count (`_total` is appended to the name).
     Counter,
+    /// A distribution kept elsewhere (bucket counts, sum, count).
+    Histogram,
+}
+
+/// One series' value.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Value {
+    /// A gauge or counter value.
+    Number(f64),
+    /// A histogram: `(upper bound, observations in this bucket alone)` with `+Inf` last, the
+    /// sum and the count.
+    Histogram {
+        /// Per-bucket (not cumulative) counts.
+        buckets: Vec<(f64, u64)>,
+        /// Sum of observations.
+        sum: f64,
+        /// Number of observations.
+        count: u64,
+    },
 }
 
 /// One family read at scrape time: a name, help, kind and its labelled values.
@@ -152,7 +169,7 @@ pub struct Family {
     /// Gauge or counter.
     pub kind: Kind,
     /// `(labels, value)` per series.
-    pub samples: Vec<(Vec<(&'static str, String)>, f64)>,
+    pub samples: Vec<(Vec<(&'static str, String)>, Value)>,
 }
 
 impl Family {
@@ -176,9 +193,38 @@ impl Family {
         }
     }
 
+    /// A histogram family.
+    pub fn histogram(name: &'static str, help: &'static str) -> Self {
+        Family {
+            name,
+            help,
+            kind: Kind::Histogram,
+            samples: Vec::new(),
+        }
+    }
+
     /// Adds a series.
     pub fn with(mut self, labels: Vec<(&'static str, String)>, value: f64) -> Self {
-        self.samples.push((labels, value));
+        self.samples.push((labels, Value::Number(value)));
+        self
+    }
+
+    /// Adds a histogram series (see [`Value::Histogram`]).
+    pub fn with_histogram(
+        mut self,
+        labels: Vec<(&'static str, String)>,
+        buckets: Vec<(f64, u64)>,
+        sum: f64,
+    ) -> Self {
+        let count = buckets.iter().map(|b| b.1).sum();
+        self.samples.push((
+            labels,
+            Value::Histogram {
+                buckets,
+                sum,
+                count,
+            },
+        ));
         self
     }
 
@@ -219,13 +265,20 @@ where
             let kind = match family.kind {
                 Kind::Gauge => MetricType::Gauge,
                 Kind::Counter => MetricType::Counter,
+                Kind::Histogram => MetricType::Histogram,
             };
             let mut metric = encoder.encode_descriptor(family.name, family.help, None, kind)?;
             for (labels, value) in &family.samples {
-                let series = metric.encode_family(labels)?;
-                match family.kind {
-                    Kind::Gauge => ConstGauge::new(*value).encode(series)?,
-                    Kind::Counter => ConstCounter::new(*value).encode(series)?,
+                let mut series = metric.encode_family(labels)?;
+                match (family.kind, value) {
+                    (Kind::Gauge, Value::Number(v)) => ConstGauge::new(*v).encode(series)?,
+                    (Kind::Counter, Value::Number(v)) => ConstCounter::new(*v).encode(series)?,
+                    (Kind::Histogram, Value::Histogram { buckets, sum, count }) => series
+                        .encode_histogram::<prometheus_client::encoding::NoLabelSet>(
+                            *sum, *count, buckets, None,
+                        )?,
+                    // A family mixing kinds is a bug in its collector: skip the series.
+                    _ => {}
                 }
             }
         }
@@ -251,6 +304,11 @@ mod tests {
                     .with(vec![("state", "free".into())], 7.0)
                     .with(vec![("state", "used".into())], 3.0),
                 Family::counter("tandem_test_steps", "Steps.").value(12.0),
+                Family::histogram("tandem_test_transfer_seconds", "Transfers.").with_histogram(
+                    vec![("transport", "tcp".into())],
+                    vec![(0.1, 2), (1.0, 1), (f64::INFINITY, 0)],
+                    0.9,
+                ),
             ]
         })));
         c.inc_by(2);
@@ -268,6 +326,11 @@ mod tests {
             "tandem_test_blocks{state=\"free\"} 7.0",
             "tandem_test_blocks{state=\"used\"} 3.0",
             "tandem_test_steps_total 12.0",
+            "# TYPE tandem_test_transfer_seconds histogram",
+            "tandem_test_transfer_seconds_bucket{transport=\"tcp\",le=\"0.1\"} 2",
+            "tandem_test_transfer_seconds_bucket{transport=\"tcp\",le=\"1\"} 3",
+            "tandem_test_transfer_seconds_bucket{transport=\"tcp\",le=\"+Inf\"} 3",
+            "tandem_test_transfer_seconds_count{transport=\"tcp\"} 3",
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in:\n{text}");
         }

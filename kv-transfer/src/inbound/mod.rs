@@ -68,6 +68,8 @@ pub struct InboundReport {
     pub epoch: u64,
     /// The request id the sender gave.
     pub request_id: u128,
+    /// The sender's W3C `traceparent` for the transfer (empty: none).
+    pub trace_context: String,
     /// The sender's source block ids, paired with `dst_blocks`.
     pub src_blocks: Vec<BlockId>,
     /// Destination block ids (as reserved).
@@ -339,6 +341,12 @@ impl InboundRegistry {
             epoch: b.epoch,
             transfer_id: b.transfer_id,
             request_id: b.request_id,
+            // A traceparent is 55 bytes; anything much longer is not one (ignored, not an error).
+            trace_context: if b.trace_context.len() <= 256 {
+                b.trace_context.clone()
+            } else {
+                String::new()
+            },
             runs: block_runs(&b.src_blocks, &b.dst_blocks),
             src_blocks: b.src_blocks.clone(),
             dst_blocks: Arc::clone(&entry.dst_blocks),

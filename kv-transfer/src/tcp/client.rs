@@ -53,6 +53,7 @@ async fn push(
     let begin = Begin {
         transfer_id: id,
         request_id: d.req.request_id,
+        trace_context: d.req.trace_context.clone(),
         reservation_id: d.req.reservation_id,
         epoch: d.req.epoch,
         layout_fingerprint: layout.fingerprint(),

@@ -155,6 +155,7 @@ mod tests {
         Msg::Begin(Begin {
             transfer_id: 7,
             request_id: u128::MAX - 3,
+            trace_context: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
             reservation_id: 11,
             epoch: 2,
             layout_fingerprint: 0xfeed,

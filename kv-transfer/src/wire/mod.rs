@@ -143,6 +143,9 @@ pub struct Begin {
     pub transfer_id: u64,
     /// The request these blocks belong to (for logs and traces).
     pub request_id: u128,
+    /// The sender's W3C `traceparent` for this transfer (empty: none), so the receiver's side
+    /// joins the request's trace (linked to the sender's `kv.push` span).
+    pub trace_context: String,
     /// The receiver's reservation.
     pub reservation_id: u64,
     /// The reservation's epoch as the sender was told it.

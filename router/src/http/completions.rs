@@ -28,7 +28,10 @@ use super::authorize;
 use super::error::{ApiError, body as error_body};
 use super::openai::{RequestBody, parse_body};
 use crate::error::RouterError;
-use crate::pipeline::{GenerationEvent, GenerationFinal, GenerationStream, Router, Usage};
+use crate::pipeline::{
+    GenerationEvent, GenerationFinal, GenerationStream, RequestContext, Router, Usage,
+};
+use tandem_telemetry::trace::propagation::{RemoteParent, TRACEPARENT};
 
 /// Which endpoint is answering.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,14 +59,8 @@ pub(super) async fn completions(
     let request: RequestBody = parse_body(&body)?;
     let (stream, include_usage) = (request.stream, request.include_usage());
     let core = request.into_completion()?;
-    respond(
-        &router,
-        Endpoint::Completion,
-        router.generate(core).await?,
-        stream,
-        include_usage,
-    )
-    .await
+    let generation = router.generate_with(core, context(&headers)).await?;
+    respond(&router, Endpoint::Completion, generation, stream, include_usage).await
 }
 
 pub(super) async fn chat_completions(
@@ -75,14 +72,15 @@ pub(super) async fn chat_completions(
     let request: RequestBody = parse_body(&body)?;
     let (stream, include_usage) = (request.stream, request.include_usage());
     let core = request.into_chat()?;
-    respond(
-        &router,
-        Endpoint::Chat,
-        router.generate(core).await?,
-        stream,
-        include_usage,
-    )
-    .await
+    let generation = router.generate_with(core, context(&headers)).await?;
+    respond(&router, Endpoint::Chat, generation, stream, include_usage).await
+}
+
+/// The request's context from its headers: a W3C `traceparent` continues the caller's trace.
+fn context(headers: &HeaderMap) -> RequestContext {
+    RequestContext {
+        parent: RemoteParent::from_http(headers),
+    }
 }
 
 async fn respond(
@@ -106,11 +104,17 @@ async fn respond(
         model: router.model().name.clone(),
         include_usage,
     };
-    if stream {
-        Ok(sse(meta, generation).into_response())
+    let traceparent = generation.traceparent().map(str::to_owned);
+    let mut response = if stream {
+        sse(meta, generation).into_response()
     } else {
-        collect(meta, generation).await
+        collect(meta, generation).await?
+    };
+    // The trace id goes back to the client, whichever way the answer is sent.
+    if let Some(value) = traceparent.and_then(|t| axum::http::HeaderValue::from_str(&t).ok()) {
+        response.headers_mut().insert(TRACEPARENT, value);
     }
+    Ok(response)
 }
 
 /// Reads the whole generation and answers one JSON object.

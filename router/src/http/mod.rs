@@ -6,8 +6,11 @@
 //! | `POST /v1/chat/completions` | chat completion, same streaming rules |
 //! | `GET /v1/models` | the served model |
 //! | `GET /health` | 200 while ≥ 1 prefill and ≥ 1 decode node accept work, else 503 |
-//! | `GET /metrics` | the router's counters and gauges, Prometheus text format (open, like /health) |
+//! | `GET /metrics` | every family of [`crate::metrics`], Prometheus text format (open, like /health) |
 //! | anything else | 404, OpenAI-shaped |
+//!
+//! Tracing: a W3C `traceparent` header continues the caller's trace; every completion response
+//! (streamed or not) carries the request span's `traceparent` header.
 //!
 //! Authentication (when API keys are configured): `Authorization: Bearer <key>` on every
 //! `/v1` route; `/health` is open. Bodies are parsed here (not by axum's extractor) so a
@@ -17,7 +20,6 @@
 
 mod completions;
 mod error;
-pub mod metrics;
 pub mod openai;
 
 use std::future::Future;
@@ -67,9 +69,9 @@ async fn metrics_text(State(router): State<Router>) -> Response {
     (
         [(
             axum::http::header::CONTENT_TYPE,
-            "text/plain; version=0.0.4",
+            tandem_telemetry::metrics::CONTENT_TYPE,
         )],
-        metrics::render(&router),
+        router.metrics().render(),
     )
         .into_response()
 }

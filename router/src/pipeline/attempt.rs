@@ -25,12 +25,15 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
+use std::time::Instant;
 
 use tandem_cluster::Role;
 use tandem_proto::v1 as pb;
 use tandem_proto::v1::decode_client::DecodeClient;
 use tandem_proto::v1::prefill_client::PrefillClient;
+use tandem_telemetry::trace::propagation;
 use tokio::sync::mpsc;
+use tracing::Instrument;
 
 use super::reservation::ReservationGuard;
 use super::{FinishReason, GenerationEvent, GenerationFinal, Inner, Usage};
@@ -53,10 +56,94 @@ pub(super) struct AttemptState<'a> {
     pub failed_prefill: HashSet<String>,
     /// Decode nodes whose Decode call failed for this request (avoided while others exist).
     pub failed_decode: HashSet<String>,
+    /// When the request arrived (before admission): TTFT and end-to-end times start here.
+    pub started: Instant,
+    /// When the client was last sent tokens (inter-token latency).
+    pub last_token_at: Option<Instant>,
+    /// `router.request`: usage and finish reason are recorded on it.
+    pub request_span: tracing::Span,
+}
+
+/// An open Prefill call whose first token arrived.
+struct PrefillCall {
+    /// Counts the request on the node until the push is acknowledged.
+    dispatch: crate::nodes::Dispatch,
+    node_id: String,
+    stream: tonic::Streaming<pb::PrefillResponse>,
+    first: pb::FirstToken,
+    /// `router.prefill`: ends when the push is acknowledged.
+    span: tracing::Span,
+}
+
+impl PrefillCall {
+    /// A protocol error of the prefill node `node_id`.
+    fn protocol(node_id: &str) -> impl Fn(&'static str) -> RouterError + '_ {
+        move |what| RouterError::Protocol {
+            role: Role::Prefill,
+            node_id: node_id.to_string(),
+            step: Step::Prefill,
+            what,
+        }
+    }
+}
+
+/// An open Decode call.
+struct DecodeCall {
+    node_id: String,
+    stream: tonic::Streaming<pb::DecodeResponse>,
+    /// `router.decode`: ends with the stream.
+    span: tracing::Span,
+}
+
+/// Metadata of a call made under `span`: its W3C trace context (nothing with tracing off).
+fn call_metadata(span: &tracing::Span) -> tonic::metadata::MetadataMap {
+    let mut metadata = tonic::metadata::MetadataMap::new();
+    propagation::inject_grpc(span, &mut metadata);
+    metadata
 }
 
 impl AttemptState<'_> {
-    async fn send(&self, event: GenerationEvent) -> Result<(), RouterError> {
+    /// Sends `event` to the client and counts it: TTFT at the first token, inter-token gaps
+    /// after it, the end-to-end time and usage at the final message.
+    pub(super) async fn send(&mut self, event: GenerationEvent) -> Result<(), RouterError> {
+        let metrics = &self.inner.metrics;
+        let priority = self.request.priority;
+        match &event {
+            GenerationEvent::Delta { token_ids, .. } if !token_ids.is_empty() => {
+                let n = token_ids.len() as u32;
+                let now = Instant::now();
+                match self.last_token_at {
+                    None => {
+                        metrics.first_token(priority, now - self.started);
+                        self.request_span.record(
+                            "tandem.ttft_ms",
+                            (now - self.started).as_secs_f64() * 1e3,
+                        );
+                        // The first token's own gap is TTFT; later ones in its batch are ITL.
+                        metrics.tokens_after(priority, std::time::Duration::ZERO, n - 1);
+                    }
+                    Some(last) => metrics.tokens_after(priority, now - last, n),
+                }
+                metrics.output(priority, n);
+                self.last_token_at = Some(now);
+            }
+            GenerationEvent::Final(done) => {
+                metrics.completed(priority, self.started.elapsed(), done.usage);
+                let span = &self.request_span;
+                span.record("gen_ai.usage.input_tokens", done.usage.prompt_tokens);
+                span.record("gen_ai.usage.output_tokens", done.usage.completion_tokens);
+                span.record(
+                    "tandem.usage.cached_input_tokens",
+                    done.usage.cached_prompt_tokens,
+                );
+                propagation::set_strings(
+                    span,
+                    "gen_ai.response.finish_reasons",
+                    &[done.finish_reason.openai()],
+                );
+            }
+            GenerationEvent::Delta { .. } => {}
+        }
         self.events
             .send(Ok(event))
             .await
@@ -76,12 +163,13 @@ impl AttemptState<'_> {
     }
 
     /// Runs one attempt to its end. After output was sent (a migration), the attempt's prompt
-    /// is the request's prompt plus the tokens sent, and its limit what is left.
+    /// is the request's prompt plus the tokens sent, and its limit what is left. Steps:
+    /// [`reserve`](Self::reserve) → [`start_prefill`](Self::start_prefill) →
+    /// [`start_decode`](Self::start_decode) → [`forward`](Self::forward).
     pub async fn run(&mut self) -> Result<(), RouterError> {
-        let inner = self.inner;
-        let request = self.request;
         let tokens_before = self.tokens_sent();
-        let prompt_ids: Vec<u32> = request
+        let prompt_ids: Vec<u32> = self
+            .request
             .prompt_ids
             .iter()
             .chain(&self.generated)
@@ -89,124 +177,214 @@ impl AttemptState<'_> {
             .collect();
         let sampling = pb::SamplingParams {
             max_tokens: self.tokens_left(),
-            ..request.sampling.clone()
+            ..self.request.sampling.clone()
         };
         let demand = Demand {
             tokens: prompt_ids.len() as u64 + sampling.max_tokens as u64,
         };
 
         // 1. Reserve KV blocks on a decode node, trying each node at most once.
-        let (decode_dispatch, mut decode_client, target) = self
+        let (decode_dispatch, decode_client, target) = self
             .reserve(demand, prompt_ids.len() as u32, sampling.max_tokens)
             .await?;
         let decode_node = decode_dispatch.node().node_id();
-        let mut guard = ReservationGuard::new(
+        let guard = ReservationGuard::new(
             decode_client.clone(),
             decode_node.clone(),
             target.reservation_id,
             target.epoch,
-            inner.options.rpc_timeout,
-            Arc::clone(&inner.stats),
+            self.inner.options.rpc_timeout,
+            Arc::clone(&self.inner.stats),
         );
+        // 2. Prefill: the prompt, its first token, the KV pushed into the reservation.
+        let prefill = self
+            .start_prefill(demand, &prompt_ids, &sampling, &target)
+            .await?;
+        // 3. Decode from the pushed KV; the node waits for every block to arrive and verify.
+        let cached_prompt_tokens = *self
+            .cached_prompt_tokens
+            .get_or_insert(prefill.first.cached_prompt_tokens);
+        let decode = self
+            .start_decode(
+                decode_client,
+                &decode_node,
+                &target,
+                prompt_ids,
+                sampling,
+                &prefill.first,
+            )
+            .await?;
+        // 4. Drive both streams to the end.
+        self.forward(prefill, decode, guard, tokens_before, cached_prompt_tokens)
+            .await
+    }
 
-        // 2. Prefill on a prefill node (one that has not failed this request, if possible).
-        let prefill_dispatch = match inner.prefill.pick(demand, &self.failed_prefill) {
+    /// Picks a prefill node (one that has not failed this request, if possible), sends it the
+    /// prompt with the reservation, and waits for the first token.
+    async fn start_prefill(
+        &mut self,
+        demand: Demand,
+        prompt_ids: &[u32],
+        sampling: &pb::SamplingParams,
+        target: &pb::KvTarget,
+    ) -> Result<PrefillCall, RouterError> {
+        let inner = self.inner;
+        let dispatch = match inner.prefill.pick(demand, &self.failed_prefill) {
             Err(RouterError::NoNodes { .. }) if !self.failed_prefill.is_empty() => {
                 inner.prefill.pick(demand, &HashSet::new())?
             }
             other => other?,
         };
-        let prefill_node = prefill_dispatch.node().node_id();
-        let prefill_error = |status: &tonic::Status| {
-            RouterError::node(Role::Prefill, &prefill_node, Step::Prefill, status)
-        };
-        let prefill_protocol = |what| RouterError::Protocol {
-            role: Role::Prefill,
-            node_id: prefill_node.clone(),
-            step: Step::Prefill,
-            what,
-        };
-        let mut prefill_client = PrefillClient::new(prefill_dispatch.node().channel()?);
-        let prefill_request = pb::PrefillRequest {
-            request_id: request.request_id.clone(),
-            prompt_token_ids: prompt_ids.clone(),
+        let node_id = dispatch.node().node_id();
+        let span = tracing::info_span!(
+            "router.prefill",
+            otel.kind = "client",
+            server.address = %dispatch.node().info().grpc_addr,
+            tandem.node_id = %node_id,
+            tandem.prompt_tokens = prompt_ids.len(),
+            tandem.cached_prompt_tokens = tracing::field::Empty,
+            tandem.kv.bytes = tracing::field::Empty,
+            tandem.kv.blocks = tracing::field::Empty,
+            tandem.kv.transfer_us = tracing::field::Empty,
+        );
+        let mut client = PrefillClient::new(dispatch.node().channel()?);
+        let request = pb::PrefillRequest {
+            request_id: self.request.request_id.clone(),
+            prompt_token_ids: prompt_ids.to_vec(),
             sampling: Some(sampling.clone()),
             target: Some(target.clone()),
-            priority: request.priority.to_proto() as i32,
+            priority: self.request.priority.to_proto() as i32,
         };
-        let mut prefill_stream = match prefill_client.prefill(prefill_request).await {
-            Ok(response) => response.into_inner(),
+        let call = tonic::Request::from_parts(call_metadata(&span), Default::default(), request);
+        let result = async {
+            let mut stream = client.prefill(call).await?.into_inner();
+            let first = stream.message().await?;
+            Ok::<_, tonic::Status>((stream, first))
+        }
+        .instrument(span.clone())
+        .await;
+        let (stream, first) = match result {
+            Ok(r) => r,
             Err(status) => {
-                self.failed_prefill.insert(prefill_node.clone());
-                return Err(prefill_error(&status));
+                self.failed_prefill.insert(node_id.clone());
+                let e = RouterError::node(Role::Prefill, &node_id, Step::Prefill, &status);
+                propagation::mark_error(&span, e.kind(), &e);
+                return Err(e);
             }
         };
-        let first = match prefill_stream.message().await {
-            Ok(Some(pb::PrefillResponse {
+        let first = match first {
+            Some(pb::PrefillResponse {
                 event: Some(pb::prefill_response::Event::FirstToken(first)),
-            })) => first,
-            Ok(Some(_)) => return Err(prefill_protocol("sent kv_pushed before first_token")),
-            Ok(None) => return Err(prefill_protocol("stream ended before the first token")),
-            Err(status) => {
-                self.failed_prefill.insert(prefill_node.clone());
-                return Err(prefill_error(&status));
-            }
+            }) => first,
+            Some(_) => return Err(PrefillCall::protocol(&node_id)("sent kv_pushed before first_token")),
+            None => return Err(PrefillCall::protocol(&node_id)("stream ended before the first token")),
         };
+        span.record("tandem.cached_prompt_tokens", first.cached_prompt_tokens);
+        Ok(PrefillCall {
+            dispatch,
+            node_id,
+            stream,
+            first,
+            span,
+        })
+    }
 
-        // 3. Decode from the pushed KV; the node waits for every block to arrive and verify.
-        let decode_error = |status: &tonic::Status| {
-            RouterError::node(Role::Decode, &decode_node, Step::Decode, status)
+    /// Starts the Decode call for the reservation with the prefill's first token.
+    async fn start_decode(
+        &mut self,
+        mut client: DecodeClient<tonic::transport::Channel>,
+        node_id: &str,
+        target: &pb::KvTarget,
+        prompt_ids: Vec<u32>,
+        sampling: pb::SamplingParams,
+        first: &pb::FirstToken,
+    ) -> Result<DecodeCall, RouterError> {
+        let span = tracing::info_span!(
+            "router.decode",
+            otel.kind = "client",
+            tandem.node_id = %node_id,
+            tandem.reservation_id = target.reservation_id,
+            tandem.output_tokens = tracing::field::Empty,
+        );
+        let request = pb::DecodeRequest {
+            request_id: self.request.request_id.clone(),
+            reservation_id: target.reservation_id,
+            epoch: target.epoch,
+            prompt_token_ids: prompt_ids,
+            first_token_id: first.token_id,
+            sampling: Some(sampling),
+            priority: self.request.priority.to_proto() as i32,
+            cached_prompt_tokens: first.cached_prompt_tokens,
         };
+        let call = tonic::Request::from_parts(call_metadata(&span), Default::default(), request);
+        match client.decode(call).instrument(span.clone()).await {
+            Ok(response) => Ok(DecodeCall {
+                node_id: node_id.to_string(),
+                stream: response.into_inner(),
+                span,
+            }),
+            Err(status) => {
+                self.failed_decode.insert(node_id.to_string());
+                let e = RouterError::node(Role::Decode, node_id, Step::Decode, &status);
+                propagation::mark_error(&span, e.kind(), &e);
+                Err(e)
+            }
+        }
+    }
+
+    /// Drives both streams: the prefill one until the push is acknowledged (dropping it earlier
+    /// would cancel the push), the decode one to the client, then the final message.
+    async fn forward(
+        &mut self,
+        prefill: PrefillCall,
+        decode: DecodeCall,
+        mut guard: ReservationGuard,
+        tokens_before: u32,
+        cached_prompt_tokens: u32,
+    ) -> Result<(), RouterError> {
+        let request = self.request;
+        let PrefillCall {
+            dispatch,
+            node_id: prefill_node,
+            stream: mut prefill_stream,
+            span: prefill_span,
+            ..
+        } = prefill;
+        let DecodeCall {
+            node_id: decode_node,
+            stream: mut decode_stream,
+            span: decode_span,
+        } = decode;
+        let prefill_protocol = PrefillCall::protocol(&prefill_node);
         let decode_protocol = |what| RouterError::Protocol {
             role: Role::Decode,
             node_id: decode_node.clone(),
             step: Step::Decode,
             what,
         };
-        let decode_request = pb::DecodeRequest {
-            request_id: request.request_id.clone(),
-            reservation_id: target.reservation_id,
-            epoch: target.epoch,
-            prompt_token_ids: prompt_ids,
-            first_token_id: first.token_id,
-            sampling: Some(sampling),
-            priority: request.priority.to_proto() as i32,
-            cached_prompt_tokens: first.cached_prompt_tokens,
-        };
-        let cached_prompt_tokens = *self
-            .cached_prompt_tokens
-            .get_or_insert(first.cached_prompt_tokens);
-        let mut decode_stream = match decode_client.decode(decode_request).await {
-            Ok(response) => response.into_inner(),
-            Err(status) => {
-                self.failed_decode.insert(decode_node.clone());
-                return Err(decode_error(&status));
-            }
-        };
-
-        // 4. Drive both streams: the prefill one until the push is acknowledged (dropping it
-        //    earlier would cancel the push), the decode one to the client.
-        let mut prefill_dispatch = Some(prefill_dispatch);
+        let mut prefill_open = Some((dispatch, prefill_span));
         let mut tokens_here = 0u32;
-        loop {
+        let result = loop {
             tokio::select! {
-                message = prefill_stream.message(), if prefill_dispatch.is_some() => match message {
+                message = prefill_stream.message(), if prefill_open.is_some() => match message {
                     Ok(Some(pb::PrefillResponse { event: Some(pb::prefill_response::Event::KvPushed(pushed)) })) => {
-                        tracing::debug!(
-                            request_id = %request.request_id,
-                            prefill_node = %prefill_node,
-                            bytes = pushed.bytes,
-                            blocks = pushed.blocks,
-                            transfer_us = pushed.transfer_us,
-                            "KV pushed"
-                        );
-                        prefill_dispatch = None;
+                        if let Some((_, span)) = &prefill_open {
+                            span.record("tandem.kv.bytes", pushed.bytes);
+                            span.record("tandem.kv.blocks", pushed.blocks);
+                            span.record("tandem.kv.transfer_us", pushed.transfer_us);
+                        }
+                        // Ends the prefill span and the node's dispatch count.
+                        prefill_open = None;
                     }
-                    Ok(Some(_)) => return Err(prefill_protocol("sent a second first_token")),
-                    Ok(None) => return Err(prefill_protocol("stream ended before kv_pushed")),
+                    Ok(Some(_)) => break Err(prefill_protocol("sent a second first_token")),
+                    Ok(None) => break Err(prefill_protocol("stream ended before kv_pushed")),
                     Err(status) => {
                         self.failed_prefill.insert(prefill_node.clone());
-                        return Err(prefill_error(&status));
+                        let e = RouterError::node(Role::Prefill, &prefill_node, Step::Prefill, &status);
+                        if let Some((_, span)) = &prefill_open {
+                            propagation::mark_error(span, e.kind(), &e);
+                        }
+                        break Err(e);
                     }
                 },
                 message = decode_stream.message() => match message {
@@ -215,7 +393,9 @@ impl AttemptState<'_> {
                         let token_ids = batch.token_ids;
                         tokens_here += token_ids.len() as u32;
                         self.generated.extend_from_slice(&token_ids);
-                        self.send(GenerationEvent::Delta { text: batch.text, token_ids }).await?;
+                        if let Err(e) = self.send(GenerationEvent::Delta { text: batch.text, token_ids }).await {
+                            break Err(e);
+                        }
                     }
                     Ok(Some(pb::DecodeResponse { event: Some(pb::decode_response::Event::Final(done)) })) => {
                         guard.disarm();
@@ -225,8 +405,9 @@ impl AttemptState<'_> {
                             .filter(|&n| n > 0)
                             .unwrap_or(tokens_here)
                             + tokens_before;
+                        decode_span.record("tandem.output_tokens", tokens_here);
                         let finish_reason = FinishReason::from_proto(done.finish_reason);
-                        return self
+                        break self
                             .send(GenerationEvent::Final(GenerationFinal {
                                 finish_reason,
                                 usage: Usage {
@@ -238,18 +419,25 @@ impl AttemptState<'_> {
                             }))
                             .await;
                     }
-                    Ok(Some(_)) => return Err(decode_protocol("sent an empty event")),
+                    Ok(Some(_)) => break Err(decode_protocol("sent an empty event")),
                     Ok(None) => {
                         self.failed_decode.insert(decode_node.clone());
-                        return Err(decode_protocol("stream ended without a final message"));
+                        break Err(decode_protocol("stream ended without a final message"));
                     }
                     Err(status) => {
                         self.failed_decode.insert(decode_node.clone());
-                        return Err(decode_error(&status));
+                        break Err(RouterError::node(Role::Decode, &decode_node, Step::Decode, &status));
                     }
                 },
             }
+        };
+        if let Err(e) = &result
+            && !matches!(e, RouterError::Cancelled)
+        {
+            decode_span.record("tandem.output_tokens", tokens_here);
+            propagation::mark_error(&decode_span, e.kind(), e);
         }
+        result
     }
 
     /// Picks decode nodes until one grants a reservation; each node is asked at most once.
@@ -296,15 +484,31 @@ impl AttemptState<'_> {
             let node_id = dispatch.node().node_id();
             asked.insert(node_id.clone());
             let mut client = DecodeClient::new(dispatch.node().channel()?);
-            let mut call = tonic::Request::new(pb::ReserveRequest {
-                request_id: request.request_id.clone(),
-                prompt_tokens,
-                max_new_tokens,
-            });
+            let span = tracing::info_span!(
+                "router.reserve",
+                otel.kind = "client",
+                server.address = %dispatch.node().info().grpc_addr,
+                tandem.node_id = %node_id,
+                tandem.kv.tokens = demand.tokens,
+                tandem.reservation_id = tracing::field::Empty,
+            );
+            let mut call = tonic::Request::from_parts(
+                call_metadata(&span),
+                Default::default(),
+                pb::ReserveRequest {
+                    request_id: request.request_id.clone(),
+                    prompt_tokens,
+                    max_new_tokens,
+                },
+            );
             call.set_timeout(inner.options.rpc_timeout);
-            match client.reserve(call).await {
+            match client.reserve(call).instrument(span.clone()).await {
                 Ok(reply) => {
-                    let Some(target) = reply.into_inner().target else {
+                    let target = reply.into_inner().target;
+                    if let Some(t) = &target {
+                        span.record("tandem.reservation_id", t.reservation_id);
+                    }
+                    let Some(target) = target else {
                         last_error = Some(RouterError::Protocol {
                             role: Role::Decode,
                             node_id,
@@ -317,6 +521,7 @@ impl AttemptState<'_> {
                 }
                 Err(status) => {
                     let error = RouterError::node(Role::Decode, &node_id, Step::Reserve, &status);
+                    propagation::mark_error(&span, error.kind(), &error);
                     tracing::debug!(request_id = %request.request_id, %error, "reserve refused");
                     if status.code() == tonic::Code::ResourceExhausted {
                         bump(&inner.stats.reserve_refusals);

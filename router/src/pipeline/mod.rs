@@ -35,16 +35,19 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::Stream;
 use tandem_cluster::{Discovery, LoadSignals, Role};
 use tandem_proto::v1 as pb;
+use tandem_telemetry::trace::propagation::{self, RemoteParent};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::admission::{Admission, AdmissionLimits, ApiKeys, Permit};
 use crate::error::{NodeFault, RouterError};
+use crate::metrics::RouterMetrics;
 use crate::model::ServedModel;
 use crate::nodes::{ChannelSettings, NodePool};
 use crate::request::{GenerateRequest, PreparedRequest, TokenLimits, prepare};
@@ -137,6 +140,7 @@ pub enum GenerationEvent {
 pub struct GenerationStream {
     request_id: String,
     prompt_tokens: u32,
+    traceparent: Option<String>,
     first: Option<Result<GenerationEvent, RouterError>>,
     events: mpsc::Receiver<Result<GenerationEvent, RouterError>>,
 }
@@ -150,6 +154,12 @@ impl GenerationStream {
     /// Prompt length in tokens.
     pub fn prompt_tokens(&self) -> u32 {
         self.prompt_tokens
+    }
+
+    /// The W3C `traceparent` of the request's `router.request` span (for the response), when
+    /// traces are exported.
+    pub fn traceparent(&self) -> Option<&str> {
+        self.traceparent.as_deref()
     }
 }
 
@@ -192,6 +202,7 @@ pub(crate) struct Inner {
     prefill: NodePool,
     decode: NodePool,
     stats: Arc<RouterStats>,
+    metrics: RouterMetrics,
     next_request: AtomicU64,
     id_prefix: String,
     shutdown: CancellationToken,
@@ -224,6 +235,19 @@ impl Drop for Inner {
 #[derive(Clone, Debug)]
 pub struct Router {
     inner: Arc<Inner>,
+}
+
+/// A [`Router`] reference that does not keep it alive (scrape-time collectors).
+#[derive(Clone, Debug)]
+pub struct WeakRouter {
+    inner: std::sync::Weak<Inner>,
+}
+
+impl WeakRouter {
+    /// The router, while it lives.
+    pub fn upgrade(&self) -> Option<Router> {
+        self.inner.upgrade().map(|inner| Router { inner })
+    }
 }
 
 impl Router {
@@ -269,8 +293,10 @@ impl Router {
                 .map(|d| d.as_millis() as u64)
                 .unwrap_or(0)
         );
-        Ok(Self {
+        let metrics = RouterMetrics::new(&model.name);
+        let router = Self {
             inner: Arc::new(Inner {
+                metrics: metrics.clone(),
                 model,
                 admission: Admission::new(options.admission),
                 options,
@@ -282,7 +308,29 @@ impl Router {
                 shutdown,
                 control_plane: ControlPlane { discovery, signals },
             }),
-        })
+        };
+        metrics.install(&router);
+        Ok(router)
+    }
+
+    /// A reference that does not keep the router alive.
+    pub fn downgrade(&self) -> WeakRouter {
+        WeakRouter {
+            inner: Arc::downgrade(&self.inner),
+        }
+    }
+
+    /// The metric handles (and `/metrics` rendering).
+    pub fn metrics(&self) -> &RouterMetrics {
+        &self.inner.metrics
+    }
+
+    /// Age of the newest load report of each node of `role` that sent one.
+    pub fn load_report_ages(&self, role: Role) -> Vec<(String, Duration)> {
+        match role {
+            Role::Prefill => self.inner.prefill.load_report_ages(),
+            Role::Decode => self.inner.decode.load_report_ages(),
+        }
     }
 
     /// The served model.
@@ -360,6 +408,64 @@ impl Router {
         &self,
         request: GenerateRequest,
     ) -> Result<GenerationStream, RouterError> {
+        self.generate_with(request, RequestContext::default()).await
+    }
+
+    /// [`generate`](Self::generate) with what the ingress knows beyond the body: the caller's
+    /// trace context (the request's `router.request` span continues it).
+    pub async fn generate_with(
+        &self,
+        request: GenerateRequest,
+        context: RequestContext,
+    ) -> Result<GenerationStream, RouterError> {
+        let started = Instant::now();
+        let span = tracing::info_span!(
+            "router.request",
+            otel.kind = "server",
+            gen_ai.operation.name = "generate",
+            gen_ai.request.model = %self.inner.model.name,
+            gen_ai.request.max_tokens = tracing::field::Empty,
+            gen_ai.request.temperature = tracing::field::Empty,
+            gen_ai.request.top_p = tracing::field::Empty,
+            gen_ai.usage.input_tokens = tracing::field::Empty,
+            gen_ai.usage.output_tokens = tracing::field::Empty,
+            tandem.usage.cached_input_tokens = tracing::field::Empty,
+            tandem.request_id = tracing::field::Empty,
+            tandem.priority = tracing::field::Empty,
+            tandem.ttft_ms = tracing::field::Empty,
+            tandem.attempts = tracing::field::Empty,
+            error.type = tracing::field::Empty,
+        );
+        propagation::adopt(&span, context.parent);
+        let traceparent = propagation::traceparent(&span);
+        let result = self
+            .start_request(request, started, span.clone())
+            .instrument(span.clone())
+            .await;
+        match result {
+            Ok(mut stream) => {
+                stream.traceparent = traceparent;
+                Ok(stream)
+            }
+            Err(error) => {
+                // Client errors (4xx) leave a server span's status unset (OpenTelemetry
+                // semantic conventions); their kind is still recorded.
+                if error.is_client_error() {
+                    span.record("error.type", error.kind());
+                } else {
+                    propagation::mark_error(&span, error.kind(), &error);
+                }
+                Err(error)
+            }
+        }
+    }
+
+    async fn start_request(
+        &self,
+        request: GenerateRequest,
+        started: Instant,
+        span: tracing::Span,
+    ) -> Result<GenerationStream, RouterError> {
         let inner = &self.inner;
         let prepared = prepare(&inner.model, inner.options.tokens, request, || {
             format!(
@@ -368,6 +474,14 @@ impl Router {
                 inner.next_request.fetch_add(1, Ordering::Relaxed)
             )
         })?;
+        span.record("tandem.request_id", prepared.request_id.as_str());
+        span.record("tandem.priority", prepared.priority.as_str());
+        span.record("gen_ai.request.max_tokens", prepared.max_new_tokens());
+        span.record(
+            "gen_ai.request.temperature",
+            f64::from(prepared.sampling.temperature),
+        );
+        span.record("gen_ai.request.top_p", f64::from(prepared.sampling.top_p));
         for (pool, role) in [
             (&inner.prefill, Role::Prefill),
             (&inner.decode, Role::Decode),
@@ -376,20 +490,41 @@ impl Router {
                 return Err(RouterError::NoNodes { role });
             }
         }
+        let admit = tracing::info_span!(
+            "router.admit",
+            tandem.priority = prepared.priority.as_str(),
+            tandem.queued = inner.admission.queued(),
+        );
+        let wait_from = Instant::now();
         let permit = inner
             .admission
             .acquire(prepared.priority)
+            .instrument(admit)
             .await
             .inspect_err(|_| bump(&inner.stats.overloaded))?;
+        inner
+            .metrics
+            .admitted(prepared.priority, wait_from.elapsed());
         bump(&inner.stats.admitted);
         let (events_tx, mut events) = mpsc::channel(EVENT_BUFFER);
         let request_id = prepared.request_id.clone();
         let prompt_tokens = prepared.prompt_tokens();
-        tokio::spawn(run_request(Arc::clone(inner), prepared, permit, events_tx));
+        tokio::spawn(
+            run_request(
+                Arc::clone(inner),
+                prepared,
+                permit,
+                events_tx,
+                started,
+                span.clone(),
+            )
+            .instrument(span),
+        );
         match events.recv().await {
             Some(Ok(first)) => Ok(GenerationStream {
                 request_id,
                 prompt_tokens,
+                traceparent: None,
                 first: Some(Ok(first)),
                 events,
             }),
@@ -399,26 +534,38 @@ impl Router {
     }
 }
 
+/// What an ingress knows about a request beyond its body.
+#[derive(Clone, Debug, Default)]
+pub struct RequestContext {
+    /// The caller's W3C trace context (HTTP headers, gRPC metadata); none starts a new trace.
+    pub parent: RemoteParent,
+}
+
 /// A request's task: attempts until success, a final error, or the client leaving.
 async fn run_request(
     inner: Arc<Inner>,
     request: PreparedRequest,
     permit: Permit,
     events: mpsc::Sender<Result<GenerationEvent, RouterError>>,
+    started: Instant,
+    span: tracing::Span,
 ) {
     let outcome = tokio::select! {
         biased;
         _ = events.closed() => Err(RouterError::Cancelled),
-        outcome = drive(&inner, &request, &events) => outcome,
+        outcome = drive(&inner, &request, &events, started, span.clone()) => outcome,
     };
     match outcome {
         Ok(()) => bump(&inner.stats.completed),
         Err(RouterError::Cancelled) => {
             bump(&inner.stats.cancelled);
+            span.record("error.type", "cancelled");
             tracing::info!(request_id = %request.request_id, "client went away; request cancelled");
         }
         Err(error) => {
             bump(&inner.stats.failed);
+            inner.metrics.failed(error.kind());
+            propagation::mark_error(&span, error.kind(), &error);
             tracing::warn!(request_id = %request.request_id, kind = error.kind(), %error, "request failed");
             // The client may be gone by now; nothing else to tell.
             let _ = events.send(Err(error)).await;
@@ -427,11 +574,14 @@ async fn run_request(
     drop(permit);
 }
 
-/// Attempts `request` until it succeeds or fails for good.
+/// Attempts `request` until it succeeds or fails for good. Each attempt is a `router.attempt`
+/// span; a retry or migration is visible as a second one with its reason.
 async fn drive(
     inner: &Inner,
     request: &PreparedRequest,
     events: &mpsc::Sender<Result<GenerationEvent, RouterError>>,
+    started: Instant,
+    request_span: tracing::Span,
 ) -> Result<(), RouterError> {
     let mut state = AttemptState {
         inner,
@@ -441,23 +591,36 @@ async fn drive(
         cached_prompt_tokens: None,
         failed_prefill: Default::default(),
         failed_decode: Default::default(),
+        started,
+        last_token_at: None,
+        request_span: request_span.clone(),
     };
     let max_attempts = inner.options.max_attempts.max(1);
     let mut attempts = 0;
+    let mut reason: &'static str = "first";
     loop {
         attempts += 1;
-        let error = match state.run().await {
+        request_span.record("tandem.attempts", attempts);
+        let attempt_span = tracing::info_span!(
+            "router.attempt",
+            tandem.attempt = attempts,
+            tandem.reason = reason,
+            tandem.resumed_tokens = state.tokens_sent(),
+        );
+        let error = match state.run().instrument(attempt_span.clone()).await {
             Ok(()) => return Ok(()),
             Err(error) => error,
         };
         if matches!(error, RouterError::Cancelled) {
             return Err(error);
         }
+        propagation::mark_error(&attempt_span, error.kind(), &error);
+        drop(attempt_span);
         let sent = state.tokens_sent();
         if sent > 0 && error.is_retry_safe() && state.tokens_left() == 0 {
             // Every token arrived; only the final message was lost.
             tracing::warn!(request_id = %request.request_id, %error, "final message lost after the last token; finishing the stream here");
-            return finish_without_node(&state).await;
+            return finish_without_node(&mut state).await;
         }
         if !error.is_retry_safe() || attempts >= max_attempts {
             return Err(match (sent, error.is_retry_safe()) {
@@ -475,6 +638,7 @@ async fn drive(
         bump(&inner.stats.retries);
         if sent > 0 {
             bump(&inner.stats.migrations);
+            reason = "migration";
             tracing::warn!(request_id = %request.request_id, %error, tokens_sent = sent, "stream lost mid-generation; migrating: re-prefilling prompt + output so far on another pair");
         } else if matches!(
             error,
@@ -484,15 +648,17 @@ async fn drive(
             }
         ) {
             bump(&inner.stats.reprefills);
+            reason = "reprefill";
             tracing::warn!(request_id = %request.request_id, %error, "KV transfer failed verification; re-prefilling on a fresh reservation");
         } else {
+            reason = "retry";
             tracing::warn!(request_id = %request.request_id, %error, attempt = attempts, "attempt failed before any output; retrying on another pair");
         }
     }
 }
 
 /// Ends a stream whose tokens all arrived but whose final message was lost.
-async fn finish_without_node(state: &AttemptState<'_>) -> Result<(), RouterError> {
+async fn finish_without_node(state: &mut AttemptState<'_>) -> Result<(), RouterError> {
     let done = GenerationFinal {
         finish_reason: FinishReason::Length,
         usage: Usage {
@@ -502,9 +668,5 @@ async fn finish_without_node(state: &AttemptState<'_>) -> Result<(), RouterError
         },
         request_id: state.request.request_id.clone(),
     };
-    state
-        .events
-        .send(Ok(GenerationEvent::Final(done)))
-        .await
-        .map_err(|_| RouterError::Cancelled)
+    state.send(GenerationEvent::Final(done)).await
 }

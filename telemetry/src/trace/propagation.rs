@@ -68,20 +68,52 @@ impl Injector for MetadataInjector<'_> {
     }
 }
 
-/// The remote parent carried by HTTP headers (empty when absent or malformed).
-pub fn extract_http(headers: &axum::http::HeaderMap) -> Context {
-    TraceContextPropagator::new().extract(&HeaderExtractor(headers))
+/// A caller's trace context (the parent of the span a request starts here), or none. Opaque:
+/// crates that only pass it along need no OpenTelemetry types.
+#[derive(Clone, Debug, Default)]
+pub struct RemoteParent(Context);
+
+impl RemoteParent {
+    /// No caller context: the request starts a new trace.
+    pub fn none() -> Self {
+        RemoteParent(Context::new())
+    }
+
+    /// From HTTP headers (empty when absent or malformed).
+    pub fn from_http(headers: &axum::http::HeaderMap) -> Self {
+        RemoteParent(TraceContextPropagator::new().extract(&HeaderExtractor(headers)))
+    }
+
+    /// From gRPC metadata (empty when absent or malformed).
+    pub fn from_grpc(metadata: &tonic::metadata::MetadataMap) -> Self {
+        RemoteParent(TraceContextPropagator::new().extract(&MetadataExtractor(metadata)))
+    }
+
+    /// From a bare `traceparent` value (a KV-transfer descriptor, say).
+    pub fn from_traceparent(value: &str) -> Self {
+        let mut h = axum::http::HeaderMap::new();
+        if let Ok(v) = axum::http::HeaderValue::from_str(value) {
+            h.insert(TRACEPARENT, v);
+        }
+        Self::from_http(&h)
+    }
+
+    /// Whether a valid parent was carried.
+    pub fn is_some(&self) -> bool {
+        self.0.span().span_context().is_valid()
+    }
+
+    /// The carried trace id in hex.
+    pub fn trace_id(&self) -> Option<String> {
+        let sc = self.0.span().span_context().clone();
+        sc.is_valid().then(|| sc.trace_id().to_string())
+    }
 }
 
-/// The remote parent carried by gRPC metadata (empty when absent or malformed).
-pub fn extract_grpc(metadata: &tonic::metadata::MetadataMap) -> Context {
-    TraceContextPropagator::new().extract(&MetadataExtractor(metadata))
-}
-
-/// Makes `span` a child of the remote parent in `cx` (no-op when `cx` carries none).
-pub fn set_remote_parent(span: &tracing::Span, cx: Context) {
-    if cx.span().span_context().is_valid() {
-        let _ = span.set_parent(cx);
+/// Makes `span` a child of `parent` (no-op when it carries none, or with tracing off).
+pub fn adopt(span: &tracing::Span, parent: RemoteParent) {
+    if parent.is_some() {
+        let _ = span.set_parent(parent.0);
     }
 }
 
@@ -115,20 +147,37 @@ pub fn traceparent(span: &tracing::Span) -> Option<String> {
     })
 }
 
-/// The remote parent in a bare `traceparent` value (a KV-transfer descriptor, say).
-pub fn extract_traceparent(value: &str) -> Context {
-    let mut h = axum::http::HeaderMap::new();
-    if let Ok(v) = axum::http::HeaderValue::from_str(value) {
-        h.insert(TRACEPARENT, v);
-    }
-    extract_http(&h)
-}
-
 /// The trace id of `span` in hex (logs), if it has one.
 pub fn trace_id(span: &tracing::Span) -> Option<String> {
     let cx = span.context();
     let sc = cx.span().span_context().clone();
     sc.is_valid().then(|| sc.trace_id().to_string())
+}
+
+/// Marks `span` failed: status ERROR with `message`, and the `error.type` attribute (a closed
+/// set: the error's kind).
+pub fn mark_error(span: &tracing::Span, kind: &'static str, message: impl std::fmt::Display) {
+    span.set_attribute("error.type", kind);
+    span.set_status(opentelemetry::trace::Status::error(message.to_string()));
+}
+
+/// Links `span` to the span a `traceparent` names (the sender's side of a KV transfer); no-op
+/// for an empty or malformed value.
+pub fn link(span: &tracing::Span, traceparent: &str) {
+    if traceparent.is_empty() {
+        return;
+    }
+    let parent = RemoteParent::from_traceparent(traceparent);
+    if parent.is_some() {
+        span.add_link(parent.0.span().span_context().clone());
+    }
+}
+
+/// Sets a string-array attribute (`gen_ai.response.finish_reasons`).
+pub fn set_strings(span: &tracing::Span, key: &'static str, values: &[&str]) {
+    let v: Vec<opentelemetry::StringValue> =
+        values.iter().map(|s| s.to_string().into()).collect();
+    span.set_attribute(key, opentelemetry::Value::Array(v.into()));
 }
 
 #[cfg(test)]
@@ -138,7 +187,7 @@ mod tests {
     #[test]
     fn a_well_formed_traceparent_is_read_and_a_malformed_one_starts_fresh() {
         let good = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-        let cx = extract_traceparent(good);
+        let cx = RemoteParent::from_traceparent(good).0;
         let sc = cx.span().span_context().clone();
         assert!(sc.is_valid() && sc.is_remote() && sc.is_sampled());
         assert_eq!(sc.trace_id().to_string(), "4bf92f3577b34da6a3ce929d0e0e4736");
@@ -148,8 +197,7 @@ mod tests {
             "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
             "00-4bf92f3577b34da6a3ce929d0e0e4736-zzzz-01",
         ] {
-            let cx = extract_traceparent(bad);
-            assert!(!cx.span().span_context().is_valid(), "{bad:?}");
+            assert!(!RemoteParent::from_traceparent(bad).is_some(), "{bad:?}");
         }
     }
 
@@ -163,7 +211,7 @@ mod tests {
                 .unwrap(),
         );
         md.insert("tracestate", "vendor=x".parse().unwrap());
-        let cx = extract_grpc(&md);
+        let cx = RemoteParent::from_grpc(&md).0;
         let mut out = tonic::metadata::MetadataMap::new();
         TraceContextPropagator::new().inject_context(&cx, &mut MetadataInjector(&mut out));
         assert_eq!(
