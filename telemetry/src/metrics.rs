@@ -271,7 +271,14 @@ where
             for (labels, value) in &family.samples {
                 let mut series = metric.encode_family(labels)?;
                 match (family.kind, value) {
+                    // Whole numbers print as integers (`3`, not `3.0`), as counters usually do.
+                    (Kind::Gauge, Value::Number(v)) if is_whole(*v) => {
+                        ConstGauge::new(*v as i64).encode(series)?
+                    }
                     (Kind::Gauge, Value::Number(v)) => ConstGauge::new(*v).encode(series)?,
+                    (Kind::Counter, Value::Number(v)) if is_whole(*v) && *v >= 0.0 => {
+                        ConstCounter::new(*v as u64).encode(series)?
+                    }
                     (Kind::Counter, Value::Number(v)) => ConstCounter::new(*v).encode(series)?,
                     (Kind::Histogram, Value::Histogram { buckets, sum, count }) => series
                         .encode_histogram::<prometheus_client::encoding::NoLabelSet>(
@@ -284,6 +291,10 @@ where
         }
         Ok(())
     }
+}
+
+fn is_whole(v: f64) -> bool {
+    v.fract() == 0.0 && v.abs() < 9.0e15
 }
 
 #[cfg(test)]
@@ -323,9 +334,9 @@ mod tests {
             "tandem_test_ttft_seconds_bucket{le=\"+Inf\"} 1",
             "tandem_test_ttft_seconds_count 1",
             "# TYPE tandem_test_blocks gauge",
-            "tandem_test_blocks{state=\"free\"} 7.0",
-            "tandem_test_blocks{state=\"used\"} 3.0",
-            "tandem_test_steps_total 12.0",
+            "tandem_test_blocks{state=\"free\"} 7",
+            "tandem_test_blocks{state=\"used\"} 3",
+            "tandem_test_steps_total 12",
             "# TYPE tandem_test_transfer_seconds histogram",
             "tandem_test_transfer_seconds_bucket{transport=\"tcp\",le=\"0.1\"} 2",
             "tandem_test_transfer_seconds_bucket{transport=\"tcp\",le=\"1\"} 3",
