@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::Args;
 mod procs;
+pub mod prometheus;
 pub use procs::Interrupt;
 use procs::Procs;
 
@@ -74,6 +75,19 @@ pub struct UpArgs {
     /// How long startup may take.
     #[arg(long, default_value_t = 180)]
     pub ready_timeout_secs: u64,
+    /// Start a real Prometheus (Debian `prometheus`) that scrapes every process of the cluster
+    /// (targets kept current from etcd) and loads deploy/observability's alert rules.
+    #[arg(long)]
+    pub prometheus: bool,
+    /// Prometheus's listen address (with --prometheus).
+    #[arg(long, default_value = "127.0.0.1:9090")]
+    pub prometheus_addr: SocketAddr,
+    /// The Prometheus binary (Debian package `prometheus`).
+    #[arg(long, default_value = "prometheus")]
+    pub prometheus_bin: String,
+    /// Trace export for every process started (`--otlp-endpoint URL` is handed to each).
+    #[command(flatten)]
+    pub trace: tandem_telemetry::TraceArgs,
     /// Extra flags given to every prefill and decode node (after `--`), e.g. `-- --kv-cache-gb 0.5`.
     #[arg(last = true)]
     pub node_args: Vec<String>,
@@ -103,6 +117,8 @@ pub struct Cluster {
     pub etcd_url: String,
     /// NATS URL.
     pub nats_url: String,
+    /// Prometheus's URL (with `--prometheus`).
+    pub prometheus_url: Option<String>,
 }
 
 impl Cluster {
@@ -166,6 +182,7 @@ pub fn start(
         run_dir: run_dir.clone(),
         etcd_url: etcd_url.clone(),
         nats_url: nats_url.clone(),
+        prometheus_url: None,
     };
     let peer_url = format!("http://127.0.0.1:{etcd_peer}");
     let etcd_args = vec![
@@ -199,7 +216,10 @@ pub fn start(
         nats_url.clone(),
         "--model".into(),
         model.display().to_string(),
-    ];
+    ]
+    .into_iter()
+    .chain(args.trace.to_flags())
+    .collect::<Vec<String>>();
     for (role, n) in [("decode", args.decode), ("prefill", args.prefill)] {
         for i in 0..n {
             let mut a = vec![role.to_string()];
@@ -220,9 +240,10 @@ pub fn start(
     cluster.procs.spawn("router", &me, &a)?;
 
     let config = EtcdConfig::new(vec![etcd_url.clone()], args.cluster.clone());
-    let discovery = rt.block_on(until_interrupted(interrupt, async {
-        Ok(EtcdDiscovery::connect(config).await?)
-    }))?;
+    let discovery: std::sync::Arc<dyn Discovery> =
+        std::sync::Arc::new(rt.block_on(until_interrupted(interrupt, async {
+            Ok(EtcdDiscovery::connect(config).await?)
+        }))?);
     let registered = |role: Role| {
         rt.block_on(discovery.list(role))
             .map(|v| v.len())
@@ -242,8 +263,28 @@ pub fn start(
     cluster
         .procs
         .wait_until("the router's /health", deadline, interrupt, || {
-            http_health_ok(http)
+            http_get_ok(http, "/health")
         })?;
+    if args.prometheus {
+        let Some(bin) = which(&args.prometheus_bin) else {
+            bail!(
+                "--prometheus needs `{}` on PATH. Install it with:\n    sudo apt-get install prometheus\n(or run scripts/setup.sh)",
+                args.prometheus_bin
+            );
+        };
+        let url = prometheus::start(
+            &mut cluster.procs,
+            &run_dir,
+            &bin,
+            args.prometheus_addr,
+            args.http,
+            discovery,
+            rt,
+            interrupt,
+            deadline,
+        )?;
+        cluster.prometheus_url = Some(url);
+    }
     Ok(cluster)
 }
 
@@ -275,6 +316,12 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
         args.http,
         logs.display()
     );
+    if let Some(url) = &cluster.prometheus_url {
+        eprintln!("  Prometheus  {url}  (alerts: {url}/alerts)");
+    }
+    if let Some(endpoint) = &args.trace.otlp_endpoint {
+        eprintln!("  traces  OTLP {} → {endpoint}", args.trace.otlp_protocol.as_str());
+    }
     if args.exit_after_sample {
         cluster.shutdown();
         return Ok(());
@@ -300,14 +347,15 @@ async fn until_interrupted<T>(
     }
 }
 
-fn http_health_ok(addr: SocketAddr) -> bool {
+/// Whether `GET path` on `addr` answers 200.
+pub(crate) fn http_get_ok(addr: SocketAddr, path: &str) -> bool {
     let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_secs(1)) else {
         return false;
     };
     let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
     if write!(
         s,
-        "GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
     )
     .is_err()
     {
