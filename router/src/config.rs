@@ -17,6 +17,7 @@ use clap::Args;
 use serde::Deserialize;
 
 use crate::admission::{AdmissionLimits, ApiKeys};
+use crate::canary::CanarySettings;
 use crate::error::RouterError;
 use crate::model::default_model_path;
 use crate::pipeline::RouterOptions;
@@ -64,6 +65,14 @@ pub mod env_names {
     pub const CONNECT_TIMEOUT_MS: &str = "TANDEM_CONNECT_TIMEOUT_MS";
     /// `--load-max-age-ms`.
     pub const LOAD_MAX_AGE_MS: &str = "TANDEM_LOAD_MAX_AGE_MS";
+    /// `--stream-idle-timeout-ms`.
+    pub const STREAM_IDLE_TIMEOUT_MS: &str = "TANDEM_STREAM_IDLE_TIMEOUT_MS";
+    /// `--canary-interval-secs`.
+    pub const CANARY_INTERVAL_SECS: &str = "TANDEM_CANARY_INTERVAL_SECS";
+    /// `--canary-timeout-ms`.
+    pub const CANARY_TIMEOUT_MS: &str = "TANDEM_CANARY_TIMEOUT_MS";
+    /// `--canary-max-pairs`.
+    pub const CANARY_MAX_PAIRS: &str = "TANDEM_CANARY_MAX_PAIRS";
     /// `--startup-timeout-secs` (shared with the nodes).
     pub const STARTUP_TIMEOUT_SECS: &str = "TANDEM_STARTUP_TIMEOUT_SECS";
 }
@@ -140,6 +149,22 @@ pub struct RouterArgs {
     /// How long startup keeps retrying while etcd or NATS is unreachable, seconds [default: 30].
     #[arg(long, env = env::STARTUP_TIMEOUT_SECS)]
     pub startup_timeout_secs: Option<u64>,
+    /// Once a request's stream is producing, the longest silence from its decode node before
+    /// the node counts as stalled (hung) and the request migrates, ms [default: 10000].
+    #[arg(long, env = env::STREAM_IDLE_TIMEOUT_MS)]
+    pub stream_idle_timeout_ms: Option<u64>,
+    /// Seconds between canary rounds (a two-token generation through each prefill→decode
+    /// pair; health is SERVING while one passes); 0 turns the canary off and health counts
+    /// registered nodes instead [default: 10].
+    #[arg(long, env = env::CANARY_INTERVAL_SECS)]
+    pub canary_interval_secs: Option<u64>,
+    /// Bound on one canary probe, ms [default: 10000].
+    #[arg(long, env = env::CANARY_TIMEOUT_MS)]
+    pub canary_timeout_ms: Option<u64>,
+    /// Pairs probed per canary round at most (rotating through all pairs of large pools)
+    /// [default: 8].
+    #[arg(long, env = env::CANARY_MAX_PAIRS)]
+    pub canary_max_pairs: Option<usize>,
     /// Trace export (OTLP); the standard OTEL_* variables apply.
     #[command(flatten)]
     #[serde(skip)]
@@ -193,7 +218,11 @@ impl RouterArgs {
             max_attempts,
             rpc_timeout_ms,
             connect_timeout_ms,
-            load_max_age_ms
+            load_max_age_ms,
+            stream_idle_timeout_ms,
+            canary_interval_secs,
+            canary_timeout_ms,
+            canary_max_pairs
         );
         if self.etcd_endpoints.is_empty() {
             self.etcd_endpoints = file.etcd_endpoints;
@@ -287,6 +316,23 @@ impl RouterArgs {
             rpc_timeout: ms("rpc-timeout-ms", args.rpc_timeout_ms, 5_000)?,
             connect_timeout: ms("connect-timeout-ms", args.connect_timeout_ms, 2_000)?,
             max_report_age: ms("load-max-age-ms", args.load_max_age_ms, 1_000)?,
+            stream_idle_timeout: ms(
+                "stream-idle-timeout-ms",
+                args.stream_idle_timeout_ms,
+                10_000,
+            )?,
+            canary: CanarySettings {
+                interval: match args.canary_interval_secs.unwrap_or(10) {
+                    0 => None,
+                    s => Some(Duration::from_secs(s)),
+                },
+                timeout: ms("canary-timeout-ms", args.canary_timeout_ms, 10_000)?,
+                max_pairs: nonzero(
+                    "canary-max-pairs",
+                    args.canary_max_pairs.unwrap_or(8) as u64,
+                )? as usize,
+                failures_to_quarantine: CanarySettings::default().failures_to_quarantine,
+            },
         };
         Ok(RouterConfig {
             cluster: args.cluster.unwrap_or_else(|| "tandem".to_string()),

@@ -79,6 +79,9 @@ pub enum NodeFault {
     Rejected,
     /// Anything else (INTERNAL, UNKNOWN, ...).
     Internal,
+    /// The node stopped answering mid-stream: no message within the stream idle timeout, or
+    /// its connection's HTTP/2 keep-alive went unanswered (a hung or frozen process).
+    Stalled,
 }
 
 impl NodeFault {
@@ -116,6 +119,7 @@ impl NodeFault {
             NodeFault::ReservationLost => "reservation_lost",
             NodeFault::Rejected => "rejected",
             NodeFault::Internal => "internal",
+            NodeFault::Stalled => "stalled",
         }
     }
 }

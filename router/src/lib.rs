@@ -7,7 +7,7 @@
 //!  grpc.rs ──┐                                             ┌─ nodes.rs (prefill pool) ─ routing/prefill_queue.rs
 //!  http/ ────┴─▶ pipeline::Router::generate ─ request.rs ─┤                              routing/in_flight.rs (fallback)
 //!                 (validate, tokenize)                     └─ nodes.rs (decode pool) ── routing/decode_blocks.rs
-//!                 admission.rs (API keys, bounded priority queue)
+//!                 admission.rs (API keys, bounded priority queue), canary.rs (health by real probes)
 //!                 pipeline/attempt.rs (Reserve → Prefill → Decode), pipeline/reservation.rs (RAII release)
 //!  config.rs (flags, env, TOML) ─ server.rs (run both servers) ─ model.rs (tokenizer, context length)
 //!  error.rs (RouterError, NodeFault: classified once) ─ stats.rs (counters) ─ metrics.rs (Prometheus families)
@@ -21,6 +21,7 @@
 #![warn(missing_docs)]
 
 pub mod admission;
+pub mod canary;
 pub mod config;
 pub mod error;
 pub mod grpc;

@@ -20,6 +20,9 @@
 //! | `tandem_router_admission_in_flight` / `_queued` | gauge | – | admitted and waiting requests |
 //! | `tandem_router_load_signals_connected` | gauge | – | 1 while NATS is connected |
 //! | `tandem_router_load_report_age_seconds` | gauge | role, node | age of the newest load report per node |
+//! | `tandem_router_canary_pairs` / `_pairs_passing` | gauge | – | pairs probed / passing their last probe |
+//! | `tandem_router_canary_probes_total` | counter | result | canary probes, ok or failed |
+//! | `tandem_router_canary_duration_seconds` | histogram | – | one canary probe |
 //! | `tandem_trace_*` | counter | – | span export (see `tandem_telemetry`) |
 
 use std::sync::Arc;
@@ -43,6 +46,13 @@ pub struct RequestLabels {
     pub model: String,
     /// `interactive` or `batch`.
     pub priority: &'static str,
+}
+
+/// Labels of the canary probe counter.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    /// `ok` or `failed`.
+    pub result: &'static str,
 }
 
 /// Labels of the failure counter.
@@ -78,6 +88,8 @@ pub struct RouterMetrics {
     cached_input_tokens: Family<RequestLabels, Counter>,
     output_tokens: Family<RequestLabels, Counter>,
     failures: Family<ReasonLabels, Counter>,
+    canary_seconds: Histogram,
+    canary_probes: Family<ResultLabels, Counter>,
 }
 
 impl std::fmt::Debug for RouterMetrics {
@@ -102,6 +114,14 @@ impl RouterMetrics {
             cached_input_tokens: Family::default(),
             output_tokens: Family::default(),
             failures: Family::default(),
+            canary_seconds: tm::histogram(buckets::CANARY_SECONDS),
+            canary_probes: {
+                // Both series exist from the start (an alert on failures needs the 0).
+                let f = Family::<ResultLabels, Counter>::default();
+                let _ = f.get_or_create(&ResultLabels { result: "ok" });
+                let _ = f.get_or_create(&ResultLabels { result: "failed" });
+                f
+            },
         }
     }
 
@@ -148,6 +168,16 @@ impl RouterMetrics {
             "tandem_router_request_failures",
             "Admitted requests that failed, by reason",
             self.failures.clone(),
+        );
+        r.register(
+            "tandem_router_canary_duration_seconds",
+            "One canary probe (a two-token generation through one pair)",
+            self.canary_seconds.clone(),
+        );
+        r.register(
+            "tandem_router_canary_probes",
+            "Canary probes by result",
+            self.canary_probes.clone(),
         );
         let weak = router.downgrade();
         r.register_collector(Box::new(FnCollector::new(move || match weak.upgrade() {
@@ -220,6 +250,15 @@ impl RouterMetrics {
             .observe(wait.as_secs_f64());
     }
 
+    /// A canary probe ended.
+    pub fn canary_probe(&self, ok: bool, took: Duration) {
+        self.canary_seconds.observe(took.as_secs_f64());
+        let result = if ok { "ok" } else { "failed" };
+        self.canary_probes
+            .get_or_create(&ResultLabels { result })
+            .inc();
+    }
+
     /// An admitted request failed.
     pub fn failed(&self, reason: &'static str) {
         self.failures.get_or_create(&ReasonLabels { reason }).inc();
@@ -283,6 +322,21 @@ fn live_families(router: &Router) -> Vec<tm::Family> {
             ages = ages.with(vec![("role", r.into()), ("node", node)], age.as_secs_f64());
         }
     }
+    let (pairs, passing) = router.canary_counts();
+    out.push(
+        tm::Family::gauge(
+            "tandem_router_canary_pairs",
+            "Prefill→decode pairs the canary has probed (current nodes).",
+        )
+        .value(pairs as f64),
+    );
+    out.push(
+        tm::Family::gauge(
+            "tandem_router_canary_pairs_passing",
+            "Of those, pairs whose last probe passed (0 with pairs > 0: NOT_SERVING).",
+        )
+        .value(passing as f64),
+    );
     let admission = router.admission();
     out.extend([
         picks,

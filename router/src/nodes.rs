@@ -47,6 +47,13 @@ pub struct ChannelSettings {
     pub max_report_age: Duration,
 }
 
+/// HTTP/2 keep-alive pings on every node connection: a node whose process is frozen (SIGSTOP,
+/// a hung host) stops answering them, and the connection, with every stream on it, fails
+/// within interval + timeout (≈ 5 s), so its requests are retried or migrated.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
+/// See [`KEEPALIVE_INTERVAL`].
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(3);
+
 /// One node as the pool knows it.
 #[derive(Debug)]
 pub struct NodeEntry {
@@ -104,6 +111,9 @@ impl NodeEntry {
             .map_err(|e| bad(e.to_string()))?
             .connect_timeout(self.settings.connect_timeout)
             .tcp_nodelay(true)
+            .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+            .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+            .keep_alive_while_idle(true)
             .connect_lazy();
         *slot = Some(channel.clone());
         Ok(channel)
@@ -164,6 +174,8 @@ pub struct NodePool {
     state: Mutex<PoolState>,
     /// Whether the last pick used the fallback (for the once-per-switch log line).
     in_fallback: AtomicBool,
+    /// Nodes the canary took out of routing (every pair they are in fails).
+    quarantined: Mutex<HashSet<String>>,
 }
 
 #[derive(Debug)]
@@ -199,6 +211,53 @@ impl NodePool {
                 entries: HashMap::new(),
             }),
             in_fallback: AtomicBool::new(false),
+            quarantined: Mutex::new(HashSet::new()),
+        }
+    }
+
+    /// Replaces the set of nodes the canary keeps out of routing; logs each change once.
+    pub fn set_quarantined(&self, nodes: HashSet<String>) {
+        let mut q = lock(&self.quarantined);
+        for id in nodes.difference(&q) {
+            tracing::warn!(role = %self.role, node_id = %id, "canary: every pair with this {} node fails; it leaves routing until a probe passes", self.role);
+        }
+        for id in q.difference(&nodes) {
+            tracing::info!(role = %self.role, node_id = %id, "canary: probes pass again; the {} node is back in routing", self.role);
+        }
+        *q = nodes;
+    }
+
+    /// Ids of the registered nodes that accept work, sorted.
+    pub fn accepting_ids(&self) -> Vec<String> {
+        let state = lock(&self.state);
+        let ids: Vec<String> = state
+            .members
+            .borrow()
+            .values()
+            .filter(|n| n.accepts_work())
+            .map(|n| n.node_id.clone())
+            .collect();
+        ids
+    }
+
+    /// Ids of every registered node (draining ones included).
+    pub fn registered_ids(&self) -> HashSet<String> {
+        lock(&self.state).members.borrow().keys().cloned().collect()
+    }
+
+    /// Counts a request on node `node_id` whatever the policy and the canary say (the canary's
+    /// own probes); [`RouterError::NoNodes`] if it is not registered and accepting work.
+    pub fn dispatch_to(&self, node_id: &str) -> Result<Dispatch, RouterError> {
+        let mut state = lock(&self.state);
+        sync(&mut state, self.settings);
+        let accepting = state
+            .members
+            .borrow()
+            .get(node_id)
+            .is_some_and(|n| n.accepts_work());
+        match state.entries.get(node_id) {
+            Some(entry) if accepting => Ok(Dispatch::new(Arc::clone(entry), 0)),
+            _ => Err(RouterError::NoNodes { role: self.role }),
         }
     }
 
@@ -252,9 +311,14 @@ impl NodePool {
         let mut state = lock(&self.state);
         sync(&mut state, self.settings);
         let members = state.members.borrow().clone();
+        let quarantined = lock(&self.quarantined).clone();
         let nodes: Vec<(&NodeInfo, Arc<NodeEntry>)> = members
             .values()
-            .filter(|info| info.accepts_work() && !exclude.contains(&info.node_id))
+            .filter(|info| {
+                info.accepts_work()
+                    && !exclude.contains(&info.node_id)
+                    && !quarantined.contains(&info.node_id)
+            })
             .filter_map(|info| {
                 state
                     .entries

@@ -5,7 +5,7 @@
 //! | `POST /v1/completions` | text completion; `stream: true` as SSE (`data: {...}` chunks, `data: [DONE]`) |
 //! | `POST /v1/chat/completions` | chat completion, same streaming rules |
 //! | `GET /v1/models` | the served model |
-//! | `GET /health` | 200 while ≥ 1 prefill and ≥ 1 decode node accept work, else 503 |
+//! | `GET /health[?verbose=true]` | 200 while a prefill → decode pair passes the canary (see [`crate::canary`]; with the canary off: while ≥ 1 node of each role accepts work), else 503; `verbose` lists every pair's last probe |
 //! | `GET /metrics` | every family of [`crate::metrics`], Prometheus text format (open, like /health) |
 //! | anything else | 404, OpenAI-shaped |
 //!
@@ -108,23 +108,40 @@ async fn models(State(router): State<Router>, headers: HeaderMap) -> Result<Resp
     .into_response())
 }
 
-async fn health(State(router): State<Router>) -> Response {
+/// `GET /health[?verbose=true]`: 200 while the router can serve (with the canary on: a pair
+/// passed its last probe), else 503; `verbose` adds every canary pair's record.
+async fn health(
+    State(router): State<Router>,
+    axum::extract::RawQuery(query): axum::extract::RawQuery,
+) -> Response {
+    let verbose = query.as_deref().unwrap_or("").split('&').any(|kv| {
+        matches!(kv, "verbose" | "verbose=true" | "verbose=1")
+    });
     let (prefill, decode) = router.available_nodes();
-    let status = if prefill > 0 && decode > 0 {
+    let status = if router.is_ready() {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    (
-        status,
-        axum::Json(json!({
-            "cluster": router.cluster(),
-            "prefill_nodes": prefill,
-            "decode_nodes": decode,
-            "load_reports_connected": router.load_signals_connected(),
-        })),
-    )
-        .into_response()
+    let canary = router.canary_state();
+    let (pairs, passing) = canary.counts();
+    let mut body = json!({
+        "cluster": router.cluster(),
+        "serving": status == StatusCode::OK,
+        "prefill_nodes": prefill,
+        "decode_nodes": decode,
+        "load_reports_connected": router.load_signals_connected(),
+        "canary": {
+            "enabled": router.options().canary.interval.is_some(),
+            "rounds": canary.rounds(),
+            "pairs": pairs,
+            "pairs_passing": passing,
+        },
+    });
+    if verbose {
+        body["canary"]["pair_results"] = json!(canary.pairs());
+    }
+    (status, axum::Json(body)).into_response()
 }
 
 async fn not_found() -> Response {

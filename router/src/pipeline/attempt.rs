@@ -37,7 +37,7 @@ use tracing::Instrument;
 
 use super::reservation::ReservationGuard;
 use super::{FinishReason, GenerationEvent, GenerationFinal, Inner, Usage};
-use crate::error::{RouterError, Step};
+use crate::error::{NodeFault, RouterError, Step};
 use crate::request::PreparedRequest;
 use crate::routing::Demand;
 use crate::stats::bump;
@@ -62,6 +62,10 @@ pub(super) struct AttemptState<'a> {
     pub last_token_at: Option<Instant>,
     /// `router.request`: usage and finish reason are recorded on it.
     pub request_span: tracing::Span,
+    /// Fixed (prefill, decode) node ids instead of the routing policies' choice (the canary).
+    pub pin: Option<(String, String)>,
+    /// Whether this is a client request (counted in the request metrics); the canary's are not.
+    pub counted: bool,
 }
 
 /// An open Prefill call whose first token arrived.
@@ -102,13 +106,38 @@ fn call_metadata(span: &tracing::Span) -> tonic::metadata::MetadataMap {
     metadata
 }
 
-impl AttemptState<'_> {
+impl<'a> AttemptState<'a> {
+    /// A client request's state before its first attempt.
+    pub fn new(
+        inner: &'a Inner,
+        request: &'a PreparedRequest,
+        events: &'a mpsc::Sender<Result<GenerationEvent, RouterError>>,
+        started: Instant,
+        request_span: tracing::Span,
+    ) -> Self {
+        AttemptState {
+            inner,
+            request,
+            events,
+            generated: Vec::new(),
+            cached_prompt_tokens: None,
+            failed_prefill: Default::default(),
+            failed_decode: Default::default(),
+            started,
+            last_token_at: None,
+            request_span,
+            pin: None,
+            counted: true,
+        }
+    }
+
     /// Sends `event` to the client and counts it: TTFT at the first token, inter-token gaps
     /// after it, the end-to-end time and usage at the final message.
     pub(super) async fn send(&mut self, event: GenerationEvent) -> Result<(), RouterError> {
         let metrics = &self.inner.metrics;
         let priority = self.request.priority;
         match &event {
+            _ if !self.counted => {}
             GenerationEvent::Delta { token_ids, .. } if !token_ids.is_empty() => {
                 let n = token_ids.len() as u32;
                 let now = Instant::now();
@@ -229,11 +258,14 @@ impl AttemptState<'_> {
         target: &pb::KvTarget,
     ) -> Result<PrefillCall, RouterError> {
         let inner = self.inner;
-        let dispatch = match inner.prefill.pick(demand, &self.failed_prefill) {
-            Err(RouterError::NoNodes { .. }) if !self.failed_prefill.is_empty() => {
-                inner.prefill.pick(demand, &HashSet::new())?
-            }
-            other => other?,
+        let dispatch = match &self.pin {
+            Some((prefill, _)) => inner.prefill.dispatch_to(prefill)?,
+            None => match inner.prefill.pick(demand, &self.failed_prefill) {
+                Err(RouterError::NoNodes { .. }) if !self.failed_prefill.is_empty() => {
+                    inner.prefill.pick(demand, &HashSet::new())?
+                }
+                other => other?,
+            },
         };
         let node_id = dispatch.node().node_id();
         let span = tracing::info_span!(
@@ -364,8 +396,30 @@ impl AttemptState<'_> {
         };
         let mut prefill_open = Some((dispatch, prefill_span));
         let mut tokens_here = 0u32;
+        // Armed once the stream is producing (KV pushed or a decode message arrived): the
+        // decode node must then speak within the idle timeout.
+        let idle = self.inner.options.stream_idle_timeout;
+        let mut stall_at: Option<tokio::time::Instant> = None;
         let result = loop {
+            let stall = async {
+                match stall_at {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
+                () = stall => {
+                    self.failed_decode.insert(decode_node.clone());
+                    break Err(RouterError::Node {
+                        role: Role::Decode,
+                        node_id: decode_node.clone(),
+                        step: Step::Decode,
+                        fault: NodeFault::Stalled,
+                        retry_safe: true,
+                        code: tonic::Code::DeadlineExceeded,
+                        message: format!("no message from the decode node for {idle:?}"),
+                    });
+                }
                 message = prefill_stream.message(), if prefill_open.is_some() => match message {
                     Ok(Some(pb::PrefillResponse { event: Some(pb::prefill_response::Event::KvPushed(pushed)) })) => {
                         if let Some((_, span)) = &prefill_open {
@@ -375,6 +429,7 @@ impl AttemptState<'_> {
                         }
                         // Ends the prefill span and the node's dispatch count.
                         prefill_open = None;
+                        stall_at.get_or_insert(tokio::time::Instant::now() + idle);
                     }
                     Ok(Some(_)) => break Err(prefill_protocol("sent a second first_token")),
                     Ok(None) => break Err(prefill_protocol("stream ended before kv_pushed")),
@@ -389,6 +444,7 @@ impl AttemptState<'_> {
                 },
                 message = decode_stream.message() => match message {
                     Ok(Some(pb::DecodeResponse { event: Some(pb::decode_response::Event::Tokens(batch)) })) => {
+                        stall_at = Some(tokio::time::Instant::now() + idle);
                         // The decode node streams the whole output, the first token included.
                         let token_ids = batch.token_ids;
                         tokens_here += token_ids.len() as u32;
@@ -462,7 +518,14 @@ impl AttemptState<'_> {
         let mut busy = 0usize;
         let mut last_error = None;
         loop {
-            let dispatch = match inner.decode.pick(demand, &asked) {
+            let picked = match &self.pin {
+                Some((_, decode)) if asked.contains(decode) => {
+                    return Err(last_error.unwrap_or(RouterError::NoNodes { role: Role::Decode }));
+                }
+                Some((_, decode)) => inner.decode.dispatch_to(decode),
+                None => inner.decode.pick(demand, &asked),
+            };
+            let dispatch = match picked {
                 Ok(dispatch) => dispatch,
                 Err(RouterError::NoNodes { .. }) if avoiding => {
                     avoiding = false;

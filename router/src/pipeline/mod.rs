@@ -29,6 +29,7 @@
 //!   (HTTP/2 flow control reaches the node) instead of buffering without limit.
 
 mod attempt;
+mod probe;
 mod reservation;
 
 use std::pin::Pin;
@@ -46,6 +47,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::admission::{Admission, AdmissionLimits, ApiKeys, Permit};
+use crate::canary::{CanarySettings, CanaryState};
 use crate::error::{NodeFault, RouterError};
 use crate::metrics::RouterMetrics;
 use crate::model::ServedModel;
@@ -191,6 +193,11 @@ pub struct RouterOptions {
     pub connect_timeout: Duration,
     /// Load reports older than this are stale (routing falls back to in-flight counts).
     pub max_report_age: Duration,
+    /// Once a stream is producing (KV pushed, or tokens flowing), the longest silence from the
+    /// decode node before it counts as stalled and the request migrates.
+    pub stream_idle_timeout: Duration,
+    /// The canary (health that runs real inference).
+    pub canary: CanarySettings,
 }
 
 /// Shared state of a router.
@@ -203,6 +210,11 @@ pub(crate) struct Inner {
     decode: NodePool,
     stats: Arc<RouterStats>,
     metrics: RouterMetrics,
+    canary: std::sync::Mutex<CanaryState>,
+    /// Bumped after every canary round (health watchers re-evaluate).
+    canary_rounds: tokio::sync::watch::Sender<u64>,
+    /// The probe prompt's token ids.
+    canary_prompt: Vec<u32>,
     next_request: AtomicU64,
     id_prefix: String,
     shutdown: CancellationToken,
@@ -294,9 +306,16 @@ impl Router {
                 .unwrap_or(0)
         );
         let metrics = RouterMetrics::new(&model.name);
+        let canary_prompt = model
+            .tokenizer
+            .encode("The canary checks that every pair serves.");
+        let canary_interval = options.canary.interval;
         let router = Self {
             inner: Arc::new(Inner {
                 metrics: metrics.clone(),
+                canary: std::sync::Mutex::new(CanaryState::default()),
+                canary_rounds: tokio::sync::watch::Sender::new(0),
+                canary_prompt,
                 model,
                 admission: Admission::new(options.admission),
                 options,
@@ -310,6 +329,15 @@ impl Router {
             }),
         };
         metrics.install(&router);
+        if let Some(interval) = canary_interval {
+            tokio::spawn(probe::canary_loop(
+                router.downgrade(),
+                router.inner.prefill.members(),
+                router.inner.decode.members(),
+                router.inner.shutdown.clone(),
+                interval,
+            ));
+        }
         Ok(router)
     }
 
@@ -366,20 +394,43 @@ impl Router {
         )
     }
 
-    /// Whether at least one prefill and one decode node accept work.
+    /// Whether the router can serve: with the canary on, at least one prefill → decode pair
+    /// passed its last probe; without it, at least one node of each role accepts work.
     pub fn is_ready(&self) -> bool {
         let (prefill, decode) = self.available_nodes();
-        prefill > 0 && decode > 0
+        if prefill == 0 || decode == 0 {
+            return false;
+        }
+        match self.inner.options.canary.interval {
+            Some(_) => self.canary_counts().1 > 0,
+            None => true,
+        }
     }
 
-    /// Resolves when the membership of either role changes (for readiness reporting); never
-    /// resolves once the control-plane views are gone.
+    /// Canary pairs known and passing.
+    pub fn canary_counts(&self) -> (usize, usize) {
+        self.canary_state().counts()
+    }
+
+    /// A copy of the canary's state (every pair's last result).
+    pub fn canary_state(&self) -> CanaryState {
+        self.inner
+            .canary
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Resolves when the membership of either role changes or a canary round ends (for
+    /// readiness reporting); never resolves once the control-plane views are gone.
     pub async fn membership_changed(&self) {
         let mut prefill = self.inner.prefill.members();
         let mut decode = self.inner.decode.members();
+        let mut rounds = self.inner.canary_rounds.subscribe();
         tokio::select! {
             Ok(()) = prefill.changed() => {}
             Ok(()) = decode.changed() => {}
+            Ok(()) = rounds.changed() => {}
             else => std::future::pending().await,
         }
     }
@@ -583,18 +634,7 @@ async fn drive(
     started: Instant,
     request_span: tracing::Span,
 ) -> Result<(), RouterError> {
-    let mut state = AttemptState {
-        inner,
-        request,
-        events,
-        generated: Vec::new(),
-        cached_prompt_tokens: None,
-        failed_prefill: Default::default(),
-        failed_decode: Default::default(),
-        started,
-        last_token_at: None,
-        request_span: request_span.clone(),
-    };
+    let mut state = AttemptState::new(inner, request, events, started, request_span.clone());
     let max_attempts = inner.options.max_attempts.max(1);
     let mut attempts = 0;
     let mut reason: &'static str = "first";

@@ -64,6 +64,8 @@ pub fn options() -> RouterOptions {
         rpc_timeout: Duration::from_secs(5),
         connect_timeout: Duration::from_secs(2),
         max_report_age: Duration::from_secs(1),
+        stream_idle_timeout: Duration::from_secs(10),
+        canary: tandem_router::canary::CanarySettings::disabled(),
     }
 }
 
