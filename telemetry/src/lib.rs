@@ -4,6 +4,7 @@
 //! |---|---|
 //! | [`metrics`] | Prometheus: shared bucket bounds, the text encoding, `/metrics`, scrape-time collectors |
 //! | [`trace`] | OpenTelemetry: the `tracing` subscriber with OTLP export (gRPC or HTTP/protobuf), sampling that keeps failures, W3C trace context in HTTP headers and gRPC metadata |
+//! | `testing` | (feature `testing`) a real OTLP receiver, gRPC and HTTP/protobuf, for tests |
 //! | [`error`] | [`TelemetryError`], this crate's boundary error |
 //!
 //! Both are off or cheap by default: no OTLP endpoint, no span export (spans are disabled
@@ -13,6 +14,8 @@
 
 pub mod error;
 pub mod metrics;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod trace;
 
 pub use error::TelemetryError;
