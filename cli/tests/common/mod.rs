@@ -1,5 +1,10 @@
 //! What every `tandem` binary test shares.
 
+#![allow(dead_code)]
+
+pub mod client;
+pub mod up;
+
 use std::path::PathBuf;
 
 /// The real model (`$TANDEM_MODEL`, else the default cache path); fails with the fix if absent.
