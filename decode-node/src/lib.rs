@@ -34,7 +34,7 @@ use tandem_kv_transfer::{InboundRegistry, TransferConfig};
 use tandem_node::engine_thread::{self, EngineHandle, EngineSnapshot};
 use tandem_node::env_names::*;
 use tandem_node::lifecycle::{self, ShutdownPlan};
-use tandem_node::NodeMetrics;
+use tandem_node::{Failure, NodeMetrics};
 use tandem_node::{
     Coordination, KvAddress, Lifecycle, NodeArgs, NodeError, membership, model, server, transport,
 };
@@ -89,6 +89,7 @@ pub struct DecodeNode {
     reservations: Reservations,
     registry: InboundRegistry,
     plan: ShutdownPlan<Command>,
+    kv_failed: Failure,
 }
 
 impl DecodeNode {
@@ -132,10 +133,13 @@ impl DecodeNode {
         let engine_args = args.node.engine.clone();
         let alloc = Arc::clone(&net);
         let driver = DecodeDriver::new(metrics.clone());
-        let (engine, (layout, num_blocks, registration)) = engine_thread::spawn_observed(
+        let (engine, (layout, num_blocks, registration)) = engine_thread::spawn_with(
             "decode-engine",
             COMMAND_QUEUE,
-            Some(metrics.step_histogram()),
+            engine_thread::SpawnOptions {
+                step_seconds: Some(metrics.step_histogram()),
+                panic_after_steps: args.node.fault_engine_panic_after_steps,
+            },
             move |_ctx| {
                 let (engine, registration) = model::build_engine(&engine_args, &*alloc)?;
                 let layout = *engine.kv_layout();
@@ -147,12 +151,21 @@ impl DecodeNode {
         metrics.watch_engine(engine.snapshot());
         let registry = InboundRegistry::new(registration, TransferConfig::default().fence_timeout);
         let background = CancellationToken::new();
+        let kv_failed = Failure::default();
         {
             let (net, registry, stop) =
                 (Arc::clone(&net), registry.clone(), background.child_token());
+            let (failed, stop_check) = (kv_failed.clone(), stop.clone());
             tokio::spawn(async move {
-                if let Err(e) = net.serve(kv_listener, registry, stop).await {
-                    tracing::error!(error = %e, "KV receiver stopped");
+                let result = net.serve(kv_listener, registry, stop).await;
+                // Only an end the node did not ask for is a failure.
+                if !stop_check.is_cancelled() {
+                    let reason = match result {
+                        Err(e) => e.to_string(),
+                        Ok(()) => "it returned without being stopped".into(),
+                    };
+                    tracing::error!(%reason, "KV receiver stopped");
+                    failed.fail(reason);
                 }
             });
         }
@@ -235,6 +248,7 @@ impl DecodeNode {
             reservations,
             registry,
             plan,
+            kv_failed,
         })
     }
 
@@ -277,6 +291,20 @@ impl DecodeNode {
     pub async fn shutdown(self) {
         self.plan.run().await;
     }
+
+    /// Resolves if the node can no longer serve (its engine thread died or its KV receiver
+    /// stopped), with what died and why.
+    pub async fn failed(&self) -> (&'static str, String) {
+        tokio::select! {
+            () = self.engine.died() => ("the engine thread", "it panicked (see the log above)".into()),
+            reason = self.kv_failed.wait() => ("the KV receiver", reason),
+        }
+    }
+
+    /// Leaves the cluster at once after [`failed`](Self::failed) resolved; the error to exit with.
+    pub async fn abort(self, what: &'static str, reason: String) -> NodeError {
+        self.plan.abort(what, reason).await
+    }
 }
 
 /// Runs a decode node with etcd and NATS from the flags until `shutdown` resolves, then shuts
@@ -290,9 +318,13 @@ pub async fn run(args: DecodeArgs, shutdown: impl Future<Output = ()>) -> Result
         node.kv_address(),
         node.node_id()
     );
-    shutdown.await;
-    node.shutdown().await;
-    Ok(())
+    tokio::select! {
+        () = shutdown => {
+            node.shutdown().await;
+            Ok(())
+        }
+        (what, reason) = node.failed() => Err(node.abort(what, reason).await),
+    }
 }
 
 /// The binary's body (also `tandem decode`): parse `argv` with file layering, log to stderr,

@@ -114,6 +114,11 @@ pub struct NodeArgs {
     /// Trace export (OTLP); the standard OTEL_* variables apply.
     #[command(flatten)]
     pub trace: tandem_telemetry::TraceArgs,
+
+    /// Fault injection for drills and tests: the engine thread panics after this many steps
+    /// (the node must then leave the cluster and exit non-zero). Never set in production.
+    #[arg(long, hide = true)]
+    pub fault_engine_panic_after_steps: Option<u64>,
 }
 
 impl NodeArgs {

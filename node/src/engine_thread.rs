@@ -35,6 +35,7 @@ use tandem_engine::{Engine, EngineError, EngineStats};
 use tokio::runtime::Handle;
 use tokio::sync::mpsc::error::TryRecvError;
 use tokio::sync::{mpsc, oneshot, watch};
+use tokio_util::sync::CancellationToken;
 
 use crate::error::NodeError;
 
@@ -138,6 +139,7 @@ pub struct EngineHandle<C> {
     tx: mpsc::Sender<Envelope<C>>,
     snapshot: watch::Receiver<EngineSnapshot>,
     thread: Arc<Mutex<Option<JoinHandle<()>>>>,
+    died: CancellationToken,
 }
 
 impl<C> Clone for EngineHandle<C> {
@@ -146,8 +148,18 @@ impl<C> Clone for EngineHandle<C> {
             tx: self.tx.clone(),
             snapshot: self.snapshot.clone(),
             thread: Arc::clone(&self.thread),
+            died: self.died.clone(),
         }
     }
+}
+
+/// What [`spawn_with`] may add to an engine thread.
+#[derive(Clone, Debug, Default)]
+pub struct SpawnOptions {
+    /// Observes every step's duration (a node's `tandem_node_step_duration_seconds`).
+    pub step_seconds: Option<Histogram>,
+    /// Fault injection (drills and tests): the thread panics after this many steps.
+    pub panic_after_steps: Option<u64>,
 }
 
 impl<C: Send + 'static> EngineHandle<C> {
@@ -200,6 +212,18 @@ impl<C: Send + 'static> EngineHandle<C> {
         self.snapshot.clone()
     }
 
+    /// Resolves if the thread dies on its own (a panic in a step or in the driver), never after
+    /// an orderly [`shutdown`](Self::shutdown). A node that sees this cannot serve: it leaves
+    /// the cluster and exits non-zero.
+    pub async fn died(&self) {
+        self.died.cancelled().await
+    }
+
+    /// Whether the thread died on its own (see [`died`](Self::died)).
+    pub fn has_died(&self) -> bool {
+        self.died.is_cancelled()
+    }
+
     /// Stops the thread (its driver ends every live request) and waits for it to exit.
     pub async fn shutdown(&self) {
         let _ = self.tx.send(Envelope::Shutdown).await;
@@ -233,15 +257,14 @@ where
     R: Send + 'static,
     F: FnOnce(BuildContext<D::Command>) -> Result<(Engine, D, R), NodeError> + Send + 'static,
 {
-    spawn_observed(name, queue, None, build).await
+    spawn_with(name, queue, SpawnOptions::default(), build).await
 }
 
-/// [`spawn`], observing every step's duration into `step_seconds` (a node's
-/// `tandem_node_step_duration_seconds`).
-pub async fn spawn_observed<D, R, F>(
+/// [`spawn`] with [`SpawnOptions`] (step metrics, fault injection).
+pub async fn spawn_with<D, R, F>(
     name: &str,
     queue: usize,
-    step_seconds: Option<Histogram>,
+    options: SpawnOptions,
     build: F,
 ) -> Result<(EngineHandle<D::Command>, R), NodeError>
 where
@@ -251,10 +274,12 @@ where
 {
     let (tx, rx) = mpsc::channel(queue.max(1));
     let (snap_tx, snap_rx) = watch::channel(EngineSnapshot::default());
+    let died = CancellationToken::new();
     let handle = EngineHandle {
         tx,
         snapshot: snap_rx,
         thread: Arc::new(Mutex::new(None)),
+        died: died.clone(),
     };
     let ctx = BuildContext {
         runtime: Handle::current(),
@@ -271,7 +296,9 @@ where
                 }
                 Ok((engine, driver, value)) => {
                     let _ = ready_tx.send(Ok(value));
-                    run_loop(engine, driver, rx, snap_tx, runtime, step_seconds);
+                    if run_loop(engine, driver, rx, snap_tx, runtime, options) == Exit::Died {
+                        died.cancel();
+                    }
                 }
             }
         })
@@ -311,8 +338,10 @@ fn run_loop<D: Driver>(
     mut rx: mpsc::Receiver<Envelope<D::Command>>,
     snap_tx: watch::Sender<EngineSnapshot>,
     runtime: Handle,
-    step_seconds: Option<Histogram>,
-) {
+    options: SpawnOptions,
+) -> Exit {
+    let step_seconds = options.step_seconds;
+    let mut steps_taken = 0u64;
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let mut meter = RateMeter {
             since: Instant::now(),
@@ -341,7 +370,13 @@ fn run_loop<D: Driver>(
                 engine.wait_hint(now)
             };
             match wait {
-                None => match driver.step(&mut engine) {
+                None => match {
+                    steps_taken += 1;
+                    if options.panic_after_steps.is_some_and(|n| steps_taken > n) {
+                        panic!("fault injection: engine panic after {steps_taken} steps");
+                    }
+                    driver.step(&mut engine)
+                } {
                     Ok(n) => {
                         batch = n;
                         if let Some(h) = &step_seconds {
@@ -366,11 +401,24 @@ fn run_loop<D: Driver>(
             publish(&snap_tx, &engine, rate, batch);
         }
     }));
-    if result.is_err() {
+    let exit = if result.is_err() {
         tracing::error!("the engine thread panicked; its requests end without a final message");
-    }
+        Exit::Died
+    } else {
+        Exit::Orderly
+    };
     driver.shutdown(&mut engine);
     publish(&snap_tx, &engine, 0.0, 0);
+    exit
+}
+
+/// How the loop ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Exit {
+    /// Shutdown was asked for (or every handle dropped).
+    Orderly,
+    /// A panic ended it.
+    Died,
 }
 
 fn publish(tx: &watch::Sender<EngineSnapshot>, engine: &Engine, rate: f64, batch: usize) {

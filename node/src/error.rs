@@ -70,6 +70,16 @@ pub enum NodeError {
     /// The engine thread stopped (it panicked, or the node is shutting down).
     #[error("the engine thread has stopped")]
     EngineStopped,
+
+    /// The node could not go on serving (its engine thread died, its KV receiver stopped): it
+    /// left the cluster (record deleted, lease revoked) and exits non-zero.
+    #[error("{what} failed: {reason}; the node left the cluster")]
+    Fatal {
+        /// What died.
+        what: &'static str,
+        /// Why, as far as known.
+        reason: String,
+    },
     /// The engine thread could not be started.
     #[error("starting the engine thread: {0}")]
     Thread(#[source] std::io::Error),
@@ -92,6 +102,7 @@ impl NodeError {
             NodeError::EngineStopped => "engine_stopped",
             NodeError::Thread(_) => "thread",
             NodeError::Grpc(_) => "grpc",
+            NodeError::Fatal { .. } => "fatal",
         }
     }
 }

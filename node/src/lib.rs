@@ -48,7 +48,7 @@ pub mod transport;
 pub use config::{ClusterArgs, ListenArgs, NodeArgs, TransportChoice};
 pub use engine_thread::{Driver, EngineHandle, EngineSnapshot};
 pub use error::NodeError;
-pub use lifecycle::{InFlightGuard, Lifecycle};
+pub use lifecycle::{Failure, InFlightGuard, Lifecycle};
 pub use membership::{Coordination, Membership};
 pub use metrics::NodeMetrics;
 pub use transport::{KvAddress, TransferBacking};

@@ -110,6 +110,28 @@ impl Lifecycle {
     }
 }
 
+/// A part of the node that died on its own (a background task the node cannot serve
+/// without): the first reason given wins. Cheap to clone.
+#[derive(Clone, Default)]
+pub struct Failure {
+    token: CancellationToken,
+    reason: Arc<std::sync::OnceLock<String>>,
+}
+
+impl Failure {
+    /// Records the failure (the first reason is kept) and wakes [`wait`](Self::wait).
+    pub fn fail(&self, reason: String) {
+        let _ = self.reason.set(reason);
+        self.token.cancel();
+    }
+
+    /// Resolves with the reason once the failure happened.
+    pub async fn wait(&self) -> String {
+        self.token.cancelled().await;
+        self.reason.get().cloned().unwrap_or_default()
+    }
+}
+
 /// What a node stops at shutdown, in the order of the phases in the module docs.
 pub struct ShutdownPlan<C> {
     /// Admission and in-flight accounting.
@@ -129,6 +151,27 @@ pub struct ShutdownPlan<C> {
 }
 
 impl<C: Send + 'static> ShutdownPlan<C> {
+    /// The node cannot serve (`what` died): no drain (nothing can finish), stop at once, and
+    /// leave the cluster (record deleted, lease revoked) so routers stop sending it work now
+    /// rather than when the lease would expire. Returns the error the process exits with.
+    pub async fn abort(self, what: &'static str, reason: String) -> NodeError {
+        tracing::error!(what, %reason, "the node cannot serve; leaving the cluster and exiting");
+        self.lifecycle.start_draining();
+        self.server.set_not_serving().await;
+        self.engine.shutdown().await;
+        if let Err(e) = self.server.stop(Duration::from_secs(1)).await {
+            tracing::warn!(error = %e, "gRPC server ended with an error");
+        }
+        self.background.cancel();
+        if let Some(m) = self.membership {
+            m.leave().await;
+        }
+        if let Some(m) = self.metrics_server {
+            m.stop().await;
+        }
+        NodeError::Fatal { what, reason }
+    }
+
     /// Runs the phases: draining, drain (bounded), stop, leave.
     pub async fn run(self) {
         self.lifecycle.start_draining();

@@ -132,10 +132,13 @@ impl PrefillNode {
         }
         let engine_args = args.node.engine.clone();
         let driver_metrics = metrics.clone();
-        let (engine, (layout, num_blocks, kinds)) = engine_thread::spawn_observed(
+        let (engine, (layout, num_blocks, kinds)) = engine_thread::spawn_with(
             "prefill-engine",
             COMMAND_QUEUE,
-            Some(metrics.step_histogram()),
+            engine_thread::SpawnOptions {
+                step_seconds: Some(metrics.step_histogram()),
+                panic_after_steps: args.node.fault_engine_panic_after_steps,
+            },
             move |ctx| {
                 let (engine, registration) = model::build_engine(&engine_args, &*primary)?;
                 let tcp = match tcp {
@@ -274,6 +277,17 @@ impl PrefillNode {
     pub async fn shutdown(self) {
         self.plan.run().await;
     }
+
+    /// Resolves if the node can no longer serve (its engine thread died), with what died.
+    pub async fn failed(&self) -> (&'static str, String) {
+        self.engine.died().await;
+        ("the engine thread", "it panicked (see the log above)".into())
+    }
+
+    /// Leaves the cluster at once after [`failed`](Self::failed) resolved; the error to exit with.
+    pub async fn abort(self, what: &'static str, reason: String) -> NodeError {
+        self.plan.abort(what, reason).await
+    }
 }
 
 /// Runs a prefill node with etcd and NATS from the flags until `shutdown` resolves, then shuts
@@ -286,9 +300,13 @@ pub async fn run(args: PrefillArgs, shutdown: impl Future<Output = ()>) -> Resul
         node.grpc_addr(),
         node.node_id()
     );
-    shutdown.await;
-    node.shutdown().await;
-    Ok(())
+    tokio::select! {
+        () = shutdown => {
+            node.shutdown().await;
+            Ok(())
+        }
+        (what, reason) = node.failed() => Err(node.abort(what, reason).await),
+    }
 }
 
 /// The binary's body (also `tandem prefill`): parse `argv` with file layering, log to stderr,
