@@ -297,6 +297,8 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<String> {
             no_sample: true,
             exit_after_sample: true,
             ready_timeout_secs: 180,
+            api_keys_file: None,
+            cost_file: None,
             prometheus: false,
             prometheus_addr: "127.0.0.1:0".parse().expect("a socket address"),
             prometheus_bin: "prometheus".into(),

@@ -18,3 +18,4 @@ pub mod generate;
 pub mod load;
 pub mod plan;
 pub mod up;
+pub mod usage;

@@ -62,6 +62,11 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<std::ffi::OsString>,
     },
+    /// Usage per API key (requests, tokens, node-seconds) from a router's ledger.
+    Usage(tandem_cli::usage::UsageArgs),
+    /// Cost per API key and per pool ($ per million input, cached input and output tokens)
+    /// at the router's configured node-hour prices.
+    Cost(tandem_cli::usage::UsageArgs),
     /// Manage the model cache.
     #[command(subcommand)]
     Model(ModelCommand),
@@ -106,6 +111,8 @@ fn main() -> ExitCode {
         Command::Generate(a) => generate::run(a),
         Command::Plan(a) => plan::run(a).map(|s| println!("{s}")),
         Command::Up(a) => tandem_cli::up::run(a),
+        Command::Usage(a) => tandem_cli::usage::usage(a).map(|s| println!("{s}")),
+        Command::Cost(a) => tandem_cli::usage::cost(a).map(|s| println!("{s}")),
         Command::BenchServe(a) => tandem_cli::bench_serve::run(a).map(|s| println!("{s}")),
         Command::Router(a) => tandem_router::run_blocking(a.clone()).map_err(Into::into),
         Command::BenchEngine(a) => bench_engine::run(a).map(|s| println!("{s}")),

@@ -151,6 +151,20 @@ impl ClusterKeys {
         ))
     }
 
+    /// `/tandem/{cluster}/usage/`: the usage ledger, one record per API key id.
+    pub fn usage_prefix(&self) -> String {
+        format!("{}usage/", self.cluster_prefix())
+    }
+
+    /// `/tandem/{cluster}/usage/{key_id}`.
+    pub fn usage_key(&self, key_id: &str) -> Result<String, ClusterError> {
+        Ok(format!(
+            "{}{}",
+            self.usage_prefix(),
+            encode_segment("key id", key_id)?
+        ))
+    }
+
     /// `/tandem/{cluster}/layout`: the KV layout every node of the cluster must share.
     pub fn layout_key(&self) -> String {
         format!("{}layout", self.cluster_prefix())

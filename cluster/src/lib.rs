@@ -28,6 +28,7 @@ pub mod keys;
 pub mod load;
 pub mod node;
 pub mod testing;
+pub mod usage;
 
 pub use discovery::{
     Discovery, EtcdConfig, EtcdDiscovery, MemoryDiscovery, Registration, RegistrationState,
@@ -40,3 +41,4 @@ pub use load::{
     MemoryLoadSignals, NatsConfig, NatsLoadSignals, ReceivedReport,
 };
 pub use node::{ClusterLayout, NodeInfo, NodeView, Role};
+pub use usage::{EtcdUsageStore, MemoryUsageStore, UsageStore, UsageTotals};

@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use tandem_engine::{Engine, EngineError, Request, StepOutput};
-use tandem_node::engine_thread::Driver;
+use tandem_node::engine_thread::{Driver, share_step_time};
 use tandem_node::metrics::Outcome;
 use tandem_node::{InFlightGuard, NodeMetrics, convert, status};
 use tandem_telemetry::trace::propagation;
@@ -84,6 +84,8 @@ struct Stream {
     span: tracing::Span,
     /// Tokens generated here (the first token included).
     tokens: u32,
+    /// This node's engine time spent on the request.
+    node_seconds: f64,
 }
 
 enum Flush {
@@ -116,6 +118,7 @@ impl Stream {
             self.finish = Some(DecodeFinal {
                 finish_reason: convert::finish_reason(reason) as i32,
                 usage: Some(convert::usage(o.usage)),
+                node_seconds: self.node_seconds,
             });
         }
     }
@@ -263,6 +266,7 @@ impl Driver for DecodeDriver {
                             _in_flight: in_flight,
                             span: stream_span,
                             tokens: 0,
+                            node_seconds: 0.0,
                         };
                         s.push(&first);
                         self.streams.insert(id, s);
@@ -274,7 +278,14 @@ impl Driver for DecodeDriver {
     }
 
     fn step(&mut self, engine: &mut Engine) -> Result<usize, EngineError> {
+        let t0 = Instant::now();
         let outputs = engine.step()?;
+        let streams = &mut self.streams;
+        share_step_time(engine, t0.elapsed(), |id, secs| {
+            if let Some(s) = streams.get_mut(&id) {
+                s.node_seconds += secs;
+            }
+        });
         for o in &outputs {
             match self.streams.get_mut(&o.request_id) {
                 Some(s) => s.push(o),

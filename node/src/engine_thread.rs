@@ -74,6 +74,21 @@ pub trait Driver: Send + 'static {
     fn shutdown(&mut self, engine: &mut Engine);
 }
 
+/// Shares `step` (one forward pass) among the requests of the engine's last step by the
+/// tokens each computed in it, calling `add(request_id, seconds)` for each: the per-request
+/// node time that cost accounting is built on.
+pub fn share_step_time(engine: &Engine, step: Duration, mut add: impl FnMut(u64, f64)) {
+    let parts = engine.last_step_tokens();
+    let total: usize = parts.iter().map(|p| p.1).sum();
+    if total == 0 {
+        return;
+    }
+    let per_token = step.as_secs_f64() / total as f64;
+    for &(id, tokens) in parts {
+        add(id, per_token * tokens as f64);
+    }
+}
+
 /// A point-in-time view of the engine, published after every loop iteration.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct EngineSnapshot {

@@ -28,7 +28,7 @@ use tandem_kv_transfer::{
     KvTransport, NetTransport, OutboundTransfer, PoolRegistration, PushRequest, TransferError,
     TransportKind,
 };
-use tandem_node::engine_thread::{Driver, EngineHandle};
+use tandem_node::engine_thread::{Driver, EngineHandle, share_step_time};
 use tandem_node::metrics::Outcome;
 use tandem_node::{InFlightGuard, KvAddress, NodeMetrics, status};
 use tandem_telemetry::trace::propagation;
@@ -132,6 +132,8 @@ struct Live {
     forward_span: tracing::Span,
     /// `kv.push`: the transfer, from its start to the receiver's confirmation.
     push_span: tracing::Span,
+    /// This node's engine time spent on the prompt.
+    node_seconds: f64,
 }
 
 /// The prefill role's [`Driver`].
@@ -272,6 +274,7 @@ impl Driver for PrefillDriver {
                     started: Instant::now(),
                     forward_span,
                     push_span: tracing::Span::none(),
+                    node_seconds: 0.0,
                 };
                 self.live.insert(id, live);
             }
@@ -315,7 +318,13 @@ impl Driver for PrefillDriver {
                 }
             }
         };
+        let t0 = Instant::now();
         let outputs = engine.step_observed(&mut on_layer)?;
+        share_step_time(engine, t0.elapsed(), |id, secs| {
+            if let Some(l) = self.live.get_mut(&id) {
+                l.node_seconds += secs;
+            }
+        });
         let n = outputs.len();
         for o in outputs {
             let id = o.request_id;
@@ -332,6 +341,7 @@ impl Driver for PrefillDriver {
                 event: Some(Event::FirstToken(FirstToken {
                     token_id: o.token,
                     cached_prompt_tokens: o.usage.cached_tokens as u32,
+                    node_seconds: l.node_seconds,
                 })),
             };
             let _ = l.job.events.try_send(Ok(first));

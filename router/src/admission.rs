@@ -1,4 +1,4 @@
-//! Admission at the edge: API keys, and a bounded, priority-aware queue in front of a fixed
+//! Admission at the edge: a bounded, priority-aware queue in front of a fixed
 //! number of in-flight slots (STYLE.md §5: fail fast instead of queueing without limit).
 //!
 //! ```text
@@ -27,53 +27,6 @@ use tokio::sync::oneshot;
 
 use crate::error::RouterError;
 use crate::request::Priority;
-
-/// The configured API keys; empty means no authentication.
-#[derive(Clone, Debug, Default)]
-pub struct ApiKeys {
-    keys: Vec<String>,
-}
-
-impl ApiKeys {
-    /// Accepts any of `keys` (none: every request is accepted).
-    pub fn new(keys: impl IntoIterator<Item = String>) -> Self {
-        Self {
-            keys: keys.into_iter().filter(|k| !k.is_empty()).collect(),
-        }
-    }
-
-    /// Whether authentication is on.
-    pub fn enabled(&self) -> bool {
-        !self.keys.is_empty()
-    }
-
-    /// Checks an `Authorization` header value (`Bearer <key>`, or the bare key).
-    pub fn check(&self, authorization: Option<&str>) -> Result<(), RouterError> {
-        if self.keys.is_empty() {
-            return Ok(());
-        }
-        let presented = authorization
-            .map(str::trim)
-            .map(|v| v.strip_prefix("Bearer ").unwrap_or(v).trim())
-            .ok_or(RouterError::Unauthenticated)?;
-        // Compare every key in full, whatever matches, so timing does not reveal a prefix.
-        let matched = self.keys.iter().fold(false, |acc, key| {
-            acc | constant_time_eq(key.as_bytes(), presented.as_bytes())
-        });
-        if matched {
-            Ok(())
-        } else {
-            Err(RouterError::Unauthenticated)
-        }
-    }
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
 
 /// Limits of the admission queue.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -355,21 +308,5 @@ mod tests {
         let again = a.acquire(Priority::Batch).await.unwrap();
         assert_eq!(a.in_flight(), 1);
         drop(again);
-    }
-
-    #[test]
-    fn api_keys_accept_bearer_or_bare_keys_and_refuse_others() {
-        let keys = ApiKeys::new(["k1".to_string(), "secret-2".to_string()]);
-        assert!(keys.check(Some("Bearer secret-2")).is_ok());
-        assert!(keys.check(Some("k1")).is_ok());
-        assert!(matches!(
-            keys.check(Some("Bearer k2")),
-            Err(RouterError::Unauthenticated)
-        ));
-        assert!(matches!(
-            keys.check(None),
-            Err(RouterError::Unauthenticated)
-        ));
-        assert!(ApiKeys::default().check(None).is_ok());
     }
 }

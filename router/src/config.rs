@@ -16,7 +16,9 @@ use std::time::Duration;
 use clap::Args;
 use serde::Deserialize;
 
-use crate::admission::{AdmissionLimits, ApiKeys};
+use crate::admission::AdmissionLimits;
+use crate::keys::ApiKeys;
+use crate::usage::CostModel;
 use crate::canary::CanarySettings;
 use crate::error::RouterError;
 use crate::model::default_model_path;
@@ -45,6 +47,10 @@ pub mod env_names {
     pub const MODEL_NAME: &str = "TANDEM_MODEL_NAME";
     /// `--api-key`: comma-separated accepted API keys.
     pub const API_KEYS: &str = "TANDEM_API_KEYS";
+    /// `--api-keys-file`: a TOML file of named API keys.
+    pub const API_KEYS_FILE: &str = "TANDEM_API_KEYS_FILE";
+    /// `--cost-file`: the cost of a node-hour per pool.
+    pub const COST_FILE: &str = "TANDEM_COST_FILE";
     /// `--max-tokens-limit`.
     pub const MAX_TOKENS_LIMIT: &str = "TANDEM_MAX_TOKENS_LIMIT";
     /// `--default-max-tokens`.
@@ -114,6 +120,15 @@ pub struct RouterArgs {
     /// authentication.
     #[arg(long = "api-key", env = env::API_KEYS, value_delimiter = ',')]
     pub api_keys: Vec<String>,
+    /// A TOML file of named API keys (`[[key]] id, key or sha256, admin`): requests are
+    /// counted under the key's id in the usage ledger and the per-key metrics.
+    #[arg(long, env = env::API_KEYS_FILE)]
+    pub api_keys_file: Option<PathBuf>,
+    /// A TOML file with the cost of a node-hour per pool (`[prefill]` and `[decode]` tables of
+    /// depreciation, power, network, storage, operations, in dollars): `/v1/usage` and
+    /// `tandem cost` price usage with it.
+    #[arg(long, env = env::COST_FILE)]
+    pub cost_file: Option<PathBuf>,
     /// Largest max_tokens a request may ask for [default: 4096].
     #[arg(long, env = env::MAX_TOKENS_LIMIT)]
     pub max_tokens_limit: Option<u32>,
@@ -219,6 +234,8 @@ impl RouterArgs {
             rpc_timeout_ms,
             connect_timeout_ms,
             load_max_age_ms,
+            api_keys_file,
+            cost_file,
             stream_idle_timeout_ms,
             canary_interval_secs,
             canary_timeout_ms,
@@ -311,7 +328,14 @@ impl RouterArgs {
                 max_queued: args.max_queued.unwrap_or(1024),
                 queue_timeout: ms("queue-timeout-ms", args.queue_timeout_ms, 30_000)?,
             },
-            api_keys: ApiKeys::new(args.api_keys.clone()),
+            api_keys: match &args.api_keys_file {
+                Some(f) => ApiKeys::new(args.api_keys.clone()).with_file(f)?,
+                None => ApiKeys::new(args.api_keys.clone()),
+            },
+            cost: match &args.cost_file {
+                Some(f) => CostModel::from_file(f)?,
+                None => CostModel::default(),
+            },
             max_attempts: nonzero("max-attempts", args.max_attempts.unwrap_or(3) as u64)? as u32,
             rpc_timeout: ms("rpc-timeout-ms", args.rpc_timeout_ms, 5_000)?,
             connect_timeout: ms("connect-timeout-ms", args.connect_timeout_ms, 2_000)?,

@@ -60,7 +60,7 @@ impl InferenceService {
         Self { router }
     }
 
-    fn authorize<T>(&self, request: &Request<T>) -> Result<(), Status> {
+    fn authorize<T>(&self, request: &Request<T>) -> Result<crate::keys::KeyIdentity, Status> {
         let header = request
             .metadata()
             .get("authorization")
@@ -144,9 +144,10 @@ impl Inference for InferenceService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        self.authorize(&request)?;
+        let key = self.authorize(&request)?;
         let context = RequestContext {
             parent: RemoteParent::from_grpc(request.metadata()),
+            key,
         };
         let request = from_proto(request.into_inner()).map_err(|e| to_status(&e))?;
         let stream = self

@@ -20,6 +20,9 @@
 //! | `tandem_router_admission_in_flight` / `_queued` | gauge | – | admitted and waiting requests |
 //! | `tandem_router_load_signals_connected` | gauge | – | 1 while NATS is connected |
 //! | `tandem_router_load_report_age_seconds` | gauge | role, node | age of the newest load report per node |
+//! | `tandem_router_key_requests_total` | counter | key | completed requests per API key id (at most 100 ids, then `other`) |
+//! | `tandem_router_key_tokens_total` | counter | key, kind | input, cached_input, output tokens per key id |
+//! | `tandem_router_key_node_seconds_total` | counter | key, pool | engine time per key id and pool |
 //! | `tandem_router_canary_pairs` / `_pairs_passing` | gauge | – | pairs probed / passing their last probe |
 //! | `tandem_router_canary_probes_total` | counter | result | canary probes, ok or failed |
 //! | `tandem_router_canary_duration_seconds` | histogram | – | one canary probe |
@@ -46,6 +49,36 @@ pub struct RequestLabels {
     pub model: String,
     /// `interactive` or `batch`.
     pub priority: &'static str,
+}
+
+/// Key ids with their own series at most (the rest are counted under `other`).
+pub const DEFAULT_MAX_KEY_IDS: usize = 100;
+/// The label of key ids beyond the limit.
+pub const OTHER_KEYS: &str = "other";
+
+/// Labels of the per-key request counter.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KeyLabels {
+    /// API key id.
+    pub key: String,
+}
+
+/// Labels of the per-key token counter.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KeyTokenLabels {
+    /// API key id.
+    pub key: String,
+    /// `input`, `cached_input` or `output`.
+    pub kind: &'static str,
+}
+
+/// Labels of the per-key node-seconds counter.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KeyPoolLabels {
+    /// API key id.
+    pub key: String,
+    /// `prefill` or `decode`.
+    pub pool: &'static str,
 }
 
 /// Labels of the canary probe counter.
@@ -90,6 +123,12 @@ pub struct RouterMetrics {
     failures: Family<ReasonLabels, Counter>,
     canary_seconds: Histogram,
     canary_probes: Family<ResultLabels, Counter>,
+    key_requests: Family<KeyLabels, Counter>,
+    key_tokens: Family<KeyTokenLabels, Counter>,
+    key_node_seconds: Family<KeyPoolLabels, Counter<f64, std::sync::atomic::AtomicU64>>,
+    /// Key ids given their own series so far (at most `max_key_ids`; the rest are `other`).
+    key_ids: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
+    max_key_ids: usize,
 }
 
 impl std::fmt::Debug for RouterMetrics {
@@ -114,6 +153,11 @@ impl RouterMetrics {
             cached_input_tokens: Family::default(),
             output_tokens: Family::default(),
             failures: Family::default(),
+            key_requests: Family::default(),
+            key_tokens: Family::default(),
+            key_node_seconds: Family::default(),
+            key_ids: Arc::default(),
+            max_key_ids: DEFAULT_MAX_KEY_IDS,
             canary_seconds: tm::histogram(buckets::CANARY_SECONDS),
             canary_probes: {
                 // Both series exist from the start (an alert on failures needs the 0).
@@ -173,6 +217,21 @@ impl RouterMetrics {
             "tandem_router_canary_duration_seconds",
             "One canary probe (a two-token generation through one pair)",
             self.canary_seconds.clone(),
+        );
+        r.register(
+            "tandem_router_key_requests",
+            "Completed requests by API key id",
+            self.key_requests.clone(),
+        );
+        r.register(
+            "tandem_router_key_tokens",
+            "Tokens of completed requests by API key id and kind (input, cached_input, output)",
+            self.key_tokens.clone(),
+        );
+        r.register(
+            "tandem_router_key_node_seconds",
+            "Engine time of completed requests by API key id and pool",
+            self.key_node_seconds.clone(),
         );
         r.register(
             "tandem_router_canary_probes",
@@ -248,6 +307,46 @@ impl RouterMetrics {
         self.queue_wait
             .get_or_create(&self.labels(priority))
             .observe(wait.as_secs_f64());
+    }
+
+    /// A completed request's usage under `key` (ids beyond the first `max_key_ids` share the
+    /// label `other`: bounded cardinality).
+    pub fn key_usage(&self, key: &str, u: &tandem_cluster::UsageTotals) {
+        let key = {
+            let mut ids = self.key_ids.lock().unwrap_or_else(|p| p.into_inner());
+            if ids.contains(key) || ids.len() < self.max_key_ids {
+                ids.insert(key.to_string());
+                key.to_string()
+            } else {
+                OTHER_KEYS.to_string()
+            }
+        };
+        self.key_requests
+            .get_or_create(&KeyLabels { key: key.clone() })
+            .inc_by(u.requests);
+        for (kind, n) in [
+            ("input", u.input_tokens),
+            ("cached_input", u.cached_input_tokens),
+            ("output", u.output_tokens),
+        ] {
+            self.key_tokens
+                .get_or_create(&KeyTokenLabels {
+                    key: key.clone(),
+                    kind,
+                })
+                .inc_by(n);
+        }
+        for (pool, s) in [
+            ("prefill", u.prefill_node_seconds),
+            ("decode", u.decode_node_seconds),
+        ] {
+            self.key_node_seconds
+                .get_or_create(&KeyPoolLabels {
+                    key: key.clone(),
+                    pool,
+                })
+                .inc_by(s);
+        }
     }
 
     /// A canary probe ended.

@@ -92,7 +92,12 @@ pub async fn run(
     // Machine-readable lines for scripts (`tandem up` waits for them).
     println!("grpc {}", local(&grpc));
     println!("http {}", local(&http));
-    serve(router, grpc, http, shutdown).await
+    let result = serve(router.clone(), grpc, http, shutdown).await;
+    // What this router counted and had not written yet goes to the ledger before it exits.
+    if let Err(e) = router.flush_usage().await {
+        tracing::warn!(error = %e, "could not write the last usage to the ledger");
+    }
+    result
 }
 
 /// Connects to etcd and NATS and starts the router, retrying retryable control-plane errors
@@ -105,13 +110,6 @@ async fn start_with_retries(
     let mut delay = Duration::from_millis(100);
     loop {
         let attempt = async {
-            let discovery: Arc<dyn Discovery> = Arc::new(
-                EtcdDiscovery::connect(EtcdConfig::new(
-                    config.etcd_endpoints.clone(),
-                    config.cluster.clone(),
-                ))
-                .await?,
-            );
             let signals: Arc<dyn LoadSignals> = Arc::new(
                 NatsLoadSignals::connect(NatsConfig::new(
                     config.nats_url.clone(),
@@ -119,7 +117,21 @@ async fn start_with_retries(
                 ))
                 .await?,
             );
-            Router::start(model.clone(), config.options.clone(), discovery, signals).await
+            let etcd = EtcdDiscovery::connect(EtcdConfig::new(
+                config.etcd_endpoints.clone(),
+                config.cluster.clone(),
+            ))
+            .await?;
+            let usage: Arc<dyn tandem_cluster::UsageStore> = Arc::new(etcd.usage_store());
+            let discovery: Arc<dyn Discovery> = Arc::new(etcd);
+            Router::start(
+                model.clone(),
+                config.options.clone(),
+                discovery,
+                signals,
+                usage,
+            )
+            .await
         };
         match attempt.await {
             Ok(router) => return Ok(router),

@@ -75,6 +75,14 @@ pub struct UpArgs {
     /// How long startup may take.
     #[arg(long, default_value_t = 180)]
     pub ready_timeout_secs: u64,
+    /// API keys for the router (a TOML file of `[[key]] id, key or sha256, admin`): requests
+    /// are counted per key id (`tandem usage`). The sample request uses the file's first
+    /// admin key given as `key = "..."`.
+    #[arg(long)]
+    pub api_keys_file: Option<PathBuf>,
+    /// The cost of a node-hour per pool for the router (`tandem cost` prices usage with it).
+    #[arg(long)]
+    pub cost_file: Option<PathBuf>,
     /// Start a real Prometheus (Debian `prometheus`) that scrapes every process of the cluster
     /// (targets kept current from etcd) and loads deploy/observability's alert rules.
     #[arg(long)]
@@ -231,6 +239,17 @@ pub fn start(
     }
     let mut a = vec!["router".to_string()];
     a.extend(common.iter().cloned());
+    for (flag, path) in [
+        ("--api-keys-file", &args.api_keys_file),
+        ("--cost-file", &args.cost_file),
+    ] {
+        if let Some(p) = path {
+            let p = p
+                .canonicalize()
+                .with_context(|| format!("{flag} {}", p.display()))?;
+            a.extend([flag.to_string(), p.display().to_string()]);
+        }
+    }
     a.extend([
         "--grpc-addr".into(),
         args.grpc.to_string(),
@@ -366,6 +385,40 @@ pub(crate) fn http_get_ok(addr: SocketAddr, path: &str) -> bool {
         && line.split_whitespace().nth(1) == Some("200")
 }
 
+/// The key `tandem up`'s own sample request authenticates with: the first admin key given in
+/// plain text in `--api-keys-file`, else the first of `$TANDEM_API_KEYS` (what the router
+/// reads too); none when authentication is off.
+pub fn sample_key(args: &UpArgs) -> anyhow::Result<Option<String>> {
+    if let Some(path) = &args.api_keys_file {
+        #[derive(serde::Deserialize)]
+        struct File {
+            #[serde(default)]
+            key: Vec<Entry>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Entry {
+            key: Option<String>,
+            #[serde(default)]
+            admin: bool,
+        }
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading --api-keys-file {}", path.display()))?;
+        let file: File = toml::from_str(&text)
+            .with_context(|| format!("parsing --api-keys-file {}", path.display()))?;
+        return match file.key.into_iter().find(|k| k.admin && k.key.is_some()) {
+            Some(k) => Ok(k.key),
+            None if args.no_sample => Ok(None),
+            None => bail!(
+                "{} has no admin key given as `key = \"...\"`, which tandem up needs for its sample request (or pass --no-sample)",
+                path.display()
+            ),
+        };
+    }
+    Ok(std::env::var("TANDEM_API_KEYS")
+        .ok()
+        .and_then(|v| v.split(',').map(str::trim).find(|k| !k.is_empty()).map(str::to_owned)))
+}
+
 async fn sample(args: &UpArgs) -> anyhow::Result<()> {
     let mut client = InferenceClient::connect(format!("http://{}", args.grpc)).await?;
     let req = GenerateRequest {
@@ -381,7 +434,16 @@ async fn sample(args: &UpArgs) -> anyhow::Result<()> {
         }),
         ..Default::default()
     };
-    let mut stream = client.generate(req).await?.into_inner();
+    let mut call = tonic::Request::new(req);
+    if let Some(key) = sample_key(args)? {
+        call.metadata_mut().insert(
+            "authorization",
+            format!("Bearer {key}")
+                .parse()
+                .context("the API key is not valid in a header")?,
+        );
+    }
+    let mut stream = client.generate(call).await?.into_inner();
     let mut out = std::io::stdout().lock();
     while let Some(msg) = stream.message().await? {
         match msg.event {

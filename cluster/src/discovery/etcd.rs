@@ -136,6 +136,15 @@ impl EtcdDiscovery {
     pub fn keys(&self) -> &ClusterKeys {
         &self.inner.keys
     }
+
+    /// The usage ledger in this cluster's etcd, over the same client.
+    pub fn usage_store(&self) -> crate::usage::EtcdUsageStore {
+        crate::usage::EtcdUsageStore::new(
+            self.inner.client.clone(),
+            self.inner.keys.clone(),
+            self.inner.config.request_timeout,
+        )
+    }
 }
 
 #[async_trait]
@@ -161,7 +170,7 @@ impl Discovery for EtcdDiscovery {
 }
 
 /// Runs one etcd request under a time limit, naming the operation in any error.
-pub(super) async fn timed<T>(
+pub(crate) async fn timed<T>(
     op: &'static str,
     limit: Duration,
     request: impl Future<Output = Result<T, etcd_client::Error>>,

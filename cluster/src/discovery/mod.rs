@@ -27,7 +27,7 @@
 //! retrying; when it returns, views are re-listed and lost registrations are written again
 //! (see [`RegistrationState`]).
 
-mod etcd;
+pub(crate) mod etcd;
 mod etcd_lease;
 mod memory;
 

@@ -63,6 +63,8 @@ pub struct Engine {
     held: HashMap<u64, Vec<BlockId>>,
     /// Blocks reserved for KV arriving from elsewhere, by reservation id.
     reservations: HashMap<u64, Vec<BlockId>>,
+    /// The last step's requests and the tokens each computed in it (cost accounting).
+    last_step: Vec<(u64, usize)>,
 }
 
 impl Engine {
@@ -104,7 +106,7 @@ impl Engine {
         {
             eos.push(t.eos_token_id());
         }
-        Ok(Engine { model, pool, sched, tokenizer: tokenizer.map(Arc::new), reqs: HashMap::new(), eos, stats: EngineStats::default(), held: HashMap::new(), reservations: HashMap::new() })
+        Ok(Engine { model, pool, sched, tokenizer: tokenizer.map(Arc::new), reqs: HashMap::new(), eos, stats: EngineStats::default(), held: HashMap::new(), reservations: HashMap::new(), last_step: Vec::new() })
     }
 
     /// The model.
@@ -141,6 +143,12 @@ impl Engine {
     /// Counters since start.
     pub fn stats(&self) -> EngineStats {
         self.stats
+    }
+
+    /// The requests of the last step that ran a forward pass, with the tokens each computed in
+    /// it (a chunk's length, 1 for a decode token): what a step's time is shared by.
+    pub fn last_step_tokens(&self) -> &[(u64, usize)] {
+        &self.last_step
     }
 
     /// True when nothing is waiting or running.

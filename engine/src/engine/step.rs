@@ -62,6 +62,8 @@ impl Engine {
         drop(views);
         drop(fseqs);
         self.stats.steps += 1;
+        self.last_step.clear();
+        self.last_step.extend(plan.chunks.iter().map(|c| (c.seq_id, c.len)));
         let mut row = 0;
         let mut sampled = Vec::with_capacity(plan.chunks.len());
         for c in &plan.chunks {

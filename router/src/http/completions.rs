@@ -55,11 +55,11 @@ pub(super) async fn completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    authorize(&router, &headers)?;
+    let key = authorize(&router, &headers)?;
     let request: RequestBody = parse_body(&body)?;
     let (stream, include_usage) = (request.stream, request.include_usage());
     let core = request.into_completion()?;
-    let generation = router.generate_with(core, context(&headers)).await?;
+    let generation = router.generate_with(core, context(&headers, key)).await?;
     respond(&router, Endpoint::Completion, generation, stream, include_usage).await
 }
 
@@ -68,18 +68,20 @@ pub(super) async fn chat_completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    authorize(&router, &headers)?;
+    let key = authorize(&router, &headers)?;
     let request: RequestBody = parse_body(&body)?;
     let (stream, include_usage) = (request.stream, request.include_usage());
     let core = request.into_chat()?;
-    let generation = router.generate_with(core, context(&headers)).await?;
+    let generation = router.generate_with(core, context(&headers, key)).await?;
     respond(&router, Endpoint::Chat, generation, stream, include_usage).await
 }
 
-/// The request's context from its headers: a W3C `traceparent` continues the caller's trace.
-fn context(headers: &HeaderMap) -> RequestContext {
+/// The request's context: the caller (its key id) and, from a W3C `traceparent` header, the
+/// trace it continues.
+fn context(headers: &HeaderMap, key: crate::keys::KeyIdentity) -> RequestContext {
     RequestContext {
         parent: RemoteParent::from_http(headers),
+        key,
     }
 }
 

@@ -5,6 +5,8 @@
 //! | `POST /v1/completions` | text completion; `stream: true` as SSE (`data: {...}` chunks, `data: [DONE]`) |
 //! | `POST /v1/chat/completions` | chat completion, same streaming rules |
 //! | `GET /v1/models` | the served model |
+//! | `GET /v1/usage` | every key id's usage and cost (admin keys) |
+//! | `GET /v1/usage/{key_id}` | one key id's usage and cost (admin keys, or the key itself); 404 for an unknown id |
 //! | `GET /health[?verbose=true]` | 200 while a prefill → decode pair passes the canary (see [`crate::canary`]; with the canary off: while ≥ 1 node of each role accepts work), else 503; `verbose` lists every pair's last probe |
 //! | `GET /metrics` | every family of [`crate::metrics`], Prometheus text format (open, like /health) |
 //! | anything else | 404, OpenAI-shaped |
@@ -20,6 +22,7 @@
 
 mod completions;
 mod error;
+mod usage;
 pub mod openai;
 
 use std::future::Future;
@@ -35,6 +38,7 @@ use tokio::net::TcpListener;
 pub use error::{ApiError, body as error_body, classify};
 
 use crate::error::RouterError;
+use crate::keys::KeyIdentity;
 use crate::pipeline::Router;
 
 /// The axum application over `router`.
@@ -45,6 +49,8 @@ pub fn app(router: Router) -> AxumRouter {
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
+        .route("/v1/usage", get(usage::all))
+        .route("/v1/usage/{key_id}", get(usage::one))
         .fallback(not_found)
         .with_state(router)
 }
@@ -76,8 +82,8 @@ async fn metrics_text(State(router): State<Router>) -> Response {
         .into_response()
 }
 
-/// Checks the `Authorization` header.
-fn authorize(router: &Router, headers: &HeaderMap) -> Result<(), ApiError> {
+/// Checks the `Authorization` header and names the caller.
+fn authorize(router: &Router, headers: &HeaderMap) -> Result<KeyIdentity, ApiError> {
     let header = headers
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());

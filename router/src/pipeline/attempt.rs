@@ -27,7 +27,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tandem_cluster::Role;
+use tandem_cluster::{Role, UsageTotals};
 use tandem_proto::v1 as pb;
 use tandem_proto::v1::decode_client::DecodeClient;
 use tandem_proto::v1::prefill_client::PrefillClient;
@@ -66,6 +66,10 @@ pub(super) struct AttemptState<'a> {
     pub pin: Option<(String, String)>,
     /// Whether this is a client request (counted in the request metrics); the canary's are not.
     pub counted: bool,
+    /// The caller's key id: the completed request's usage is recorded under it.
+    pub key_id: Option<Arc<str>>,
+    /// Engine time the nodes reported for this request, every attempt included.
+    pub node_seconds: (f64, f64),
 }
 
 /// An open Prefill call whose first token arrived.
@@ -128,6 +132,8 @@ impl<'a> AttemptState<'a> {
             request_span,
             pin: None,
             counted: true,
+            key_id: None,
+            node_seconds: (0.0, 0.0),
         }
     }
 
@@ -158,6 +164,18 @@ impl<'a> AttemptState<'a> {
             }
             GenerationEvent::Final(done) => {
                 metrics.completed(priority, self.started.elapsed(), done.usage);
+                let usage = UsageTotals {
+                    requests: 1,
+                    input_tokens: u64::from(done.usage.prompt_tokens),
+                    cached_input_tokens: u64::from(done.usage.cached_prompt_tokens),
+                    output_tokens: u64::from(done.usage.completion_tokens),
+                    prefill_node_seconds: self.node_seconds.0,
+                    decode_node_seconds: self.node_seconds.1,
+                };
+                if let Some(key) = &self.key_id {
+                    self.inner.ledger.record(key, &usage);
+                    metrics.key_usage(key, &usage);
+                }
                 let span = &self.request_span;
                 span.record("gen_ai.usage.input_tokens", done.usage.prompt_tokens);
                 span.record("gen_ai.usage.output_tokens", done.usage.completion_tokens);
@@ -312,6 +330,7 @@ impl<'a> AttemptState<'a> {
             None => return Err(PrefillCall::protocol(&node_id)("stream ended before the first token")),
         };
         span.record("tandem.cached_prompt_tokens", first.cached_prompt_tokens);
+        self.node_seconds.0 += first.node_seconds;
         Ok(PrefillCall {
             dispatch,
             node_id,
@@ -455,6 +474,7 @@ impl<'a> AttemptState<'a> {
                     }
                     Ok(Some(pb::DecodeResponse { event: Some(pb::decode_response::Event::Final(done)) })) => {
                         guard.disarm();
+                        self.node_seconds.1 += done.node_seconds;
                         let completion_tokens = done
                             .usage
                             .map(|u| u.completion_tokens)

@@ -39,15 +39,17 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use futures_util::Stream;
-use tandem_cluster::{Discovery, LoadSignals, Role};
+use tandem_cluster::{Discovery, LoadSignals, Role, UsageStore};
 use tandem_proto::v1 as pb;
 use tandem_telemetry::trace::propagation::{self, RemoteParent};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::admission::{Admission, AdmissionLimits, ApiKeys, Permit};
+use crate::admission::{Admission, AdmissionLimits, Permit};
+use crate::keys::{ApiKeys, KeyIdentity};
 use crate::canary::{CanarySettings, CanaryState};
+use crate::usage::{CostModel, Ledger};
 use crate::error::{NodeFault, RouterError};
 use crate::metrics::RouterMetrics;
 use crate::model::ServedModel;
@@ -198,6 +200,8 @@ pub struct RouterOptions {
     pub stream_idle_timeout: Duration,
     /// The canary (health that runs real inference).
     pub canary: CanarySettings,
+    /// The cost of a node-hour per pool (`/v1/usage` prices usage with it).
+    pub cost: CostModel,
 }
 
 /// Shared state of a router.
@@ -210,6 +214,7 @@ pub(crate) struct Inner {
     decode: NodePool,
     stats: Arc<RouterStats>,
     metrics: RouterMetrics,
+    ledger: Arc<Ledger>,
     canary: std::sync::Mutex<CanaryState>,
     /// Bumped after every canary round (health watchers re-evaluate).
     canary_rounds: tokio::sync::watch::Sender<u64>,
@@ -263,13 +268,15 @@ impl WeakRouter {
 }
 
 impl Router {
-    /// Starts a router for `model`: watches both roles' membership and load reports. Fails if
-    /// the first listing of either fails (the control plane is unreachable at startup).
+    /// Starts a router for `model`: watches both roles' membership and load reports, and keeps
+    /// usage in `usage` (etcd in production). Fails if the first listing of either role fails
+    /// (the control plane is unreachable at startup).
     pub async fn start(
         model: ServedModel,
         options: RouterOptions,
         discovery: Arc<dyn Discovery>,
         signals: Arc<dyn LoadSignals>,
+        usage: Arc<dyn UsageStore>,
     ) -> Result<Self, RouterError> {
         let stats = Arc::new(RouterStats::default());
         let shutdown = CancellationToken::new();
@@ -313,6 +320,7 @@ impl Router {
         let router = Self {
             inner: Arc::new(Inner {
                 metrics: metrics.clone(),
+                ledger: Arc::new(Ledger::new(usage)),
                 canary: std::sync::Mutex::new(CanaryState::default()),
                 canary_rounds: tokio::sync::watch::Sender::new(0),
                 canary_prompt,
@@ -329,6 +337,10 @@ impl Router {
             }),
         };
         metrics.install(&router);
+        tokio::spawn(crate::usage::flush_loop(
+            Arc::clone(&router.inner.ledger),
+            router.inner.shutdown.clone(),
+        ));
         if let Some(interval) = canary_interval {
             tokio::spawn(probe::canary_loop(
                 router.downgrade(),
@@ -371,9 +383,19 @@ impl Router {
         &self.inner.options
     }
 
-    /// Checks an `Authorization` value against the configured API keys.
-    pub fn authorize(&self, authorization: Option<&str>) -> Result<(), RouterError> {
+    /// Checks an `Authorization` value against the configured API keys and names the caller.
+    pub fn authorize(&self, authorization: Option<&str>) -> Result<KeyIdentity, RouterError> {
         self.inner.options.api_keys.check(authorization)
+    }
+
+    /// The usage ledger.
+    pub fn ledger(&self) -> &Ledger {
+        &self.inner.ledger
+    }
+
+    /// Writes pending usage now (graceful shutdown, tests).
+    pub async fn flush_usage(&self) -> Result<(), RouterError> {
+        self.inner.ledger.flush().await.map_err(RouterError::Cluster)
     }
 
     /// The cluster this router serves.
@@ -485,12 +507,13 @@ impl Router {
             tandem.priority = tracing::field::Empty,
             tandem.ttft_ms = tracing::field::Empty,
             tandem.attempts = tracing::field::Empty,
+            tandem.key_id = %context.key.id,
             error.type = tracing::field::Empty,
         );
         propagation::adopt(&span, context.parent);
         let traceparent = propagation::traceparent(&span);
         let result = self
-            .start_request(request, started, span.clone())
+            .start_request(request, started, span.clone(), context.key.id)
             .instrument(span.clone())
             .await;
         match result {
@@ -516,6 +539,7 @@ impl Router {
         request: GenerateRequest,
         started: Instant,
         span: tracing::Span,
+        key_id: Arc<str>,
     ) -> Result<GenerationStream, RouterError> {
         let inner = &self.inner;
         let prepared = prepare(&inner.model, inner.options.tokens, request, || {
@@ -568,6 +592,7 @@ impl Router {
                 events_tx,
                 started,
                 span.clone(),
+                key_id,
             )
             .instrument(span),
         );
@@ -586,10 +611,21 @@ impl Router {
 }
 
 /// What an ingress knows about a request beyond its body.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct RequestContext {
     /// The caller's W3C trace context (HTTP headers, gRPC metadata); none starts a new trace.
     pub parent: RemoteParent,
+    /// Who is calling (usage is counted under its id).
+    pub key: KeyIdentity,
+}
+
+impl Default for RequestContext {
+    fn default() -> Self {
+        RequestContext {
+            parent: RemoteParent::none(),
+            key: KeyIdentity::anonymous(),
+        }
+    }
 }
 
 /// A request's task: attempts until success, a final error, or the client leaving.
@@ -600,11 +636,12 @@ async fn run_request(
     events: mpsc::Sender<Result<GenerationEvent, RouterError>>,
     started: Instant,
     span: tracing::Span,
+    key_id: Arc<str>,
 ) {
     let outcome = tokio::select! {
         biased;
         _ = events.closed() => Err(RouterError::Cancelled),
-        outcome = drive(&inner, &request, &events, started, span.clone()) => outcome,
+        outcome = drive(&inner, &request, &events, started, span.clone(), key_id) => outcome,
     };
     match outcome {
         Ok(()) => bump(&inner.stats.completed),
@@ -633,8 +670,10 @@ async fn drive(
     events: &mpsc::Sender<Result<GenerationEvent, RouterError>>,
     started: Instant,
     request_span: tracing::Span,
+    key_id: Arc<str>,
 ) -> Result<(), RouterError> {
     let mut state = AttemptState::new(inner, request, events, started, request_span.clone());
+    state.key_id = Some(key_id);
     let max_attempts = inner.options.max_attempts.max(1);
     let mut attempts = 0;
     let mut reason: &'static str = "first";

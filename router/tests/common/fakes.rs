@@ -252,6 +252,7 @@ impl Decode for DecodeService {
                         cached_prompt_tokens: r.cached_prompt_tokens,
                         completion_tokens: max_tokens,
                     }),
+                    node_seconds: 0.001 * f64::from(max_tokens),
                 })),
             };
             if tx.send(Ok(done)).await.is_ok() {
@@ -301,6 +302,7 @@ impl Prefill for PrefillService {
                 event: Some(pb::prefill_response::Event::FirstToken(pb::FirstToken {
                     token_id: first_token(&r.prompt_token_ids),
                     cached_prompt_tokens: 0,
+                    node_seconds: 0.002,
                 })),
             };
             let pushed = pb::PrefillResponse {

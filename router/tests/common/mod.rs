@@ -66,6 +66,7 @@ pub fn options() -> RouterOptions {
         max_report_age: Duration::from_secs(1),
         stream_idle_timeout: Duration::from_secs(10),
         canary: tandem_router::canary::CanarySettings::disabled(),
+        cost: Default::default(),
     }
 }
 
@@ -167,7 +168,13 @@ pub async fn start_router(
     signals: Arc<dyn LoadSignals>,
     options: RouterOptions,
 ) -> RunningRouter {
-    let router = Router::start(model(), options, discovery, signals)
+    let router = Router::start(
+        model(),
+        options,
+        discovery,
+        signals,
+        std::sync::Arc::new(tandem_cluster::MemoryUsageStore::default()),
+    )
         .await
         .expect("router starts");
     let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
