@@ -36,6 +36,10 @@ pub enum Mode {
     Disaggregated,
     /// Only the in-process engine.
     Colocated,
+    /// What observability costs: the 1P+1D cluster with telemetry off, traced (every request
+    /// sampled, exported to a local OTLP receiver) and scraped (every process's /metrics read
+    /// once a second), in alternating rounds.
+    Telemetry,
 }
 
 /// Flags of `tandem bench-serve`.
@@ -62,6 +66,9 @@ pub struct BenchServeArgs {
     /// Model (default: the cached SmolLM2-135M-Instruct).
     #[arg(long, env = "TANDEM_MODEL")]
     pub model: Option<std::path::PathBuf>,
+    /// Rounds of each configuration with `--mode telemetry` (alternating; medians reported).
+    #[arg(long, default_value_t = 2)]
+    pub rounds: usize,
 }
 
 /// One request's timings.
@@ -124,7 +131,7 @@ fn summarize(concurrency: usize, samples: &[Sample], wall: Duration) -> Level {
     }
 }
 
-fn prompts(args: &BenchServeArgs, level: usize, vocab: usize) -> Vec<Vec<u32>> {
+pub(crate) fn prompts(args: &BenchServeArgs, level: usize, vocab: usize) -> Vec<Vec<u32>> {
     let mut rng = Rng::new(0xBE7C + level as u64);
     // Skip the 256 byte tokens where the vocabulary has more (ordinary text tokens).
     let first = if vocab > 512 { 256 } else { 0 };
@@ -137,7 +144,7 @@ fn prompts(args: &BenchServeArgs, level: usize, vocab: usize) -> Vec<Vec<u32>> {
         .collect()
 }
 
-async fn disaggregated_level(
+pub(crate) async fn disaggregated_level(
     grpc: std::net::SocketAddr,
     c: usize,
     prompts: Vec<Vec<u32>>,
@@ -264,6 +271,9 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<String> {
         None => crate::fetch::ensure_default_model()?,
     };
     let vocab = tandem_engine::ModelConfig::from_path(&model)?.vocab_size;
+    if args.mode == Mode::Telemetry {
+        return crate::bench_telemetry::run(args, &model, vocab);
+    }
     let mut report = Report {
         prompt_len: args.prompt_len,
         max_tokens: args.max_tokens,
@@ -395,7 +405,7 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<String> {
 }
 
 /// One progress line per finished level on stderr (stdout carries only the report).
-fn progress(side: &str, l: &Level) {
+pub(crate) fn progress(side: &str, l: &Level) {
     eprintln!(
         "bench-serve: {side} concurrency {} done: TTFT p50 {:.1} ms, {:.1} output tok/s",
         l.concurrency, l.ttft_p50_ms, l.output_tok_s

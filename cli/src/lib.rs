@@ -13,6 +13,7 @@
 
 pub mod bench_engine;
 pub mod bench_serve;
+pub mod bench_telemetry;
 pub mod fetch;
 pub mod generate;
 pub mod load;
