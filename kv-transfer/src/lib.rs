@@ -41,6 +41,7 @@ pub mod metrics;
 pub mod pattern;
 pub mod peer;
 pub mod pool;
+pub mod selfcheck;
 pub mod tcp;
 pub mod transport;
 #[cfg(feature = "ucx")]
