@@ -1,7 +1,8 @@
 //! A node that cannot serve does not linger: when a decode node's engine thread panics (fault
 //! injection, `--fault-engine-panic-after-steps`), the node deletes its etcd record and revokes
 //! its lease at once (well before the lease would expire), exits non-zero, and the request it
-//! was serving migrates to another decode node and completes. Real processes.
+//! was serving migrates to another decode node and completes. And the canary takes a frozen
+//! (SIGSTOPped) decode node out of routing until it answers again. Real processes.
 
 mod common;
 mod e2e {
@@ -67,4 +68,54 @@ async fn a_decode_node_whose_engine_panics_leaves_at_once_exits_non_zero_and_its
     // The survivor keeps serving.
     let (status, _) = http(c.http, "POST", "/v1/completions", Some(body)).await.unwrap();
     assert_eq!(status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_canary_takes_a_frozen_decode_node_out_of_routing_and_back_when_it_recovers() {
+    let mut c = Cluster::start("e2e-canary").await;
+    c.node("decode", "d0", &[]);
+    c.node("decode", "d1", &["--lease-ttl-secs", "60"]);
+    c.node("prefill", "p0", &[]);
+    c.router(&["--canary-interval-secs", "1", "--canary-timeout-ms", "1500"]);
+    c.wait_ready(1, 2).await;
+    let pair = |v: &serde_json::Value, d: &str| -> Option<bool> {
+        v["canary"]["pair_results"]
+            .as_array()?
+            .iter()
+            .find(|p| p["decode"] == d)
+            .and_then(|p| p["passing"].as_bool())
+    };
+    let health = async |c: &Cluster| -> (u16, serde_json::Value) {
+        let (s, body) = http(c.http, "GET", "/health?verbose=true", None).await.unwrap();
+        (s, serde_json::from_str(&body).unwrap_or_default())
+    };
+    c.wait_for("both pairs to pass", Duration::from_secs(20), async |c| {
+        let (_, v) = health(c).await;
+        pair(&v, "d0") == Some(true) && pair(&v, "d1") == Some(true)
+    })
+    .await;
+
+    let d1 = c.proc("d1").child.id() as i32;
+    // SAFETY: kill(2) on a child of this test.
+    unsafe { libc::kill(d1, libc::SIGSTOP) };
+    c.wait_for("the canary to fail d1's pair", Duration::from_secs(30), async |c| {
+        pair(&health(c).await.1, "d1") == Some(false)
+    })
+    .await;
+    let (status, v) = health(&c).await;
+    assert_eq!(status, 200, "d0's pair still passes: {v}");
+    // d1 is out of routing: every request goes to d0 and succeeds at once.
+    for _ in 0..4 {
+        let t0 = Instant::now();
+        let body = r#"{"prompt": "Hello there", "max_tokens": 4}"#;
+        let (s, reply) = http(c.http, "POST", "/v1/completions", Some(body)).await.unwrap();
+        assert_eq!(s, 200, "{reply}");
+        assert!(t0.elapsed() < Duration::from_secs(5), "not routed to the frozen node");
+    }
+    // SAFETY: as above.
+    unsafe { libc::kill(d1, libc::SIGCONT) };
+    c.wait_for("d1's pair to pass again", Duration::from_secs(30), async |c| {
+        pair(&health(c).await.1, "d1") == Some(true)
+    })
+    .await;
 }
