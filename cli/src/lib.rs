@@ -14,6 +14,7 @@
 pub mod bench_engine;
 pub mod bench_serve;
 pub mod bench_telemetry;
+pub mod drain;
 pub mod fetch;
 pub mod generate;
 pub mod load;

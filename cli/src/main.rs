@@ -62,6 +62,8 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<std::ffi::OsString>,
     },
+    /// Ask a node to drain (finish its streams, take nothing new) and leave; waits until it has.
+    Drain(tandem_cli::drain::DrainArgs),
     /// Usage per API key (requests, tokens, node-seconds) from a router's ledger.
     Usage(tandem_cli::usage::UsageArgs),
     /// Cost per API key and per pool ($ per million input, cached input and output tokens)
@@ -111,6 +113,7 @@ fn main() -> ExitCode {
         Command::Generate(a) => generate::run(a),
         Command::Plan(a) => plan::run(a).map(|s| println!("{s}")),
         Command::Up(a) => tandem_cli::up::run(a),
+        Command::Drain(a) => tandem_cli::drain::run(a).map(|s| println!("{s}")),
         Command::Usage(a) => tandem_cli::usage::usage(a).map(|s| println!("{s}")),
         Command::Cost(a) => tandem_cli::usage::cost(a).map(|s| println!("{s}")),
         Command::BenchServe(a) => tandem_cli::bench_serve::run(a).map(|s| println!("{s}")),

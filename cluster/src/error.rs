@@ -129,6 +129,14 @@ pub enum ClusterError {
         /// The node id.
         node_id: String,
     },
+    /// No node of that role and id is registered.
+    #[error("no {role} node `{node_id}` is registered")]
+    UnknownNode {
+        /// The role asked for.
+        role: Role,
+        /// The node id asked for.
+        node_id: String,
+    },
 }
 
 impl ClusterError {
@@ -149,7 +157,8 @@ impl ClusterError {
             | ClusterError::InvalidNodeInfo { .. }
             | ClusterError::MalformedAddress { .. }
             | ClusterError::Serde { .. }
-            | ClusterError::RegistrationClosed { .. } => false,
+            | ClusterError::RegistrationClosed { .. }
+            | ClusterError::UnknownNode { .. } => false,
         }
     }
 
@@ -168,6 +177,7 @@ impl ClusterError {
             ClusterError::MalformedAddress { .. } => "malformed_address",
             ClusterError::Serde { .. } => "serde",
             ClusterError::RegistrationClosed { .. } => "registration_closed",
+            ClusterError::UnknownNode { .. } => "unknown_node",
         }
     }
 

@@ -151,6 +151,17 @@ impl ClusterKeys {
         ))
     }
 
+    /// `/tandem/{cluster}/drain/{role}/{node_id}`: a request that the node drain and leave
+    /// (written by `tandem drain` and the scaling executors, consumed by the node).
+    pub fn drain_key(&self, role: Role, node_id: &str) -> Result<String, ClusterError> {
+        Ok(format!(
+            "{}drain/{}/{}",
+            self.cluster_prefix(),
+            role.as_str(),
+            encode_segment("node id", node_id)?
+        ))
+    }
+
     /// `/tandem/{cluster}/usage/`: the usage ledger, one record per API key id.
     pub fn usage_prefix(&self) -> String {
         format!("{}usage/", self.cluster_prefix())

@@ -40,5 +40,5 @@ pub use load::{
     DEFAULT_LOAD_PERIOD, LoadPublisher, LoadReport, LoadSignals, LoadSignalsStatus, LoadView,
     MemoryLoadSignals, NatsConfig, NatsLoadSignals, ReceivedReport,
 };
-pub use node::{ClusterLayout, NodeInfo, NodeView, Role};
+pub use node::{ClusterLayout, NodeInfo, NodeState, NodeView, Role};
 pub use usage::{EtcdUsageStore, MemoryUsageStore, UsageStore, UsageTotals};

@@ -62,6 +62,40 @@ impl FromStr for Role {
     }
 }
 
+/// Where a node is in its life (DESIGN.md "Scaling and a node's life"), published in its
+/// record. Only `Serving` nodes get work.
+///
+/// ```text
+///  starting → warming → serving → draining → gone (record deleted, lease revoked)
+///   (engine     (forward pass,   (routed)   (no new work; running
+///    loading)    KV self-check)              streams finish or migrate)
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NodeState {
+    /// Registered while loading (not used by the nodes today: they register once loaded).
+    Starting,
+    /// Model loaded and answering; running its warm-up checks. Not routed.
+    Warming,
+    /// Takes work. (Records written before states existed read as serving.)
+    #[default]
+    Serving,
+    /// Finishing what it runs; takes nothing new. Then it leaves.
+    Draining,
+}
+
+impl NodeState {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NodeState::Starting => "starting",
+            NodeState::Warming => "warming",
+            NodeState::Serving => "serving",
+            NodeState::Draining => "draining",
+        }
+    }
+}
+
 /// One node's registration record.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct NodeInfo {
@@ -81,8 +115,12 @@ pub struct NodeInfo {
     pub layout_fingerprint: u64,
     /// Total KV blocks the node holds.
     pub capacity_blocks: u64,
-    /// True while the node finishes its running requests and takes no new ones.
+    /// True while the node finishes its running requests and takes no new ones (kept beside
+    /// `state` for readers that predate it: `state == Draining` sets it).
     pub draining: bool,
+    /// Where the node is in its life; only `Serving` nodes are routed.
+    #[serde(default)]
+    pub state: NodeState,
     /// Software version of the node binary.
     pub version: String,
     /// When the node process started, Unix milliseconds.
@@ -113,6 +151,7 @@ impl NodeInfo {
             layout,
             capacity_blocks,
             draining: false,
+            state: NodeState::Serving,
             version: env!("CARGO_PKG_VERSION").to_string(),
             started_at_unix_ms: unix_ms_now(),
             metrics_url: String::new(),
@@ -131,9 +170,16 @@ impl NodeInfo {
         self
     }
 
+    /// Starts the record in `state` (a node registers `Warming`, then serves).
+    pub fn with_state(mut self, state: NodeState) -> Self {
+        self.state = state;
+        self.draining = state == NodeState::Draining;
+        self
+    }
+
     /// Whether a router may send this node new work.
     pub fn accepts_work(&self) -> bool {
-        !self.draining
+        !self.draining && self.state == NodeState::Serving
     }
 
     /// Checks the fields that registration relies on.

@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use tandem_cluster::{NodeInfo, Role};
+use tandem_cluster::{NodeInfo, NodeState, Role};
 use tandem_engine::KvLayout;
 use tandem_kv_transfer::{InboundRegistry, TransferConfig};
 use tandem_node::engine_thread::{self, EngineHandle, EngineSnapshot};
@@ -89,7 +89,7 @@ pub struct DecodeNode {
     reservations: Reservations,
     registry: InboundRegistry,
     plan: ShutdownPlan<Command>,
-    kv_failed: Failure,
+    failure: Failure,
 }
 
 impl DecodeNode {
@@ -151,7 +151,8 @@ impl DecodeNode {
         metrics.watch_engine(engine.snapshot());
         let registry = InboundRegistry::new(registration, TransferConfig::default().fence_timeout);
         let background = CancellationToken::new();
-        let kv_failed = Failure::default();
+        let failure = Failure::default();
+        let kv_failed = failure.clone();
         {
             let (net, registry, stop) =
                 (Arc::clone(&net), registry.clone(), background.child_token());
@@ -165,7 +166,7 @@ impl DecodeNode {
                         Ok(()) => "it returned without being stopped".into(),
                     };
                     tracing::error!(%reason, "KV receiver stopped");
-                    failed.fail(reason);
+                    failed.fail("the KV receiver", reason);
                 }
             });
         }
@@ -208,7 +209,8 @@ impl DecodeNode {
         let grpc_url = format!("http://{}", listen.advertised(grpc_addr));
         let info = NodeInfo::new(&node_id, Role::Decode, &grpc_url, layout, num_blocks as u64)
             .with_kv_transfer_addr(kv_address.to_string())
-            .with_metrics_url(&metrics_url);
+            .with_metrics_url(&metrics_url)
+            .with_state(NodeState::Warming);
         let mut plan = ShutdownPlan {
             lifecycle,
             server,
@@ -229,6 +231,10 @@ impl DecodeNode {
         {
             Ok(m) => {
                 m.export_to(&metrics);
+                if let Err(e) = lifecycle::warm_up(&m, kind, layout).await {
+                    plan.membership = Some(m);
+                    return Err(plan.abort("warm-up", e.to_string()).await);
+                }
                 plan.membership = Some(m);
             }
             Err(e) => {
@@ -248,7 +254,7 @@ impl DecodeNode {
             reservations,
             registry,
             plan,
-            kv_failed,
+            failure,
         })
     }
 
@@ -292,18 +298,10 @@ impl DecodeNode {
         self.plan.run().await;
     }
 
-    /// Resolves if the node can no longer serve (its engine thread died or its KV receiver
-    /// stopped), with what died and why.
-    pub async fn failed(&self) -> (&'static str, String) {
-        tokio::select! {
-            () = self.engine.died() => ("the engine thread", "it panicked (see the log above)".into()),
-            reason = self.kv_failed.wait() => ("the KV receiver", reason),
-        }
-    }
-
-    /// Leaves the cluster at once after [`failed`](Self::failed) resolved; the error to exit with.
-    pub async fn abort(self, what: &'static str, reason: String) -> NodeError {
-        self.plan.abort(what, reason).await
+    /// Serves until `shutdown`, a drain request or a failure (see
+    /// [`lifecycle::serve_until`]).
+    pub async fn serve_until(self, shutdown: impl Future<Output = ()>) -> Result<(), NodeError> {
+        lifecycle::serve_until(self.plan, self.failure, shutdown).await
     }
 }
 
@@ -318,13 +316,7 @@ pub async fn run(args: DecodeArgs, shutdown: impl Future<Output = ()>) -> Result
         node.kv_address(),
         node.node_id()
     );
-    tokio::select! {
-        () = shutdown => {
-            node.shutdown().await;
-            Ok(())
-        }
-        (what, reason) = node.failed() => Err(node.abort(what, reason).await),
-    }
+    node.serve_until(shutdown).await
 }
 
 /// The binary's body (also `tandem decode`): parse `argv` with file layering, log to stderr,

@@ -115,20 +115,87 @@ impl Lifecycle {
 #[derive(Clone, Default)]
 pub struct Failure {
     token: CancellationToken,
-    reason: Arc<std::sync::OnceLock<String>>,
+    reason: Arc<std::sync::OnceLock<(&'static str, String)>>,
 }
 
 impl Failure {
-    /// Records the failure (the first reason is kept) and wakes [`wait`](Self::wait).
-    pub fn fail(&self, reason: String) {
-        let _ = self.reason.set(reason);
+    /// Records that `what` failed (the first failure is kept) and wakes [`wait`](Self::wait).
+    pub fn fail(&self, what: &'static str, reason: String) {
+        let _ = self.reason.set((what, reason));
         self.token.cancel();
     }
 
-    /// Resolves with the reason once the failure happened.
-    pub async fn wait(&self) -> String {
+    /// Resolves with what failed and why, once something did.
+    pub async fn wait(&self) -> (&'static str, String) {
         self.token.cancelled().await;
-        self.reason.get().cloned().unwrap_or_default()
+        self.reason.get().cloned().unwrap_or(("a node task", String::new()))
+    }
+}
+
+/// Warming → serving (the node is registered `warming`, so no router sends it work yet): the
+/// engine already ran a forward pass when it was built ([`crate::model::build_engine`]); this
+/// moves KV through a loopback transfer on the node's own transport kind and layout
+/// ([`tandem_kv_transfer::selfcheck`]) and then publishes `serving`.
+pub async fn warm_up(
+    membership: &Membership,
+    kind: tandem_kv_transfer::TransportKind,
+    layout: tandem_engine::KvLayout,
+) -> Result<(), NodeError> {
+    let report = tandem_kv_transfer::selfcheck::self_check(kind, layout)
+        .await
+        .map_err(|source| NodeError::Transport {
+            transport: kind.as_str(),
+            source,
+        })?;
+    tracing::info!(
+        transport = report.transport,
+        bytes = report.bytes,
+        took_us = report.elapsed.as_micros() as u64,
+        "warm: KV self-check passed; serving"
+    );
+    membership.set_state(tandem_cluster::NodeState::Serving).await
+}
+
+/// What ended a node's serving.
+enum Ending {
+    Stop,
+    Drain,
+    Died(&'static str, String),
+}
+
+/// Serves until `shutdown` (SIGTERM, Ctrl-C), a drain request (`tandem drain`, a scale-down:
+/// the same phased shutdown, then exit 0), or a failure the node cannot serve through (its
+/// engine thread died, `failure` fired: leave at once and return the error to exit with).
+pub async fn serve_until<C: Send + 'static>(
+    plan: ShutdownPlan<C>,
+    failure: Failure,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), NodeError> {
+    let ending = {
+        let drain = async {
+            match &plan.membership {
+                Some(m) => m.drain_requested().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            () = shutdown => Ending::Stop,
+            () = drain => Ending::Drain,
+            () = plan.engine.died() => Ending::Died("the engine thread", "it panicked (see the log above)".into()),
+            (what, reason) = failure.wait() => Ending::Died(what, reason),
+        }
+    };
+    match ending {
+        Ending::Stop => {
+            plan.run().await;
+            Ok(())
+        }
+        Ending::Drain => {
+            tracing::info!("drain requested: finishing in-flight work, then leaving");
+            plan.run().await;
+            Ok(())
+        }
+        Ending::Died(what, reason) => Err(plan.abort(what, reason).await),
     }
 }
 

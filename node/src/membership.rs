@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use tandem_cluster::{
     ClusterError, Discovery, EtcdConfig, EtcdDiscovery, LoadPublisher, LoadReport, LoadSignals,
-    NatsConfig, NatsLoadSignals, NodeInfo, Registration, RegistrationState,
+    NatsConfig, NatsLoadSignals, NodeInfo, NodeState, Registration, RegistrationState,
 };
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -42,6 +42,7 @@ pub struct Membership {
     publisher: LoadPublisher,
     forwarder: JoinHandle<()>,
     signals: Arc<dyn LoadSignals>,
+    discovery: Arc<dyn Discovery>,
     lease_failures: Arc<AtomicU64>,
     lease_watch: JoinHandle<()>,
 }
@@ -112,6 +113,7 @@ pub async fn join(
         publisher,
         forwarder,
         signals,
+        discovery,
         lease_failures,
         lease_watch,
     })
@@ -205,6 +207,24 @@ impl Membership {
             self.signals.status(),
             Arc::clone(&self.lease_failures),
         );
+    }
+
+    /// Publishes the node's state in its record (warming → serving).
+    pub async fn set_state(&self, state: NodeState) -> Result<(), NodeError> {
+        self.registration
+            .set_state(state)
+            .await
+            .map_err(|source| NodeError::Cluster {
+                step: "publish the node's state in etcd",
+                source,
+            })
+    }
+
+    /// Resolves once someone asked this node to drain (`tandem drain`, a scale-down).
+    pub async fn drain_requested(&self) {
+        self.discovery
+            .drain_requested(self.registration.role(), self.registration.node_id())
+            .await
     }
 
     /// Sets the `draining` flag in the node's record (routers stop sending new work). A failure

@@ -26,13 +26,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use tandem_cluster::{NodeInfo, Role};
+use tandem_cluster::{NodeInfo, NodeState, Role};
 use tandem_engine::KvLayout;
 use tandem_kv_transfer::{KvTransport, TransportKind};
 use tandem_node::engine_thread::{self, EngineHandle, EngineSnapshot};
 use tandem_node::env_names::*;
 use tandem_node::lifecycle::{self, ShutdownPlan};
-use tandem_node::NodeMetrics;
+use tandem_node::{Failure, NodeMetrics};
 use tandem_node::{
     Coordination, Lifecycle, NodeArgs, NodeError, membership, model, server, transport,
 };
@@ -207,7 +207,8 @@ impl PrefillNode {
             layout,
             num_blocks as u64,
         )
-        .with_metrics_url(&metrics_url);
+        .with_metrics_url(&metrics_url)
+        .with_state(NodeState::Warming);
         let mut plan = ShutdownPlan {
             lifecycle,
             server,
@@ -228,6 +229,10 @@ impl PrefillNode {
         {
             Ok(m) => {
                 m.export_to(&metrics);
+                if let Err(e) = lifecycle::warm_up(&m, kind, layout).await {
+                    plan.membership = Some(m);
+                    return Err(plan.abort("warm-up", e.to_string()).await);
+                }
                 plan.membership = Some(m);
             }
             Err(e) => {
@@ -278,15 +283,10 @@ impl PrefillNode {
         self.plan.run().await;
     }
 
-    /// Resolves if the node can no longer serve (its engine thread died), with what died.
-    pub async fn failed(&self) -> (&'static str, String) {
-        self.engine.died().await;
-        ("the engine thread", "it panicked (see the log above)".into())
-    }
-
-    /// Leaves the cluster at once after [`failed`](Self::failed) resolved; the error to exit with.
-    pub async fn abort(self, what: &'static str, reason: String) -> NodeError {
-        self.plan.abort(what, reason).await
+    /// Serves until `shutdown`, a drain request or a failure (see
+    /// [`lifecycle::serve_until`]).
+    pub async fn serve_until(self, shutdown: impl Future<Output = ()>) -> Result<(), NodeError> {
+        lifecycle::serve_until(self.plan, Failure::default(), shutdown).await
     }
 }
 
@@ -300,13 +300,7 @@ pub async fn run(args: PrefillArgs, shutdown: impl Future<Output = ()>) -> Resul
         node.grpc_addr(),
         node.node_id()
     );
-    tokio::select! {
-        () = shutdown => {
-            node.shutdown().await;
-            Ok(())
-        }
-        (what, reason) = node.failed() => Err(node.abort(what, reason).await),
-    }
+    node.serve_until(shutdown).await
 }
 
 /// The binary's body (also `tandem prefill`): parse `argv` with file layering, log to stderr,

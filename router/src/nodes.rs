@@ -450,8 +450,8 @@ async fn log_membership(
                 None => {
                     tracing::info!(role = %role, node_id = %id, addr = %info.grpc_addr, "{role} node joined")
                 }
-                Some(old) if old.draining != info.draining => {
-                    tracing::info!(role = %role, node_id = %id, draining = info.draining, "{role} node draining changed")
+                Some(old) if old.draining != info.draining || old.state != info.state => {
+                    tracing::info!(role = %role, node_id = %id, state = info.state.as_str(), draining = info.draining, "{role} node state changed")
                 }
                 Some(_) => {}
             }

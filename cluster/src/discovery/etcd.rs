@@ -153,6 +153,50 @@ impl Discovery for EtcdDiscovery {
         self.inner.keys.cluster()
     }
 
+    async fn request_drain(&self, role: Role, node_id: &str) -> Result<(), ClusterError> {
+        let node_key = self.inner.keys.node_key(role, node_id)?;
+        let drain_key = self.inner.keys.drain_key(role, node_id)?;
+        let mut kv = self.inner.client.kv_client();
+        // Only for a node that is registered now: the request must not wait for a future node.
+        let txn = etcd_client::Txn::new()
+            .when([etcd_client::Compare::create_revision(
+                node_key,
+                etcd_client::CompareOp::Greater,
+                0,
+            )])
+            .and_then([etcd_client::TxnOp::put(drain_key, b"drain".to_vec(), None)]);
+        let done = timed("drain request", self.inner.config.request_timeout, kv.txn(txn)).await?;
+        if done.succeeded() {
+            Ok(())
+        } else {
+            Err(ClusterError::UnknownNode {
+                role,
+                node_id: node_id.to_string(),
+            })
+        }
+    }
+
+    async fn drain_requested(&self, role: Role, node_id: &str) {
+        let Ok(key) = self.inner.keys.drain_key(role, node_id) else {
+            return std::future::pending().await;
+        };
+        let mut backoff = super::Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
+        loop {
+            match wait_for_key(&self.inner, &key).await {
+                Ok(()) => {
+                    // Consume the request (a restarted node with the same id must not drain).
+                    let mut kv = self.inner.client.kv_client();
+                    let _ = timed("drain consume", self.inner.config.request_timeout, kv.delete(key.clone(), None)).await;
+                    return;
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "waiting for drain requests failed; retrying");
+                    tokio::time::sleep(backoff.next_delay()).await;
+                }
+            }
+        }
+    }
+
     async fn register(&self, info: NodeInfo) -> Result<Registration, ClusterError> {
         etcd_lease::register(Arc::clone(&self.inner), info).await
     }
@@ -167,6 +211,40 @@ impl Discovery for EtcdDiscovery {
         tokio::spawn(follow(Arc::clone(&self.inner), role, tx, revision));
         Ok(rx)
     }
+}
+
+/// Resolves once `key` exists (now, or after a watch sees it put).
+async fn wait_for_key(inner: &Inner, key: &str) -> Result<(), ClusterError> {
+    let mut kv = inner.client.kv_client();
+    let got = timed("drain get", inner.config.request_timeout, kv.get(key, None)).await?;
+    if !got.kvs().is_empty() {
+        return Ok(());
+    }
+    let revision = got.header().map_or(0, |h| h.revision());
+    let mut client = inner.client.watch_client();
+    let mut stream = timed(
+        "drain watch",
+        inner.config.request_timeout,
+        client.watch(key, Some(WatchOptions::new().with_start_revision(revision + 1))),
+    )
+    .await?;
+    while let Some(response) = stream
+        .message()
+        .await
+        .map_err(|e| ClusterError::etcd("drain watch", e))?
+    {
+        if response
+            .events()
+            .iter()
+            .any(|e| e.event_type() == EventType::Put)
+        {
+            return Ok(());
+        }
+    }
+    Err(ClusterError::etcd(
+        "drain watch",
+        etcd_client::Error::WatchError("stream ended".into()),
+    ))
 }
 
 /// Runs one etcd request under a time limit, naming the operation in any error.

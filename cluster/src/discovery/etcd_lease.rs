@@ -311,10 +311,11 @@ async fn hold(inner: Arc<Inner>, mut info: NodeInfo, mut lease: i64, mut task: R
             _ = task.dropped.cancelled() => break,
             command = task.commands.recv() => match command {
                 None => break,
-                Some(Command::SetDraining { draining, reply }) => {
-                    info.draining = draining;
+                Some(Command::SetState { state, reply }) => {
+                    info.state = state;
+                    info.draining = state == crate::node::NodeState::Draining;
                     let written = if lost {
-                        Err(ClusterError::Unavailable { service: "etcd", op: "set draining" })
+                        Err(ClusterError::Unavailable { service: "etcd", op: "set state" })
                     } else {
                         rewrite(&inner, &info, lease).await
                     };

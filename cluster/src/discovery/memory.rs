@@ -37,6 +37,8 @@ struct Registry {
     layout: Option<ClusterLayout>,
     /// One sender per role (index: [`role_index`]); its value *is* the role's node table.
     views: [watch::Sender<NodeView>; 2],
+    /// Drain requests not yet consumed: (role, node id).
+    drains: watch::Sender<std::collections::BTreeSet<(Role, String)>>,
 }
 
 fn role_index(role: Role) -> usize {
@@ -56,6 +58,7 @@ impl MemoryDiscovery {
                 watch::Sender::new(BTreeMap::new()),
                 watch::Sender::new(BTreeMap::new()),
             ],
+            drains: watch::Sender::new(Default::default()),
         };
         Ok(Self {
             shared: Arc::new(Shared {
@@ -84,10 +87,11 @@ impl Shared {
         self.lock().views[role_index(role)].send_if_modified(|view| view.remove(node_id).is_some())
     }
 
-    fn set_draining(&self, role: Role, node_id: &str, draining: bool) {
+    fn set_state(&self, role: Role, node_id: &str, state: crate::node::NodeState) {
         self.lock().views[role_index(role)].send_if_modified(|view| match view.get_mut(node_id) {
-            Some(info) if info.draining != draining => {
-                info.draining = draining;
+            Some(info) if info.state != state => {
+                info.state = state;
+                info.draining = state == crate::node::NodeState::Draining;
                 true
             }
             _ => false,
@@ -99,6 +103,32 @@ impl Shared {
 impl Discovery for MemoryDiscovery {
     fn cluster(&self) -> &str {
         self.shared.keys.cluster()
+    }
+
+    async fn request_drain(&self, role: Role, node_id: &str) -> Result<(), ClusterError> {
+        let reg = self.shared.lock();
+        if !reg.views[role_index(role)].borrow().contains_key(node_id) {
+            return Err(ClusterError::UnknownNode {
+                role,
+                node_id: node_id.to_string(),
+            });
+        }
+        reg.drains.send_modify(|d| {
+            d.insert((role, node_id.to_string()));
+        });
+        Ok(())
+    }
+
+    async fn drain_requested(&self, role: Role, node_id: &str) {
+        let mut rx = self.shared.lock().drains.subscribe();
+        let key = (role, node_id.to_string());
+        if rx.wait_for(|d| d.contains(&key)).await.is_ok() {
+            self.shared.lock().drains.send_modify(|d| {
+                d.remove(&key);
+            });
+        } else {
+            std::future::pending::<()>().await;
+        }
     }
 
     async fn register(&self, info: NodeInfo) -> Result<Registration, ClusterError> {
@@ -191,8 +221,8 @@ async fn hold(shared: Arc<Shared>, role: Role, node_id: String, mut task: Regist
         tokio::select! {
             _ = task.dropped.cancelled() => break,
             command = task.commands.recv() => match command {
-                Some(Command::SetDraining { draining, reply }) => {
-                    registered.shared.set_draining(role, &registered.node_id, draining);
+                Some(Command::SetState { state, reply }) => {
+                    registered.shared.set_state(role, &registered.node_id, state);
                     let _ = reply.send(Ok(()));
                 }
                 Some(Command::Deregister { reply }) => {

@@ -53,6 +53,14 @@ pub trait Discovery: Send + Sync + 'static {
     /// The cluster this instance serves.
     fn cluster(&self) -> &str;
 
+    /// Asks node (`role`, `node_id`) to drain (finish what it runs, take nothing new) and leave.
+    /// [`ClusterError::UnknownNode`] if no such node is registered.
+    async fn request_drain(&self, role: Role, node_id: &str) -> Result<(), ClusterError>;
+
+    /// Resolves once someone asked node (`role`, `node_id`) to drain (the request is consumed).
+    /// Outages only delay it.
+    async fn drain_requested(&self, role: Role, node_id: &str);
+
     /// Registers `info` and keeps it registered until the handle is deregistered or dropped.
     ///
     /// Fails with [`ClusterError::LayoutMismatch`] when the cluster's registered nodes use a
@@ -95,8 +103,8 @@ pub enum RegistrationState {
 
 /// A request from a [`Registration`] handle to its background task.
 pub(crate) enum Command {
-    SetDraining {
-        draining: bool,
+    SetState {
+        state: crate::node::NodeState,
         reply: oneshot::Sender<Result<(), ClusterError>>,
     },
     Deregister {
@@ -168,13 +176,23 @@ impl Registration {
         self.state.clone()
     }
 
+    /// Sets the node's state in its record (`draining` follows: true for `Draining`).
+    pub async fn set_state(&self, state: crate::node::NodeState) -> Result<(), ClusterError> {
+        self.request(|reply| Command::SetState { state, reply })
+            .await
+    }
+
     /// Sets the `draining` flag in the node's record.
     ///
     /// On error (backend unreachable) the flag is still remembered and written whenever the
     /// record is written again.
     pub async fn set_draining(&self, draining: bool) -> Result<(), ClusterError> {
-        self.request(|reply| Command::SetDraining { draining, reply })
-            .await
+        let state = if draining {
+            crate::node::NodeState::Draining
+        } else {
+            crate::node::NodeState::Serving
+        };
+        self.set_state(state).await
     }
 
     /// Removes the node's record and ends its lease now, then stops the background task.
