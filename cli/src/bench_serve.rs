@@ -314,6 +314,7 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<String> {
             prometheus_bin: "prometheus".into(),
             trace: tandem_telemetry::TraceArgs::default(),
             node_args: vec![],
+            ..UpArgs::defaults()
         };
         let interrupt = up::Interrupt::install(&rt)?;
         let mut cluster = up::start(&up_args, &rt, &interrupt).context("starting the local 1P+1D cluster")?;

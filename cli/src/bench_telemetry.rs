@@ -133,6 +133,7 @@ pub fn run(args: &BenchServeArgs, model: &Path, vocab: usize) -> anyhow::Result<
                 prometheus_bin: "prometheus".into(),
                 trace,
                 node_args: vec![],
+                ..UpArgs::defaults()
             };
             let mut cluster = up::start(&up_args, &rt, &interrupt)
                 .with_context(|| format!("starting the {config} cluster"))?;

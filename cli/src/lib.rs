@@ -9,6 +9,8 @@
 //! | [`bench_serve`] | `tandem bench-serve` — TTFT and tokens/s, disaggregated (1P+1D) vs colocated |
 //! | [`fetch`] | `tandem model fetch` — download and verify the default model |
 //! | [`load`] | building an engine from flags |
+//! | [`planner`] | `tandem planner` — sizes the pools from their load signals |
+//! | [`scale`] | `tandem scale` — pool sizes and bounds by hand |
 //! | [`up`] | `tandem up` — a local cluster (etcd, NATS, nodes, router) from one command |
 
 pub mod bench_engine;
@@ -19,5 +21,7 @@ pub mod fetch;
 pub mod generate;
 pub mod load;
 pub mod plan;
+pub mod planner;
+pub mod scale;
 pub mod up;
 pub mod usage;

@@ -64,6 +64,11 @@ enum Command {
     },
     /// Ask a node to drain (finish its streams, take nothing new) and leave; waits until it has.
     Drain(tandem_cli::drain::DrainArgs),
+    /// Size the prefill and decode pools from their load signals (two may run; an etcd
+    /// election makes one act). `--dry-run` decides and prints without acting.
+    Planner(tandem_cli::planner::PlannerArgs),
+    /// Show or set the pools' sizes and bounds by hand (`tandem scale prefill=3 decode=2`).
+    Scale(tandem_cli::scale::ScaleArgs),
     /// Usage per API key (requests, tokens, node-seconds) from a router's ledger.
     Usage(tandem_cli::usage::UsageArgs),
     /// Cost per API key and per pool ($ per million input, cached input and output tokens)
@@ -113,6 +118,8 @@ fn main() -> ExitCode {
         Command::Generate(a) => generate::run(a),
         Command::Plan(a) => plan::run(a).map(|s| println!("{s}")),
         Command::Up(a) => tandem_cli::up::run(a),
+        Command::Planner(a) => tandem_cli::planner::run(a),
+        Command::Scale(a) => tandem_cli::scale::run(a).map(|s| println!("{s}")),
         Command::Drain(a) => tandem_cli::drain::run(a).map(|s| println!("{s}")),
         Command::Usage(a) => tandem_cli::usage::usage(a).map(|s| println!("{s}")),
         Command::Cost(a) => tandem_cli::usage::cost(a).map(|s| println!("{s}")),

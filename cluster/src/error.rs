@@ -129,6 +129,18 @@ pub enum ClusterError {
         /// The node id.
         node_id: String,
     },
+    /// A pool size outside the pool's limits (or limits with min above max).
+    #[error("{role} pool size {asked} refused: its limits are min {min}, max {max}")]
+    ScaleRefused {
+        /// The pool.
+        role: Role,
+        /// The size asked for.
+        asked: usize,
+        /// The pool's minimum.
+        min: usize,
+        /// The pool's maximum.
+        max: usize,
+    },
     /// No node of that role and id is registered.
     #[error("no {role} node `{node_id}` is registered")]
     UnknownNode {
@@ -158,7 +170,8 @@ impl ClusterError {
             | ClusterError::MalformedAddress { .. }
             | ClusterError::Serde { .. }
             | ClusterError::RegistrationClosed { .. }
-            | ClusterError::UnknownNode { .. } => false,
+            | ClusterError::UnknownNode { .. }
+            | ClusterError::ScaleRefused { .. } => false,
         }
     }
 
@@ -178,6 +191,7 @@ impl ClusterError {
             ClusterError::Serde { .. } => "serde",
             ClusterError::RegistrationClosed { .. } => "registration_closed",
             ClusterError::UnknownNode { .. } => "unknown_node",
+            ClusterError::ScaleRefused { .. } => "scale_refused",
         }
     }
 

@@ -162,6 +162,28 @@ impl ClusterKeys {
         ))
     }
 
+    /// `/tandem/{cluster}/scale/{role}`: the size the pool is asked to have (written by the
+    /// planner and `tandem scale`, acted on by an executor).
+    pub fn scale_key(&self, role: Role) -> String {
+        format!("{}scale/{}", self.cluster_prefix(), role.as_str())
+    }
+
+    /// `/tandem/{cluster}/scale-limits`: each pool's min and max, written by whoever runs the
+    /// executor (`tandem up`), checked by `tandem scale`.
+    pub fn scale_limits_key(&self) -> String {
+        format!("{}scale-limits", self.cluster_prefix())
+    }
+
+    /// `/tandem/{cluster}/planner/leader`: the acting planner's key (under its lease).
+    pub fn planner_leader_key(&self) -> String {
+        format!("{}planner/leader", self.cluster_prefix())
+    }
+
+    /// `tandem.{cluster}.planner.decisions`: every scaling decision, as JSON.
+    pub fn planner_decisions_subject(&self) -> String {
+        format!("{SUBJECT_ROOT}.{}.planner.decisions", self.cluster_segment)
+    }
+
     /// `/tandem/{cluster}/usage/`: the usage ledger, one record per API key id.
     pub fn usage_prefix(&self) -> String {
         format!("{}usage/", self.cluster_prefix())

@@ -8,6 +8,7 @@
 //!             re-list); MemoryDiscovery (= StaticDiscovery, in-process, same semantics)
 //! load        LoadReport, LoadSignals trait; NatsLoadSignals, MemoryLoadSignals;
 //!             LoadPublisher (latest value every period); LoadView with received-at times
+//! scale       desired pool sizes and their limits (ScaleStore), the planner election
 //! testing     TestEtcd, TestNats: the real servers on free ports, for tests
 //! error       ClusterError (one enum, structured variants, is_retryable, kind)
 //! ```
@@ -27,6 +28,7 @@ pub mod error;
 pub mod keys;
 pub mod load;
 pub mod node;
+pub mod scale;
 pub mod testing;
 pub mod usage;
 
@@ -41,4 +43,8 @@ pub use load::{
     MemoryLoadSignals, NatsConfig, NatsLoadSignals, ReceivedReport,
 };
 pub use node::{ClusterLayout, NodeInfo, NodeState, NodeView, Role};
+pub use scale::{
+    Election, EtcdElection, EtcdScaleStore, Leadership, MemoryElection, MemoryScaleStore, PoolBounds,
+    ScaleLimits, ScaleStore, ScaleTargets,
+};
 pub use usage::{EtcdUsageStore, MemoryUsageStore, UsageStore, UsageTotals};

@@ -94,6 +94,8 @@ pub fn share_step_time(engine: &Engine, step: Duration, mut add: impl FnMut(u64,
 pub struct EngineSnapshot {
     /// Requests waiting for admission.
     pub waiting: usize,
+    /// Prompt tokens not computed yet (waiting and in chunked prefill).
+    pub pending_prompt_tokens: usize,
     /// Sequences running.
     pub running: usize,
     /// KV blocks free (cached prefix blocks count as free: they are evictable).
@@ -122,6 +124,7 @@ impl EngineSnapshot {
         let stats = engine.stats();
         EngineSnapshot {
             waiting: s.num_waiting(),
+            pending_prompt_tokens: s.pending_prompt_tokens(),
             running: s.num_running(),
             free_blocks: s.blocks().num_free(),
             total_blocks: s.blocks().num_blocks(),

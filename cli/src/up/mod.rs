@@ -16,12 +16,15 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Args;
+mod pools;
 mod procs;
 pub mod prometheus;
 pub use procs::Interrupt;
 use procs::Procs;
 
-use tandem_cluster::{Discovery, EtcdConfig, EtcdDiscovery, Role};
+use tandem_cluster::{
+    Discovery, EtcdConfig, EtcdDiscovery, EtcdScaleStore, PoolBounds, Role, ScaleLimits, ScaleStore,
+};
 use tandem_proto::v1::inference_client::InferenceClient;
 use tandem_proto::v1::{
     ChatMessage, ChatMessages, GenerateRequest, SamplingParams, generate_request, generate_response,
@@ -93,12 +96,44 @@ pub struct UpArgs {
     /// The Prometheus binary (Debian package `prometheus`).
     #[arg(long, default_value = "prometheus")]
     pub prometheus_bin: String,
+    /// Run `tandem planner` beside the cluster: it sizes each pool from its load signals
+    /// (within --min-*/--max-*), and this process starts and drains nodes to match.
+    #[arg(long)]
+    pub autoscale: bool,
+    /// The planner's SLO file (with --autoscale): see `tandem planner --help`.
+    #[arg(long)]
+    pub slo_file: Option<PathBuf>,
+    /// Fewest prefill nodes the pool may be scaled to (planner or `tandem scale`).
+    #[arg(long, default_value_t = 1)]
+    pub min_prefill: usize,
+    /// Most prefill nodes (default: 4, or --prefill if larger).
+    #[arg(long)]
+    pub max_prefill: Option<usize>,
+    /// Fewest decode nodes.
+    #[arg(long, default_value_t = 1)]
+    pub min_decode: usize,
+    /// Most decode nodes (default: 4, or --decode if larger).
+    #[arg(long)]
+    pub max_decode: Option<usize>,
     /// Trace export for every process started (`--otlp-endpoint URL` is handed to each).
     #[command(flatten)]
     pub trace: tandem_telemetry::TraceArgs,
     /// Extra flags given to every prefill and decode node (after `--`), e.g. `-- --kv-cache-gb 0.5`.
     #[arg(last = true)]
     pub node_args: Vec<String>,
+}
+
+impl UpArgs {
+    /// Every flag at its default (as `tandem up` with no flags), for programs that start a
+    /// cluster in-process (the benchmarks) and set what they need.
+    pub fn defaults() -> UpArgs {
+        #[derive(clap::Parser)]
+        struct Wrapper {
+            #[command(flatten)]
+            up: UpArgs,
+        }
+        <Wrapper as clap::Parser>::parse_from(["tandem-up"]).up
+    }
 }
 
 fn free_port() -> anyhow::Result<u16> {
@@ -127,6 +162,10 @@ pub struct Cluster {
     pub nats_url: String,
     /// Prometheus's URL (with `--prometheus`).
     pub prometheus_url: Option<String>,
+    /// The planner's metrics URL (with `--autoscale`).
+    pub planner_metrics_url: Option<String>,
+    pools: Option<pools::Pools>,
+    control: Option<(std::sync::Arc<dyn Discovery>, EtcdScaleStore)>,
 }
 
 impl Cluster {
@@ -134,6 +173,16 @@ impl Cluster {
     /// does the same.
     pub fn shutdown(&mut self) {
         self.procs.shutdown();
+    }
+
+    /// Serves until `interrupt` fires, keeping each pool at its target (see [`pools`]).
+    pub fn serve(&mut self, rt: &tokio::runtime::Runtime, interrupt: &Interrupt) {
+        while !interrupt.fired() {
+            if let (Some(pools), Some((discovery, store))) = (self.pools.as_mut(), &self.control) {
+                pools.reconcile(&mut self.procs, rt, store, discovery);
+            }
+            std::thread::sleep(pools::RECONCILE_PERIOD);
+        }
     }
 
     /// `(name, pid)` of every running child, in start order.
@@ -154,6 +203,7 @@ pub fn start(
         args.prefill > 0 && args.decode > 0,
         "--prefill and --decode must each be at least 1"
     );
+    let limits = pool_limits(args)?;
     let (Some(etcd), Some(nats)) = (which(&args.etcd_bin), which(&args.nats_bin)) else {
         bail!(
             "tandem up needs `{}` and `{}` on PATH. Install them with:\n    sudo apt-get install etcd-server nats-server\n(or run scripts/setup.sh, which installs everything tandem needs)",
@@ -161,6 +211,9 @@ pub fn start(
             args.nats_bin
         );
     };
+    if let Some(p) = &args.slo_file {
+        tandem_planner::PlannerConfig::from_file(p)?;
+    }
     let model = match &args.model {
         Some(m) => m.clone(),
         None => crate::fetch::ensure_default_model()?,
@@ -191,6 +244,9 @@ pub fn start(
         etcd_url: etcd_url.clone(),
         nats_url: nats_url.clone(),
         prometheus_url: None,
+        planner_metrics_url: None,
+        pools: None,
+        control: None,
     };
     let peer_url = format!("http://127.0.0.1:{etcd_peer}");
     let etcd_args = vec![
@@ -228,13 +284,20 @@ pub fn start(
     .into_iter()
     .chain(args.trace.to_flags())
     .collect::<Vec<String>>();
-    for (role, n) in [("decode", args.decode), ("prefill", args.prefill)] {
-        for i in 0..n {
-            let mut a = vec![role.to_string()];
+    let node_args = {
+        let (common, extra) = (common.clone(), args.node_args.clone());
+        move |role: Role, id: &str| {
+            let mut a = vec![role.as_str().to_string()];
             a.extend(common.iter().cloned());
-            a.extend(["--node-id".into(), format!("{role}-{i}")]);
-            a.extend(args.node_args.iter().cloned());
-            cluster.procs.spawn(&format!("{role}-{i}"), &me, &a)?;
+            a.extend(["--node-id".into(), id.to_string()]);
+            a.extend(extra.iter().cloned());
+            a
+        }
+    };
+    for (role, n) in [(Role::Decode, args.decode), (Role::Prefill, args.prefill)] {
+        for i in 0..n {
+            let id = format!("{role}-{i}");
+            cluster.procs.spawn(&id, &me, &node_args(role, &id))?;
         }
     }
     let mut a = vec!["router".to_string()];
@@ -259,10 +322,18 @@ pub fn start(
     cluster.procs.spawn("router", &me, &a)?;
 
     let config = EtcdConfig::new(vec![etcd_url.clone()], args.cluster.clone());
-    let discovery: std::sync::Arc<dyn Discovery> =
-        std::sync::Arc::new(rt.block_on(until_interrupted(interrupt, async {
-            Ok(EtcdDiscovery::connect(config).await?)
-        }))?);
+    let etcd_discovery = rt.block_on(until_interrupted(interrupt, async {
+        Ok(EtcdDiscovery::connect(config).await?)
+    }))?;
+    // Pool sizes: the bounds, and the sizes started, for the reconciler (and the planner).
+    let store = etcd_discovery.scale_store();
+    rt.block_on(until_interrupted(interrupt, async {
+        store.set_limits(limits).await?;
+        store.set_target(Role::Prefill, args.prefill).await?;
+        store.set_target(Role::Decode, args.decode).await?;
+        Ok(())
+    }))?;
+    let discovery: std::sync::Arc<dyn Discovery> = std::sync::Arc::new(etcd_discovery);
     let registered = |role: Role| {
         rt.block_on(discovery.list(role))
             .map(|v| v.len())
@@ -284,6 +355,38 @@ pub fn start(
         .wait_until("the router's /health", deadline, interrupt, || {
             http_get_ok(http, "/health")
         })?;
+    cluster.pools = Some(pools::Pools::new(
+        [(Role::Prefill, args.prefill), (Role::Decode, args.decode)],
+        &me,
+        Box::new(node_args),
+    ));
+    if args.autoscale {
+        let port = free_port()?;
+        let mut a = vec![
+            "planner".to_string(),
+            "--cluster".into(),
+            args.cluster.clone(),
+            "--etcd-endpoints".into(),
+            etcd_url.clone(),
+            "--nats-url".into(),
+            nats_url.clone(),
+            "--metrics-addr".into(),
+            format!("127.0.0.1:{port}"),
+            "--id".into(),
+            "planner-0".into(),
+            "--log".into(),
+            "info".into(),
+        ];
+        if let Some(p) = &args.slo_file {
+            let p = p
+                .canonicalize()
+                .with_context(|| format!("--slo-file {}", p.display()))?;
+            a.extend(["--slo-file".into(), p.display().to_string()]);
+        }
+        cluster.procs.spawn("planner", &me, &a)?;
+        cluster.planner_metrics_url = Some(format!("http://127.0.0.1:{port}/metrics"));
+    }
+    cluster.control = Some((discovery.clone(), store));
     if args.prometheus {
         let Some(bin) = which(&args.prometheus_bin) else {
             bail!(
@@ -345,14 +448,41 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
         cluster.shutdown();
         return Ok(());
     }
-    eprintln!("tandem up: Ctrl-C or SIGTERM stops the cluster");
-    rt.block_on(interrupt.wait());
+    if let Some(url) = &cluster.planner_metrics_url {
+        eprintln!("  planner  {url}  (decisions on NATS tandem.{}.planner.decisions)", args.cluster);
+    }
+    eprintln!("tandem up: Ctrl-C or SIGTERM stops the cluster; `tandem scale` resizes a pool");
+    cluster.serve(&rt, &interrupt);
     eprintln!(
         "tandem up: {} received; stopping the cluster",
         interrupt.signal().unwrap_or("signal")
     );
     cluster.shutdown();
     Ok(())
+}
+
+/// The pools' bounds from the flags; the sizes started must lie within them.
+fn pool_limits(args: &UpArgs) -> anyhow::Result<ScaleLimits> {
+    let limits = ScaleLimits {
+        prefill: PoolBounds {
+            min: args.min_prefill,
+            max: args.max_prefill.unwrap_or(4.max(args.prefill)),
+        },
+        decode: PoolBounds {
+            min: args.min_decode,
+            max: args.max_decode.unwrap_or(4.max(args.decode)),
+        },
+    };
+    for (role, n) in [(Role::Prefill, args.prefill), (Role::Decode, args.decode)] {
+        let b = limits.of(role);
+        anyhow::ensure!(
+            b.min <= n && n <= b.max,
+            "--{role} {n} is outside --min-{role} {} .. --max-{role} {}",
+            b.min,
+            b.max
+        );
+    }
+    Ok(limits)
 }
 
 /// Runs `work` unless a signal arrives first (then the error says which).

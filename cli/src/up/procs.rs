@@ -163,6 +163,60 @@ impl Procs {
     /// Starts `program args` as `name`, in its own process group, stdout and stderr to
     /// `<logs>/<name>.log`, with SIGTERM as its parent-death signal.
     pub fn spawn(&mut self, name: &str, program: &Path, args: &[String]) -> anyhow::Result<()> {
+        let proc = self.start(name, program, args)?;
+        self.procs.push(proc);
+        Ok(())
+    }
+
+    /// Like [`Procs::spawn`], but placed before the child named `before` in the stop order
+    /// (so it is stopped after it: nodes started later still stop after the router).
+    pub fn spawn_before(
+        &mut self,
+        before: &str,
+        name: &str,
+        program: &Path,
+        args: &[String],
+    ) -> anyhow::Result<()> {
+        let proc = self.start(name, program, args)?;
+        let at = self
+            .procs
+            .iter()
+            .position(|p| p.name == before)
+            .unwrap_or(self.procs.len());
+        self.procs.insert(at, proc);
+        Ok(())
+    }
+
+    /// Removes the children that have exited and whose name `pick` accepts; returns each with
+    /// its exit status and the last lines of its log.
+    pub fn reap(&mut self, pick: impl Fn(&str) -> bool) -> Vec<(String, std::process::ExitStatus, String)> {
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < self.procs.len() {
+            let p = &mut self.procs[i];
+            if pick(&p.name)
+                && let Ok(Some(status)) = p.child.try_wait()
+            {
+                let p = self.procs.remove(i);
+                out.push((p.name, status, tail(&p.log, 15)));
+                continue;
+            }
+            i += 1;
+        }
+        out
+    }
+
+    /// Sends `signal` to the child named `name`, if it runs.
+    pub fn signal(&mut self, name: &str, signal: i32) {
+        if let Some(p) = self.procs.iter_mut().find(|p| p.name == name)
+            && p.child.try_wait().ok().flatten().is_none()
+        {
+            // SAFETY: plain kill(2) on our own child's pid, which we have not reaped yet.
+            unsafe { libc::kill(p.child.id() as i32, signal) };
+        }
+    }
+
+    fn start(&mut self, name: &str, program: &Path, args: &[String]) -> anyhow::Result<Proc> {
         let log = self.logs.join(format!("{name}.log"));
         let out =
             std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
@@ -196,12 +250,11 @@ impl Procs {
             .open(&self.pid_file)
             .with_context(|| format!("opening {}", self.pid_file.display()))?;
         writeln!(f, "{name} {}", child.id())?;
-        self.procs.push(Proc {
+        Ok(Proc {
             name: name.to_string(),
             child,
             log,
-        });
-        Ok(())
+        })
     }
 
     /// Waits until `cond` holds, checking meanwhile that every child is alive and that no

@@ -137,6 +137,26 @@ impl EtcdDiscovery {
         &self.inner.keys
     }
 
+    /// Desired pool sizes and their limits in this cluster's etcd, over the same client.
+    pub fn scale_store(&self) -> crate::scale::EtcdScaleStore {
+        crate::scale::EtcdScaleStore::new(
+            self.inner.client.clone(),
+            self.inner.keys.clone(),
+            self.inner.config.request_timeout,
+        )
+    }
+
+    /// The planner election in this cluster's etcd: a leader holds it under a lease of `ttl`
+    /// (at least 2 s).
+    pub fn election(&self, ttl: Duration) -> crate::scale::EtcdElection {
+        crate::scale::EtcdElection::new(
+            self.inner.client.clone(),
+            &self.inner.keys,
+            ttl,
+            self.inner.config.request_timeout,
+        )
+    }
+
     /// The usage ledger in this cluster's etcd, over the same client.
     pub fn usage_store(&self) -> crate::usage::EtcdUsageStore {
         crate::usage::EtcdUsageStore::new(

@@ -59,6 +59,10 @@ pub struct LoadReport {
     pub tokens_per_s: f64,
     /// Sequences in the last engine step.
     pub batch_size: u32,
+    /// Prompt tokens queued and not computed yet (what the planner sizes a prefill pool by).
+    /// Absent in reports of older nodes (read as 0).
+    #[serde(default)]
+    pub pending_prompt_tokens: u64,
     /// When the publisher sent it, Unix milliseconds (stamped by [`LoadPublisher`]).
     pub sent_at_unix_ms: u64,
     /// Per-publisher sequence number, from 1 (stamped by [`LoadPublisher`]; restarts with the
@@ -78,6 +82,7 @@ impl LoadReport {
             total_blocks,
             tokens_per_s: 0.0,
             batch_size: 0,
+            pending_prompt_tokens: 0,
             sent_at_unix_ms: 0,
             seq: 0,
         }

@@ -212,6 +212,17 @@ impl Scheduler {
         self.waiting[0].len() + self.waiting[1].len()
     }
 
+    /// Prompt tokens not computed yet: the whole uncached prompt of every waiting sequence and
+    /// the rest of every prompt still in chunked prefill (what a prefill pool's planner sizes
+    /// against its throughput). O(sequences).
+    pub fn pending_prompt_tokens(&self) -> usize {
+        self.seqs
+            .values()
+            .map(|s| s.tokens.len().saturating_sub(s.num_computed))
+            .filter(|&n| n > 1)
+            .sum()
+    }
+
     /// True when no sequence is waiting or running.
     pub fn is_idle(&self) -> bool {
         self.seqs.is_empty()

@@ -1,0 +1,163 @@
+//! `tandem planner`: sizes the prefill and decode pools from their load signals (see the
+//! `tandem-planner` crate). It reads membership from etcd and load reports from NATS, decides
+//! every `interval_ms`, logs each decision with its inputs, publishes it on
+//! `tandem.{cluster}.planner.decisions` and, while it leads the etcd election, writes the
+//! pools' desired sizes to etcd for an executor (`tandem up`'s reconciler) to apply.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use tandem_cluster::{
+    Discovery, EtcdConfig, EtcdDiscovery, LoadSignals, NatsConfig, NatsLoadSignals, ScaleStore,
+};
+use tandem_planner::{
+    DecisionRecord, DecisionSink, NatsDecisionSink, Observer, Planner, PlannerConfig,
+    PlannerMetrics, StoreActuator,
+};
+use tokio_util::sync::CancellationToken;
+
+/// Flags of `tandem planner`.
+#[derive(Args, Debug, Clone)]
+pub struct PlannerArgs {
+    /// etcd client URLs, comma-separated.
+    #[arg(long, env = "TANDEM_ETCD_ENDPOINTS", value_delimiter = ',', required = true)]
+    pub etcd_endpoints: Vec<String>,
+    /// NATS URL (load reports in, decisions out).
+    #[arg(long, env = "TANDEM_NATS_URL", required = true)]
+    pub nats_url: String,
+    /// Cluster name.
+    #[arg(long, env = "TANDEM_CLUSTER", default_value = "local")]
+    pub cluster: String,
+    /// SLOs, watermarks and per-pool bounds (TOML; unknown keys and impossible values are
+    /// refused, naming the field). Default: TTFT p90 2 s, ITL p90 100 ms, pools 1..4.
+    #[arg(long)]
+    pub slo_file: Option<PathBuf>,
+    /// Decide, log and publish, but never apply (and do not take part in the election).
+    #[arg(long)]
+    pub dry_run: bool,
+    /// This planner's id in the election and in its decisions (default: planner-<pid>).
+    #[arg(long)]
+    pub id: Option<String>,
+    /// Lease of the election: a leader that cannot renew stops acting within this.
+    #[arg(long, default_value_t = 5)]
+    pub lease_ttl_secs: u64,
+    /// Load reports older than this are ignored.
+    #[arg(long, default_value_t = 3000)]
+    pub report_max_age_ms: u64,
+    /// Serve the planner's Prometheus metrics here (`GET /metrics`).
+    #[arg(long)]
+    pub metrics_addr: Option<SocketAddr>,
+}
+
+/// Prints every decision as one JSON line on stdout.
+struct StdoutSink;
+
+#[async_trait::async_trait]
+impl DecisionSink for StdoutSink {
+    async fn publish(&self, record: &DecisionRecord) {
+        if let Ok(line) = serde_json::to_string(record) {
+            println!("{line}");
+        }
+    }
+}
+
+/// Checks the SLO file (refused at start, naming the field) and the flags.
+pub fn load_config(args: &PlannerArgs) -> anyhow::Result<PlannerConfig> {
+    let config = match &args.slo_file {
+        Some(p) => PlannerConfig::from_file(p)?,
+        None => PlannerConfig::default(),
+    };
+    anyhow::ensure!(args.lease_ttl_secs >= 2, "--lease-ttl-secs must be at least 2 (etcd's minimum)");
+    Ok(config)
+}
+
+/// Runs `tandem planner` until SIGINT/SIGTERM.
+pub fn run(args: &PlannerArgs) -> anyhow::Result<()> {
+    let config = load_config(args)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let id = args.id.clone().unwrap_or_else(|| format!("planner-{}", std::process::id()));
+        let discovery = EtcdDiscovery::connect(EtcdConfig::new(
+            args.etcd_endpoints.clone(),
+            args.cluster.clone(),
+        ))
+        .await?;
+        let nats = NatsLoadSignals::connect(NatsConfig::new(args.nats_url.clone(), args.cluster.clone()))
+            .await
+            .with_context(|| format!("connecting to NATS at {}", args.nats_url))?;
+        let store: Arc<dyn ScaleStore> = Arc::new(discovery.scale_store());
+        let observer = Observer::connect(
+            &discovery as &dyn Discovery,
+            &nats as &dyn LoadSignals,
+            store.clone(),
+            Duration::from_millis(args.report_max_age_ms),
+        )
+        .await?;
+        let metrics = PlannerMetrics::default();
+        let server = match args.metrics_addr {
+            Some(addr) => {
+                let listener = tokio::net::TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("binding --metrics-addr {addr}"))?;
+                let m = metrics.clone();
+                let s = tandem_telemetry::metrics::MetricsServer::spawn(
+                    listener,
+                    Arc::new(move || m.render()),
+                )?;
+                eprintln!("tandem planner: metrics on http://{}/metrics", s.addr());
+                Some(s)
+            }
+            None => None,
+        };
+        let subject = discovery.keys().planner_decisions_subject();
+        let mut sinks: Vec<Arc<dyn DecisionSink>> =
+            vec![Arc::new(NatsDecisionSink::new(nats.client().clone(), subject.clone()))];
+        if args.dry_run {
+            sinks.push(Arc::new(StdoutSink));
+        }
+        eprintln!(
+            "tandem planner {id}: cluster `{}`, decisions on {subject}{}; SLOs: TTFT p90 {} ms, ITL p90 {} ms; prefill {}..{}, decode {}..{}",
+            args.cluster,
+            if args.dry_run { " (dry run: nothing is applied)" } else { "" },
+            config.ttft_p90_slo_ms,
+            config.itl_p90_slo_ms,
+            config.prefill.min,
+            config.prefill.max,
+            config.decode.min,
+            config.decode.max,
+        );
+        let planner = Planner {
+            id,
+            config,
+            dry_run: args.dry_run,
+            observer,
+            actuator: Arc::new(StoreActuator(store)),
+            election: Arc::new(discovery.election(Duration::from_secs(args.lease_ttl_secs))),
+            sinks,
+            metrics,
+        };
+        let cancel = CancellationToken::new();
+        let stop = cancel.clone();
+        tokio::spawn(async move {
+            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                .expect("SIGTERM handler");
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            stop.cancel();
+        });
+        planner.run(cancel).await?;
+        if let Some(s) = server {
+            s.stop().await;
+        }
+        Ok(())
+    })
+}
