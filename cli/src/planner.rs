@@ -39,6 +39,10 @@ pub struct PlannerArgs {
     /// Decide, log and publish, but never apply (and do not take part in the election).
     #[arg(long)]
     pub dry_run: bool,
+    /// With --dry-run: observe for a second, decide once, print the pools and what would be
+    /// done, and exit (a preview of an SLO file, or a look at the pools).
+    #[arg(long, requires = "dry_run")]
+    pub once: bool,
     /// This planner's id in the election and in its decisions (default: planner-<pid>).
     #[arg(long)]
     pub id: Option<String>,
@@ -63,6 +67,27 @@ impl DecisionSink for StdoutSink {
             println!("{line}");
         }
     }
+}
+
+/// The pools as observed, one line each.
+fn describe(obs: &tandem_planner::Observation) -> String {
+    let mut out = String::from("pool     desired  serving  reporting  pending_prompt_tokens  tokens_per_s  kv_use\n");
+    for (name, p) in [("prefill", &obs.prefill), ("decode", &obs.decode)] {
+        let pending: u64 = p.nodes.iter().map(|n| n.pending_prompt_tokens).sum();
+        let tps: f64 = p.nodes.iter().map(|n| n.tokens_per_s).sum();
+        let (free, total) = p
+            .nodes
+            .iter()
+            .fold((0u64, 0u64), |(f, t), n| (f + n.free_blocks, t + n.total_blocks));
+        let kv = if total == 0 { 0.0 } else { 100.0 * (total - free) as f64 / total as f64 };
+        out += &format!(
+            "{name:<8} {:>7}  {:>7}  {:>9}  {pending:>21}  {tps:>12.0}  {kv:>5.1}%\n",
+            p.desired,
+            p.serving,
+            p.nodes.len()
+        );
+    }
+    out.trim_end().to_string()
 }
 
 /// Checks the SLO file (refused at start, naming the field) and the flags.
@@ -143,6 +168,19 @@ pub fn run(args: &PlannerArgs) -> anyhow::Result<()> {
             sinks,
             metrics,
         };
+        if args.once {
+            // Subscriptions see reports sent from now on: wait a few report periods.
+            tokio::time::sleep(Duration::from_millis(1200)).await;
+            let obs = planner.observer.observe().await?;
+            println!("{}", describe(&obs));
+            let records = planner
+                .round(&mut tandem_planner::PlannerMemory::default(), &mut Vec::new(), None)
+                .await;
+            if records.is_empty() {
+                println!("no change: both pools are sized for their load");
+            }
+            return Ok(());
+        }
         let cancel = CancellationToken::new();
         let stop = cancel.clone();
         tokio::spawn(async move {

@@ -34,9 +34,13 @@ pub struct ScaleArgs {
     /// Cluster name.
     #[arg(long, env = "TANDEM_CLUSTER", default_value = "local")]
     pub cluster: String,
-    /// Wait up to this long for every pool asked for to serve its size (0: do not wait).
+    /// Wait up to this long for each pool to serve its target (the pools named in SIZES, or
+    /// every pool when none is named; 0: do not wait).
     #[arg(long, default_value_t = 0)]
     pub wait_secs: u64,
+    /// Print the ids of the pool's registered nodes, one per line (for scripts), and nothing else.
+    #[arg(long, value_name = "POOL", value_parser = ["prefill", "decode"])]
+    pub ids: Option<String>,
 }
 
 /// Parses `POOL=N` items; unknown pools and bad numbers are refused, naming them.
@@ -104,9 +108,23 @@ pub fn run(args: &ScaleArgs) -> anyhow::Result<String> {
             store.set_target(*role, *n).await?;
             eprintln!("tandem scale: {role} pool asked for {n} node(s)");
         }
+        if let Some(pool) = &args.ids {
+            let role = if pool == "prefill" { Role::Prefill } else { Role::Decode };
+            let ids: Vec<String> = d.list(role).await?.into_keys().collect();
+            return Ok(ids.join("\n"));
+        }
         let t0 = Instant::now();
         if args.wait_secs > 0 {
-            for (role, n) in &sizes {
+            let wait: Vec<(Role, usize)> = if sizes.is_empty() {
+                let t = store.targets().await?;
+                [Role::Prefill, Role::Decode]
+                    .into_iter()
+                    .filter_map(|r| t.of(r).map(|n| (r, n)))
+                    .collect()
+            } else {
+                sizes.iter().map(|(r, n)| (*r, *n)).collect()
+            };
+            for (role, n) in &wait {
                 let mut last = None;
                 loop {
                     let now = serving(&d, *role).await?;
@@ -125,19 +143,26 @@ pub fn run(args: &ScaleArgs) -> anyhow::Result<String> {
             }
         }
         let (targets, limits) = (store.targets().await?, store.limits().await?);
-        let mut out = String::from("pool     target  serving  min  max\n");
+        let mut out = String::from("pool     target  serving  min  max  nodes\n");
         for role in [Role::Prefill, Role::Decode] {
             let (min, max) = limits
                 .map(|l| (l.of(role).min.to_string(), l.of(role).max.to_string()))
                 .unwrap_or(("-".into(), "-".into()));
+            let nodes: Vec<String> = d
+                .list(role)
+                .await?
+                .values()
+                .map(|n| format!("{} ({})", n.node_id, n.state.as_str()))
+                .collect();
             out += &format!(
-                "{:<8} {:>6}  {:>7}  {min:>3}  {max:>3}\n",
+                "{:<8} {:>6}  {:>7}  {min:>3}  {max:>3}  {}\n",
                 role.as_str(),
                 targets.of(role).map(|n| n.to_string()).unwrap_or("-".into()),
                 serving(&d, role).await?,
+                nodes.join(", "),
             );
         }
-        if !sizes.is_empty() && args.wait_secs > 0 {
+        if args.wait_secs > 0 {
             out += &format!("reached in {:.1} s\n", t0.elapsed().as_secs_f64());
         }
         Ok(out.trim_end().to_string())

@@ -263,6 +263,11 @@ fn engine_families(s: &EngineSnapshot) -> Vec<tm::Family> {
         tm::Family::gauge("tandem_node_batch_size", "Outputs of the last engine step.")
             .value(s.batch_size as f64),
         tm::Family::gauge(
+            "tandem_node_pending_prompt_tokens",
+            "Prompt tokens queued and not computed yet (what the planner sizes prefill by).",
+        )
+        .value(s.pending_prompt_tokens as f64),
+        tm::Family::gauge(
             "tandem_node_kv_blocks",
             "KV blocks by state (reserved: decode reservations and prefill blocks awaiting a push).",
         )

@@ -20,12 +20,12 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tandem_cluster::{ClusterError, Discovery, Role, ScaleStore, ScaleTargets};
+use tandem_cluster::{ClusterError, Discovery, NodeState, Role, ScaleStore, ScaleTargets};
 
 use super::procs::Procs;
 
 /// Time between reconciliations.
-pub const RECONCILE_PERIOD: Duration = Duration::from_millis(250);
+pub const RECONCILE_PERIOD: Duration = Duration::from_millis(500);
 /// First delay after a node failed to start; doubles up to [`RESTART_BACKOFF_MAX`].
 const RESTART_BACKOFF_MIN: Duration = Duration::from_secs(1);
 const RESTART_BACKOFF_MAX: Duration = Duration::from_secs(30);
@@ -86,7 +86,10 @@ impl Pools {
             next_index,
             backoff: [RESTART_BACKOFF_MIN; 2],
             not_before: [Instant::now(); 2],
-            last_targets: ScaleTargets::default(),
+            last_targets: ScaleTargets {
+                prefill: Some(initial.iter().find(|(r, _)| *r == Role::Prefill).map_or(0, |x| x.1)),
+                decode: Some(initial.iter().find(|(r, _)| *r == Role::Decode).map_or(0, |x| x.1)),
+            },
             unexpected_exits: 0,
             node_args,
             program: program.to_path_buf(),
@@ -119,6 +122,7 @@ impl Pools {
         };
         for role in [Role::Prefill, Role::Decode] {
             let Some(want) = targets.of(role) else { continue };
+            self.note_external_drains(role, rt, discovery);
             if self.last_targets.of(role) != Some(want) {
                 eprintln!(
                     "tandem up: {role} pool: {} → {want} node(s)",
@@ -151,6 +155,10 @@ impl Pools {
                         since.elapsed().as_secs_f64()
                     );
                 }
+                None if status.success() => {
+                    // Drained by someone else (`tandem drain`): replaced, as in a rolling restart.
+                    eprintln!("tandem up: {name} left the cluster (exit 0)");
+                }
                 _ => {
                     self.unexpected_exits += 1;
                     eprintln!(
@@ -172,6 +180,23 @@ impl Pools {
             if n.draining_since.is_some_and(|t| t.elapsed() > DRAIN_LIMIT) {
                 eprintln!("tandem up: {} still draining after {DRAIN_LIMIT:?}; stopping it", n.name);
                 procs.signal(&n.name, libc::SIGKILL);
+            }
+        }
+    }
+
+    /// Nodes draining on someone else's request (`tandem drain`) stop counting as live, so
+    /// their replacement starts while they finish their streams.
+    fn note_external_drains(
+        &mut self,
+        role: Role,
+        rt: &tokio::runtime::Runtime,
+        discovery: &Arc<dyn Discovery>,
+    ) {
+        let Ok(view) = rt.block_on(discovery.list(role)) else { return };
+        for n in self.nodes.iter_mut().filter(|n| n.role == role && n.draining_since.is_none()) {
+            if view.get(&n.name).is_some_and(|i| i.state == NodeState::Draining) {
+                eprintln!("tandem up: {} is draining (asked elsewhere); starting its replacement", n.name);
+                n.draining_since = Some(Instant::now());
             }
         }
     }

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod client;
+pub mod load;
 pub mod up;
 
 use std::path::PathBuf;

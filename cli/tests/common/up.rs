@@ -95,6 +95,27 @@ impl Up {
         );
     }
 
+    /// The first stderr line seen so far that contains `needle`.
+    pub fn line_with(&self, needle: &str) -> Option<String> {
+        self.seen.iter().find(|l| l.contains(needle)).cloned()
+    }
+
+    /// Reads what `tandem up` printed since the last call (without waiting).
+    pub fn drain_stderr(&mut self) -> String {
+        while let Ok(l) = self.stderr.try_recv() {
+            self.seen.push(l);
+        }
+        self.seen.join("\n")
+    }
+
+    /// The address printed after `label` in the "is serving" summary (`etcd`, `NATS`).
+    pub fn printed(&self, label: &str) -> String {
+        let line = self
+            .line_with(&format!("  {label}  "))
+            .unwrap_or_else(|| panic!("no `{label}` line; stderr:\n{}", self.seen.join("\n")));
+        line.split_whitespace().nth(1).unwrap().to_string()
+    }
+
     /// `(name, pid)` of every child `tandem up` started so far.
     pub fn pids(&self) -> Vec<(String, i32)> {
         std::fs::read_to_string(self.run_dir.join("pids"))
