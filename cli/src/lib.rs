@@ -11,6 +11,7 @@
 //! | [`load`] | building an engine from flags |
 //! | [`planner`] | `tandem planner` — sizes the pools from their load signals |
 //! | [`scale`] | `tandem scale` — pool sizes and bounds by hand |
+//! | [`sim`] | `tandem sim` — a thousand-GPU cluster simulated, disaggregated vs colocated |
 //! | [`up`] | `tandem up` — a local cluster (etcd, NATS, nodes, router) from one command |
 
 pub mod bench_engine;
@@ -23,5 +24,6 @@ pub mod load;
 pub mod plan;
 pub mod planner;
 pub mod scale;
+pub mod sim;
 pub mod up;
 pub mod usage;

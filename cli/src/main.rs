@@ -69,6 +69,9 @@ enum Command {
     Planner(tandem_cli::planner::PlannerArgs),
     /// Show or set the pools' sizes and bounds by hand (`tandem scale prefill=3 decode=2`).
     Scale(tandem_cli::scale::ScaleArgs),
+    /// Simulate a large cluster (default: 1,000 H200s, the seed's 70B model, TP 8) with
+    /// tandem's router policy, scheduler and planner: disaggregated vs colocated.
+    Sim(tandem_cli::sim::SimArgs),
     /// Usage per API key (requests, tokens, node-seconds) from a router's ledger.
     Usage(tandem_cli::usage::UsageArgs),
     /// Cost per API key and per pool ($ per million input, cached input and output tokens)
@@ -120,6 +123,7 @@ fn main() -> ExitCode {
         Command::Up(a) => tandem_cli::up::run(a),
         Command::Planner(a) => tandem_cli::planner::run(a),
         Command::Scale(a) => tandem_cli::scale::run(a).map(|s| println!("{s}")),
+        Command::Sim(a) => tandem_cli::sim::run(a).map(|s| println!("{s}")),
         Command::Drain(a) => tandem_cli::drain::run(a).map(|s| println!("{s}")),
         Command::Usage(a) => tandem_cli::usage::usage(a).map(|s| println!("{s}")),
         Command::Cost(a) => tandem_cli::usage::cost(a).map(|s| println!("{s}")),

@@ -96,6 +96,8 @@ pub struct EngineSnapshot {
     pub waiting: usize,
     /// Prompt tokens not computed yet (waiting and in chunked prefill).
     pub pending_prompt_tokens: usize,
+    /// The scheduler's batch cap (`max_num_seqs`).
+    pub max_running: usize,
     /// Sequences running.
     pub running: usize,
     /// KV blocks free (cached prefix blocks count as free: they are evictable).
@@ -125,6 +127,7 @@ impl EngineSnapshot {
         EngineSnapshot {
             waiting: s.num_waiting(),
             pending_prompt_tokens: s.pending_prompt_tokens(),
+            max_running: s.config().max_num_seqs,
             running: s.num_running(),
             free_blocks: s.blocks().num_free(),
             total_blocks: s.blocks().num_blocks(),

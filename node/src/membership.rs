@@ -193,6 +193,7 @@ async fn forward(mut snapshots: watch::Receiver<EngineSnapshot>, load: watch::Se
             r.tokens_per_s = s.tokens_per_s;
             r.batch_size = s.batch_size as u32;
             r.pending_prompt_tokens = s.pending_prompt_tokens as u64;
+            r.max_running = s.max_running as u32;
         });
         if snapshots.changed().await.is_err() {
             return;

@@ -5,7 +5,7 @@
 //! ttft_p90_slo_ms = 2000      # prefill is sized so its backlog drains within half of this
 //! interval_ms = 2000          # one observe → decide → act round
 //! prefill_tokens_per_s = 0    # one prefill node's throughput; 0: measured from its reports
-//! decode_kv_high = 0.85       # scale decode up above this KV use ...
+//! decode_kv_high = 0.85       # scale decode up above this occupancy (KV or batch use) ...
 //! decode_kv_low = 0.30        # ... and down below this one (hysteresis between)
 //! prefill_util_low = 0.20     # scale prefill down when busy less than this
 //!
@@ -65,9 +65,9 @@ pub struct PlannerConfig {
     pub interval_ms: u64,
     /// One prefill node's prompt throughput, tokens/s (0: the best its reports have shown).
     pub prefill_tokens_per_s: f64,
-    /// Decode KV use above which the pool grows.
+    /// Decode occupancy (the larger of KV use and batch use) above which the pool grows.
     pub decode_kv_high: f64,
-    /// Decode KV use below which the pool may shrink.
+    /// Decode occupancy below which the pool may shrink.
     pub decode_kv_low: f64,
     /// Prefill busy fraction below which the pool may shrink.
     pub prefill_util_low: f64,

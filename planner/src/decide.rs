@@ -10,12 +10,17 @@
 //! ```text
 //!   needed = ceil(pending_tokens / (tokens_per_s_per_node × ttft_slo / 2))
 //!   grow to min(needed, max) when needed > desired and the up-cooldown has passed;
-//!   shrink by one when busy < prefill_util_low of the pool's throughput and nothing is
-//!   pending, continuously for the down-cooldown.
+//!   shrink by one when busy < prefill_util_low of the pool's throughput and one node fewer
+//!   would still clear the backlog in time (needed < desired), continuously for the
+//!   down-cooldown.
 //! ```
-//! **Decode** is sized by KV use (free over total blocks across the pool), with hysteresis:
-//! above `decode_kv_high` it grows to the size that would bring use back to the middle of the
-//! band; below `decode_kv_low` for the down-cooldown it shrinks by one.
+//! **Decode** is sized by its occupancy: the larger of KV use (used over total blocks across
+//! the pool) and batch use (running over the nodes' batch caps, where they report one), with
+//! hysteresis: above `decode_kv_high` it grows to the size that would bring occupancy back to
+//! the middle of the band; below `decode_kv_low` for the down-cooldown (and with the ITL under
+//! half its SLO) it shrinks by one. The ITL a decode node gives each sequence is
+//! `running / tokens_per_s` (one token per running sequence per step); a pool whose
+//! token-weighted ITL is above `itl_p90_slo_ms` grows by one whatever its occupancy.
 //!
 //! Every decision carries its inputs and a reason in words; min and max always hold.
 
@@ -41,6 +46,8 @@ pub struct NodeLoad {
     pub total_blocks: u64,
     /// Tokens computed per second, recent.
     pub tokens_per_s: f64,
+    /// The node's batch cap (0: unknown).
+    pub max_running: u32,
 }
 
 /// A pool as observed.
@@ -129,7 +136,7 @@ pub struct DecisionInputs {
     pub demand: f64,
     /// Prefill: tokens/s per node assumed; decode: KV blocks in the pool.
     pub capacity: f64,
-    /// Prefill: busy fraction; decode: KV use.
+    /// Prefill: busy fraction; decode: occupancy (the larger of KV and batch use).
     pub utilisation: f64,
 }
 
@@ -212,7 +219,8 @@ fn decide_prefill(obs: &Observation, cfg: &PlannerConfig, memory: &mut PlannerMe
             inputs,
         });
     }
-    let quiet = pending == 0 && utilisation < cfg.prefill_util_low && pool.desired > limits.min;
+    // Quiet: one node fewer would still clear the backlog in time, and the pool is mostly idle.
+    let quiet = needed < pool.desired && utilisation < cfg.prefill_util_low && pool.desired > limits.min;
     if quiet_for(memory, Role::Prefill, obs.at, quiet, limits.scale_down_cooldown_secs)
         && cooled(memory, Role::Prefill, obs.at, limits.scale_down_cooldown_secs)
     {
@@ -221,7 +229,7 @@ fn decide_prefill(obs: &Observation, cfg: &PlannerConfig, memory: &mut PlannerMe
             from: pool.desired,
             to: pool.desired - 1,
             reason: format!(
-                "nothing pending and {:.0}% busy (< {:.0}%) for {} s",
+                "{pending} prompt tokens pending (one node fewer clears them in time) and {:.0}% busy (< {:.0}%) for {} s",
                 utilisation * 100.0,
                 cfg.prefill_util_low * 100.0,
                 limits.scale_down_cooldown_secs
@@ -239,11 +247,26 @@ fn decide_decode(obs: &Observation, cfg: &PlannerConfig, memory: &mut PlannerMem
     let free: u64 = pool.nodes.iter().map(|n| n.free_blocks).sum();
     let used = total.saturating_sub(free);
     let kv_use = if total == 0 { 0.0 } else { used as f64 / total as f64 };
+    let running: u64 = pool.nodes.iter().map(|n| n.running as u64).sum();
+    let cap: u64 = pool.nodes.iter().map(|n| n.max_running as u64).sum();
+    let batch_use = if cap == 0 || pool.nodes.iter().any(|n| n.max_running == 0) {
+        0.0
+    } else {
+        running as f64 / cap as f64
+    };
+    let occupancy = kv_use.max(batch_use);
+    let tokens_per_s: f64 = pool.nodes.iter().map(|n| n.tokens_per_s).sum();
+    // Token-weighted ITL: Σ running / Σ tokens/s (each running sequence gets one token a step).
+    let itl_ms = if tokens_per_s > 0.0 && running > 0 {
+        running as f64 / tokens_per_s * 1000.0
+    } else {
+        0.0
+    };
     let inputs = DecisionInputs {
         serving: pool.serving,
         demand: used as f64,
         capacity: total as f64,
-        utilisation: kv_use,
+        utilisation: occupancy,
     };
     if pool.desired < limits.min {
         return Some(Decision {
@@ -254,28 +277,33 @@ fn decide_decode(obs: &Observation, cfg: &PlannerConfig, memory: &mut PlannerMem
             inputs,
         });
     }
-    if kv_use > cfg.decode_kv_high && pool.desired < limits.max
+    let slow = itl_ms > cfg.itl_p90_slo_ms as f64;
+    if (occupancy > cfg.decode_kv_high || slow)
+        && pool.desired < limits.max
         && cooled(memory, Role::Decode, obs.at, limits.scale_up_cooldown_secs)
     {
-        // Grow to where use would sit mid-band with the same demand.
+        // Grow to where occupancy would sit mid-band with the same demand.
         let mid = (cfg.decode_kv_high + cfg.decode_kv_low) / 2.0;
-        let per_node = total as f64 / pool.nodes.len().max(1) as f64;
-        let want = (used as f64 / (per_node * mid)).ceil() as usize;
+        let n = pool.nodes.len().max(1) as f64;
+        let want = (occupancy * n / mid).ceil() as usize;
         let to = want.clamp(pool.desired + 1, limits.max);
-        return Some(Decision {
-            pool: "decode",
-            from: pool.desired,
-            to,
-            reason: format!(
-                "KV use {:.0}% above {:.0}%: {to} node(s) bring it to about {:.0}%",
+        let why = if occupancy > cfg.decode_kv_high {
+            format!(
+                "occupancy {:.0}% (KV {:.0}%, batch {:.0}%) above {:.0}%: {to} node(s) bring it to about {:.0}%",
+                occupancy * 100.0,
                 kv_use * 100.0,
+                batch_use * 100.0,
                 cfg.decode_kv_high * 100.0,
                 mid * 100.0
-            ),
-            inputs,
-        });
+            )
+        } else {
+            format!("ITL {itl_ms:.1} ms above the {} ms SLO", cfg.itl_p90_slo_ms)
+        };
+        return Some(Decision { pool: "decode", from: pool.desired, to, reason: why, inputs });
     }
-    let quiet = kv_use < cfg.decode_kv_low && pool.desired > limits.min;
+    let quiet = occupancy < cfg.decode_kv_low
+        && itl_ms < cfg.itl_p90_slo_ms as f64 / 2.0
+        && pool.desired > limits.min;
     if quiet_for(memory, Role::Decode, obs.at, quiet, limits.scale_down_cooldown_secs)
         && cooled(memory, Role::Decode, obs.at, limits.scale_down_cooldown_secs)
     {
@@ -284,8 +312,8 @@ fn decide_decode(obs: &Observation, cfg: &PlannerConfig, memory: &mut PlannerMem
             from: pool.desired,
             to: pool.desired - 1,
             reason: format!(
-                "KV use {:.0}% below {:.0}% for {} s",
-                kv_use * 100.0,
+                "occupancy {:.0}% below {:.0}% and ITL {itl_ms:.1} ms for {} s",
+                occupancy * 100.0,
                 cfg.decode_kv_low * 100.0,
                 limits.scale_down_cooldown_secs
             ),
@@ -382,6 +410,27 @@ mod tests {
                 vec![],
             ),
             (
+                "decode at its batch cap grows though its KV is nearly empty",
+                prefill(1, &[0], 0.0),
+                PoolObservation {
+                    nodes: vec![
+                        NodeLoad { running: 64, max_running: 64, free_blocks: 90, total_blocks: 100, tokens_per_s: 6400.0, ..Default::default() };
+                        2
+                    ],
+                    ..decode(2, &[])
+                },
+                vec![("decode", 2, 4)],
+            ),
+            (
+                "decode whose ITL (32 running at 200 tok/s: 160 ms) is above the 100 ms SLO grows",
+                prefill(1, &[0], 0.0),
+                PoolObservation {
+                    nodes: vec![NodeLoad { running: 32, max_running: 256, free_blocks: 50, total_blocks: 100, tokens_per_s: 200.0, ..Default::default() }],
+                    ..decode(1, &[])
+                },
+                vec![("decode", 1, 2)],
+            ),
+            (
                 "the executor's max (2) narrows the planner's (4)",
                 PoolObservation {
                     bounds: Some((1, 2)),
@@ -449,12 +498,12 @@ mod tests {
                 "at {s} s"
             );
         }
-        // A blip of work resets the quiet window.
-        assert!(decide(&obs(45, prefill(4, &[100, 0, 0, 0], 10.0)), &c, &mut m).is_empty());
+        // A backlog the pool needs all its nodes for resets the quiet window.
+        assert!(decide(&obs(45, prefill(4, &[3500, 0, 0, 0], 10.0)), &c, &mut m).is_empty());
         assert!(decide(&obs(60, prefill(4, &[0, 0, 0, 0], 10.0)), &c, &mut m).is_empty());
         let d = decide(&obs(91, prefill(4, &[0, 0, 0, 0], 10.0)), &c, &mut m);
         assert_eq!((d[0].pool, d[0].from, d[0].to), ("prefill", 4, 3));
-        assert!(d[0].reason.contains("nothing pending"), "{}", d[0].reason);
+        assert!(d[0].reason.contains("one node fewer clears them"), "{}", d[0].reason);
         // Never below min.
         let mut m = PlannerMemory::default();
         for s in (0..200).step_by(10) {

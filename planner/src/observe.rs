@@ -76,6 +76,7 @@ impl Observer {
                     queue_len: r.report.queue_len,
                     running: r.report.running,
                     pending_prompt_tokens: r.report.pending_prompt_tokens,
+                    max_running: r.report.max_running,
                     free_blocks: r.report.free_blocks,
                     total_blocks: r.report.total_blocks,
                     tokens_per_s: r.report.tokens_per_s,

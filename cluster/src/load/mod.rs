@@ -63,6 +63,9 @@ pub struct LoadReport {
     /// Absent in reports of older nodes (read as 0).
     #[serde(default)]
     pub pending_prompt_tokens: u64,
+    /// The most sequences the node runs at once (its batch cap; 0 in reports of older nodes).
+    #[serde(default)]
+    pub max_running: u32,
     /// When the publisher sent it, Unix milliseconds (stamped by [`LoadPublisher`]).
     pub sent_at_unix_ms: u64,
     /// Per-publisher sequence number, from 1 (stamped by [`LoadPublisher`]; restarts with the
@@ -83,6 +86,7 @@ impl LoadReport {
             tokens_per_s: 0.0,
             batch_size: 0,
             pending_prompt_tokens: 0,
+            max_running: 0,
             sent_at_unix_ms: 0,
             seq: 0,
         }

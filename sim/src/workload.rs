@@ -1,0 +1,145 @@
+//! What arrives: request times (Poisson, or bursty: a Poisson process whose rate alternates
+//! between high and low phases) and prompt/output lengths (fixed, or uniform within ±spread).
+//! Seeded and deterministic: the same flags give the same requests.
+
+use serde::Serialize;
+
+/// splitmix64: small, fast, good enough for arrivals.
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator from `seed`.
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Exponential with the given mean.
+    pub fn exponential(&mut self, mean: f64) -> f64 {
+        -mean * (1.0 - self.uniform()).ln()
+    }
+}
+
+/// How requests arrive.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Arrivals {
+    /// A Poisson process at `rate` requests/s.
+    Poisson {
+        /// Requests per second.
+        rate: f64,
+    },
+    /// Poisson at `rate × high` for `period_s × duty`, then at the rate that keeps the mean at
+    /// `rate` for the rest of each period.
+    Bursty {
+        /// Mean requests per second.
+        rate: f64,
+        /// The burst's rate over the mean.
+        high: f64,
+        /// Length of one high + low cycle, s.
+        period_s: f64,
+        /// Fraction of the period spent high.
+        duty: f64,
+    },
+}
+
+impl Arrivals {
+    /// The mean rate.
+    pub fn mean_rate(&self) -> f64 {
+        match *self {
+            Arrivals::Poisson { rate } | Arrivals::Bursty { rate, .. } => rate,
+        }
+    }
+
+    /// The rate at time `t`.
+    pub fn rate_at(&self, t: f64) -> f64 {
+        match *self {
+            Arrivals::Poisson { rate } => rate,
+            Arrivals::Bursty { rate, high, period_s, duty } => {
+                let low = (rate * (1.0 - high * duty) / (1.0 - duty)).max(0.0);
+                if (t % period_s) < period_s * duty { rate * high } else { low }
+            }
+        }
+    }
+
+    /// The next arrival after `t` (thinning of the piecewise-constant rate).
+    pub fn next_after(&self, t: f64, rng: &mut Rng) -> f64 {
+        let max = match *self {
+            Arrivals::Poisson { rate } => rate,
+            Arrivals::Bursty { rate, high, .. } => rate * high.max(1.0),
+        };
+        let mut t = t;
+        loop {
+            t += rng.exponential(1.0 / max);
+            if rng.uniform() * max <= self.rate_at(t) {
+                return t;
+            }
+        }
+    }
+}
+
+/// Prompt and output lengths.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Lengths {
+    /// Mean prompt tokens.
+    pub prompt: u32,
+    /// Mean output tokens.
+    pub output: u32,
+    /// Each is drawn uniformly within ± this fraction of its mean (0: fixed).
+    pub spread: f64,
+}
+
+impl Lengths {
+    /// One request's `(prompt, output)`.
+    pub fn draw(&self, rng: &mut Rng) -> (u32, u32) {
+        let mut one = |mean: u32| {
+            let f = 1.0 + self.spread * (2.0 * rng.uniform() - 1.0);
+            ((mean as f64 * f).round() as u32).max(1)
+        };
+        (one(self.prompt), one(self.output))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn poisson_and_bursty_keep_their_mean_rate_and_bursts_are_bursty() {
+        for a in [
+            Arrivals::Poisson { rate: 50.0 },
+            Arrivals::Bursty { rate: 50.0, high: 3.0, period_s: 60.0, duty: 0.25 },
+        ] {
+            let mut rng = Rng::new(7);
+            let (mut t, mut n, mut in_burst) = (0.0, 0u32, 0u32);
+            while t < 3600.0 {
+                t = a.next_after(t, &mut rng);
+                n += 1;
+                if t % 60.0 < 15.0 {
+                    in_burst += 1;
+                }
+            }
+            let rate = n as f64 / 3600.0;
+            assert!((rate - 50.0).abs() < 1.5, "{a:?}: {rate}");
+            let share = in_burst as f64 / n as f64;
+            match a {
+                Arrivals::Poisson { .. } => assert!((share - 0.25).abs() < 0.02, "{share}"),
+                _ => assert!((share - 0.75).abs() < 0.02, "{share}"),
+            }
+        }
+    }
+}
