@@ -2,7 +2,9 @@
 //! `tandem-planner` crate). It reads membership from etcd and load reports from NATS, decides
 //! every `interval_ms`, logs each decision with its inputs, publishes it on
 //! `tandem.{cluster}.planner.decisions` and, while it leads the etcd election, writes the
-//! pools' desired sizes to etcd for an executor (`tandem up`'s reconciler) to apply.
+//! pools' desired sizes to etcd for an executor to apply: `tandem up`'s reconciler on one
+//! machine, or, with `--executor kubernetes`, this process itself, patching the pools'
+//! Deployments' `/scale` to follow the targets in etcd (see deploy/k8s/README.md).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -10,15 +12,25 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::Args;
+use clap::{Args, ValueEnum};
 use tandem_cluster::{
     Discovery, EtcdConfig, EtcdDiscovery, LoadSignals, NatsConfig, NatsLoadSignals, ScaleStore,
 };
 use tandem_planner::{
-    DecisionRecord, DecisionSink, NatsDecisionSink, Observer, Planner, PlannerConfig,
-    PlannerMetrics, StoreActuator,
+    DecisionRecord, DecisionSink, KubeExecutor, KubeExecutorConfig, NatsDecisionSink, Observer,
+    Planner, PlannerConfig, PlannerMetrics, StoreActuator,
 };
 use tokio_util::sync::CancellationToken;
+
+/// Who applies the desired sizes the planner writes to etcd.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum ExecutorKind {
+    /// Nobody in this process: the sizes stay in etcd for `tandem up`'s reconciler.
+    #[default]
+    None,
+    /// Patch the pools' Deployments (`/scale`) to the sizes in etcd (in-cluster credentials).
+    Kubernetes,
+}
 
 /// Flags of `tandem planner`.
 #[derive(Args, Debug, Clone)]
@@ -55,6 +67,31 @@ pub struct PlannerArgs {
     /// Serve the planner's Prometheus metrics here (`GET /metrics`).
     #[arg(long)]
     pub metrics_addr: Option<SocketAddr>,
+    /// Who applies the sizes: `none` (they stay in etcd, for `tandem up`), or `kubernetes`
+    /// (patch the pools' Deployments to follow them; needs `get`/`patch` on deployments/scale).
+    #[arg(long, env = "TANDEM_PLANNER_EXECUTOR", value_enum, default_value_t = ExecutorKind::None)]
+    pub executor: ExecutorKind,
+    /// With --executor kubernetes: the pools' namespace (default: the planner's own, from its
+    /// service account).
+    #[arg(long, env = "TANDEM_KUBE_NAMESPACE")]
+    pub namespace: Option<String>,
+    /// With --executor kubernetes: the prefill pool's Deployment.
+    #[arg(long, env = "TANDEM_PREFILL_DEPLOYMENT", default_value = "tandem-prefill")]
+    pub prefill_deployment: String,
+    /// With --executor kubernetes: the decode pool's Deployment.
+    #[arg(long, env = "TANDEM_DECODE_DEPLOYMENT", default_value = "tandem-decode")]
+    pub decode_deployment: String,
+}
+
+impl PlannerArgs {
+    /// The Kubernetes executor's settings (`namespace` when --namespace is not given).
+    pub fn kube_config(&self, namespace: &str) -> KubeExecutorConfig {
+        KubeExecutorConfig {
+            prefill_deployment: self.prefill_deployment.clone(),
+            decode_deployment: self.decode_deployment.clone(),
+            ..KubeExecutorConfig::new(self.namespace.as_deref().unwrap_or(namespace))
+        }
+    }
 }
 
 /// Prints every decision as one JSON line on stdout.
@@ -97,6 +134,11 @@ pub fn load_config(args: &PlannerArgs) -> anyhow::Result<PlannerConfig> {
         None => PlannerConfig::default(),
     };
     anyhow::ensure!(args.lease_ttl_secs >= 2, "--lease-ttl-secs must be at least 2 (etcd's minimum)");
+    if args.executor == ExecutorKind::Kubernetes {
+        anyhow::ensure!(!args.dry_run, "--dry-run applies nothing: it cannot run --executor kubernetes");
+        // Names refused before anything connects ("default" stands in for an inferred namespace).
+        args.kube_config("default").validate()?;
+    }
     Ok(config)
 }
 
@@ -163,7 +205,7 @@ pub fn run(args: &PlannerArgs) -> anyhow::Result<()> {
             config,
             dry_run: args.dry_run,
             observer,
-            actuator: Arc::new(StoreActuator(store)),
+            actuator: Arc::new(StoreActuator(store.clone())),
             election: Arc::new(discovery.election(Duration::from_secs(args.lease_ttl_secs))),
             sinks,
             metrics,
@@ -182,6 +224,19 @@ pub fn run(args: &PlannerArgs) -> anyhow::Result<()> {
             return Ok(());
         }
         let cancel = CancellationToken::new();
+        let executor = match args.executor {
+            ExecutorKind::None => None,
+            ExecutorKind::Kubernetes => {
+                let kube = tandem_planner::kube::infer_kube_config().await?;
+                let config = args.kube_config(&kube.default_namespace);
+                eprintln!(
+                    "tandem planner: kubernetes executor: deployments {} and {} in namespace {}",
+                    config.prefill_deployment, config.decode_deployment, config.namespace
+                );
+                let executor = KubeExecutor::new(kube, store.clone(), config, planner.metrics.clone())?;
+                Some(tokio::spawn(executor.run(cancel.clone())))
+            }
+        };
         let stop = cancel.clone();
         tokio::spawn(async move {
             let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
@@ -192,7 +247,13 @@ pub fn run(args: &PlannerArgs) -> anyhow::Result<()> {
             }
             stop.cancel();
         });
-        planner.run(cancel).await?;
+        let result = planner.run(cancel.clone()).await;
+        // The executor follows etcd, not the planner; it stops with it all the same.
+        cancel.cancel();
+        if let Some(e) = executor {
+            let _ = e.await;
+        }
+        result?;
         if let Some(s) = server {
             s.stop().await;
         }

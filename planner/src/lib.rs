@@ -5,13 +5,17 @@
 //! decide    the pure decision function (also used by `tandem sim`), with table tests
 //! observe   Observer: membership (etcd) + fresh load reports (NATS) + desired sizes → Observation
 //! actuate   Actuator trait (StoreActuator: desired sizes in etcd), Retry with back-off
+//! kube      KubeExecutor: patches the pools' Deployments (`/scale`) to etcd's targets
 //! run       Planner: election → rounds; DecisionRecord published on
 //!           tandem.{cluster}.planner.decisions; DecisionSink trait (NATS, memory)
 //! metrics   tandem_planner_* families
 //! ```
 //!
-//! Two planners may run; the etcd election ([`tandem_cluster::Election`]) makes one act. A
-//! `--dry-run` planner decides and publishes but never campaigns or applies.
+//! The planner always writes each pool's desired size to etcd; an executor applies it: `tandem
+//! up`'s reconciler on one machine, or [`KubeExecutor`] (`tandem planner --executor kubernetes`)
+//! in a Kubernetes cluster. Two planners may run; the etcd election
+//! ([`tandem_cluster::Election`]) makes one act. A `--dry-run` planner decides and publishes but
+//! never campaigns or applies.
 
 #![warn(missing_docs)]
 
@@ -19,6 +23,7 @@ pub mod actuate;
 pub mod config;
 pub mod decide;
 pub mod error;
+pub mod kube;
 pub mod metrics;
 pub mod observe;
 pub mod run;
@@ -27,6 +32,7 @@ pub use actuate::{Actuator, Retry, StoreActuator};
 pub use config::{PlannerConfig, PoolLimits};
 pub use decide::{Decision, DecisionInputs, NodeLoad, Observation, PlannerMemory, PoolObservation, decide};
 pub use error::PlannerError;
+pub use crate::kube::{KubeExecutor, KubeExecutorConfig, PoolOutcome};
 pub use metrics::PlannerMetrics;
 pub use observe::Observer;
 pub use run::{DecisionRecord, DecisionSink, MemoryDecisionSink, NatsDecisionSink, Planner};
