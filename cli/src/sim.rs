@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 
+use anyhow::Context;
 use clap::{Args, ValueEnum};
 use tandem_planner::PlannerConfig;
 use tandem_sim::{Arrivals, Gpu, Lengths, Mode, ModelShape, Roofline, SimConfig};
@@ -100,6 +101,16 @@ pub struct SimArgs {
     /// Timeline sample period, seconds.
     #[arg(long, default_value_t = 60.0)]
     pub sample_secs: f64,
+    /// Step times measured on a real engine (`tandem bench-engine --format json` output)
+    /// instead of the H200 roofline: for checking the simulation against a real cluster.
+    #[arg(long)]
+    pub profile: Option<PathBuf>,
+    /// With --profile: the KV-transfer tail after a prompt's last chunk, ms.
+    #[arg(long, default_value_t = 1.0)]
+    pub transfer_ms: f64,
+    /// With --profile: KV tokens per instance.
+    #[arg(long, default_value_t = 100_000)]
+    pub kv_tokens: u64,
     /// Random seed.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -157,6 +168,17 @@ pub fn config(a: &SimArgs) -> anyhow::Result<SimConfig> {
         warmup_s: a.warmup_secs,
         gpu_hour_usd: a.gpu_hour_usd,
         sample_s: a.sample_secs,
+        measured: match &a.profile {
+            Some(p) => {
+                let text = std::fs::read_to_string(p)
+                    .with_context(|| format!("--profile {}", p.display()))?;
+                Some(
+                    tandem_sim::MeasuredSteps::from_bench_engine(&text, a.transfer_ms / 1e3, a.kv_tokens as f64)
+                        .map_err(|e| anyhow::anyhow!("--profile {}: {e}", p.display()))?,
+                )
+            }
+            None => None,
+        },
     };
     anyhow::ensure!(a.load > 0.0 && a.load.is_finite(), "--load must be positive");
     cfg.validate()?;

@@ -22,6 +22,7 @@ fn config(duration_s: f64) -> SimConfig {
         warmup_s: 120.0,
         gpu_hour_usd: 3.5,
         sample_s: 60.0,
+        measured: None,
     };
     c.arrivals = Arrivals::Poisson { rate: 0.7 * c.capacity_rps() };
     c.mode = Mode::Disaggregated { prefill: c.balanced_prefill_instances() };

@@ -178,3 +178,64 @@ mod tests {
         assert!((0.0015..0.0019).contains(&r.transfer_s(2048.0)));
     }
 }
+
+/// Step times measured on a real engine (`tandem bench-engine --format json`), for checking
+/// the simulation against a real cluster of the same engines: prefill at the measured
+/// tokens/s, a decode step at batch `b` taking `b / tokens_per_s(b)` (linear between the
+/// measured batch sizes, flat beyond them), and a fixed KV-transfer tail.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MeasuredSteps {
+    /// Prefill tokens per second.
+    pub prefill_tokens_per_s: f64,
+    /// `(batch, step seconds)`, by batch.
+    pub decode_step_s: Vec<(f64, f64)>,
+    /// Time from a prompt's last chunk to its KV at the decode node, s.
+    pub transfer_s: f64,
+    /// KV tokens one instance holds.
+    pub kv_capacity_tokens: f64,
+}
+
+impl MeasuredSteps {
+    /// From `tandem bench-engine --format json` output.
+    pub fn from_bench_engine(
+        json: &str,
+        transfer_s: f64,
+        kv_capacity_tokens: f64,
+    ) -> Result<MeasuredSteps, String> {
+        let v: serde_json::Value = serde_json::from_str(json).map_err(|e| format!("not bench-engine JSON: {e}"))?;
+        let prefill = v["prefill_tok_s"].as_f64().ok_or("no prefill_tok_s")?;
+        let mut decode: Vec<(f64, f64)> = v["decode_tok_s"]
+            .as_object()
+            .ok_or("no decode_tok_s")?
+            .iter()
+            .filter_map(|(b, t)| Some((b.parse::<f64>().ok()?, t.as_f64()?)))
+            .filter(|(b, t)| *b > 0.0 && *t > 0.0)
+            .map(|(b, t)| (b, b / t))
+            .collect();
+        decode.sort_by(|a, b| a.0.total_cmp(&b.0));
+        if decode.is_empty() || !(prefill > 0.0) {
+            return Err("bench-engine JSON without positive prefill and decode figures".into());
+        }
+        Ok(MeasuredSteps { prefill_tokens_per_s: prefill, decode_step_s: decode, transfer_s, kv_capacity_tokens })
+    }
+
+    /// A decode step of `batch` sequences.
+    pub fn decode_s(&self, batch: f64) -> f64 {
+        let d = &self.decode_step_s;
+        if batch <= d[0].0 {
+            return d[0].1;
+        }
+        for w in d.windows(2) {
+            let ((b0, s0), (b1, s1)) = (w[0], w[1]);
+            if batch <= b1 {
+                return s0 + (s1 - s0) * (batch - b0) / (b1 - b0);
+            }
+        }
+        d[d.len() - 1].1
+    }
+
+    /// A prefill step of `tokens` tokens.
+    pub fn prefill_s(&self, tokens: f64) -> f64 {
+        tokens / self.prefill_tokens_per_s
+    }
+}

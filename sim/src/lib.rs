@@ -20,7 +20,7 @@ pub mod workload;
 
 use serde::Serialize;
 
-pub use hw::{Gpu, ModelShape, Roofline};
+pub use hw::{Gpu, MeasuredSteps, ModelShape, Roofline};
 pub use report::{Percentiles, PoolSample, RunReport};
 pub use sim::{Mode, Sim, SimConfig};
 pub use workload::{Arrivals, Lengths, Rng};
@@ -55,7 +55,7 @@ impl SimConfig {
         if tp == 0 || self.gpus < 2 * tp {
             return Err(bad("gpus", self.gpus, &format!("needs at least two instances of --tp {tp}")));
         }
-        if self.roofline.kv_capacity_tokens() < (self.lengths.prompt + self.lengths.output) as f64 * 2.0 {
+        if self.kv_capacity_tokens() < (self.lengths.prompt + self.lengths.output) as f64 * 2.0 {
             return Err(bad("tp", tp, "the model's weights leave no room for KV at this tensor-parallel width"));
         }
         if !(self.duration_s > 0.0) {
@@ -79,6 +79,14 @@ impl SimConfig {
             p.validate().map_err(|e| bad("slo-file", "", &e.to_string()))?;
         }
         Ok(())
+    }
+
+    /// KV tokens one instance holds (measured steps carry their own).
+    pub fn kv_capacity_tokens(&self) -> f64 {
+        match &self.measured {
+            Some(m) => m.kv_capacity_tokens,
+            None => self.roofline.kv_capacity_tokens(),
+        }
     }
 
     /// Per instance, requests/s a prefill instance and a decode instance can take at these

@@ -30,7 +30,36 @@ use tandem_router::routing::{
     Candidate, Demand, FreeBlocksDecodePolicy, LoadEstimate, RoutingPolicy, ShortestQueuePrefillPolicy,
 };
 
-use crate::hw::Roofline;
+use crate::hw::{MeasuredSteps, Roofline};
+
+/// Where step times come from.
+#[derive(Clone)]
+enum Steps {
+    Roofline(Roofline),
+    Measured(std::sync::Arc<MeasuredSteps>),
+}
+
+impl Steps {
+    /// A step computing `new` tokens (`decode` of them single decode tokens) attending to
+    /// `attended` positions in all and reading `ctx` tokens of KV.
+    fn step_s(&self, new: f64, decode: f64, attended: f64, ctx: f64) -> f64 {
+        match self {
+            Steps::Roofline(r) => r.step_s(new, attended, ctx),
+            Steps::Measured(m) => {
+                let prefill = new - decode;
+                let d = if decode > 0.0 { m.decode_s(decode) } else { 0.0 };
+                d + if prefill > 0.0 { m.prefill_s(prefill) } else { 0.0 }
+            }
+        }
+    }
+
+    fn transfer_s(&self, tokens: f64, layers: f64) -> f64 {
+        match self {
+            Steps::Roofline(r) => r.transfer_s(tokens) / layers,
+            Steps::Measured(m) => m.transfer_s,
+        }
+    }
+}
 use crate::report::{ItlHistogram, Percentiles, PoolSample, RunReport};
 use crate::workload::{Arrivals, Lengths, Rng};
 
@@ -82,6 +111,9 @@ pub struct SimConfig {
     pub gpu_hour_usd: f64,
     /// Timeline sample period, s.
     pub sample_s: f64,
+    /// Step times measured on a real engine instead of the roofline's (KV capacity still
+    /// comes from the roofline).
+    pub measured: Option<crate::hw::MeasuredSteps>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -158,6 +190,7 @@ pub struct Sim {
     insts: Vec<Inst>,
     router_queue: VecDeque<u32>,
     kv_capacity_tokens: u64,
+    steps: Steps,
     base: Instant,
     memory: PlannerMemory,
     desired: [usize; 2],
@@ -184,7 +217,7 @@ fn ns(t: f64) -> u64 {
 impl Sim {
     /// A simulation of `cfg` (nothing runs until [`Sim::run`]).
     pub fn new(cfg: SimConfig) -> Sim {
-        let kv_capacity_tokens = cfg.roofline.kv_capacity_tokens() as u64;
+        let kv_capacity_tokens = cfg.kv_capacity_tokens() as u64;
         let mut sim = Sim {
             rng: Rng::new(cfg.seed),
             now: 0.0,
@@ -194,6 +227,10 @@ impl Sim {
             insts: Vec::new(),
             router_queue: VecDeque::new(),
             kv_capacity_tokens,
+            steps: match &cfg.measured {
+                Some(m) => Steps::Measured(std::sync::Arc::new(m.clone())),
+                None => Steps::Roofline(cfg.roofline),
+            },
             base: Instant::now(),
             memory: PlannerMemory::default(),
             desired: [0, 0],
@@ -416,7 +453,7 @@ impl Sim {
         if self.insts[i].busy || self.insts[i].life == Life::Gone {
             return;
         }
-        let roof = self.cfg.roofline;
+        let roof = self.steps.clone();
         let max_batch = self.cfg.max_batch;
         let budget = self.cfg.max_tokens_per_step;
         let step_s = match &mut self.insts[i].kind {
@@ -433,14 +470,15 @@ impl Sim {
                     attended += l * s + l * (l + 1.0) / 2.0;
                     ctx += s + l;
                 }
-                roof.step_s(new, attended, ctx)
+                roof.step_s(new, 0.0, attended, ctx)
             }
             Kind::Decode(b) => {
                 admit(b, max_batch, &self.reqs);
                 if b.running == 0 {
                     return;
                 }
-                roof.decode_step_s(b.running as f64, b.context)
+                let n = b.running as f64;
+                roof.step_s(n, n, b.context, b.context)
             }
             Kind::Colocated { batch, prompts, step } => {
                 admit(batch, max_batch, &self.reqs);
@@ -464,7 +502,7 @@ impl Sim {
                 if new == 0.0 {
                     return;
                 }
-                roof.step_s(new, attended, ctx)
+                roof.step_s(new, batch.running as f64, attended, ctx)
             }
         };
         self.insts[i].busy = true;
@@ -479,7 +517,7 @@ impl Sim {
         self.insts[i].busy = false;
         let now = self.now;
         let layers = self.cfg.roofline.model.layers as f64;
-        let roof = self.cfg.roofline;
+        let steps = self.steps.clone();
         let mut first_tokens = Vec::new();
         let mut finished = Vec::new();
         let mut computed = 0u64;
@@ -524,7 +562,7 @@ impl Sim {
             self.window_ttft.push(ttft);
             self.input_tokens += r.prompt as u64;
             if self.cfg.mode != Mode::Colocated {
-                let tail = roof.transfer_s(r.prompt as f64) / layers;
+                let tail = steps.transfer_s(r.prompt as f64, layers);
                 self.at(now + tail, Event::Transferred(id));
             }
         }

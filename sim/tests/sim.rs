@@ -22,6 +22,7 @@ fn cfg(gpus: u32, rate: f64, prompt: u32, output: u32, duration_s: f64) -> SimCo
         warmup_s: 60.0,
         gpu_hour_usd: 3.5,
         sample_s: 30.0,
+        measured: None,
     }
 }
 

@@ -19,6 +19,8 @@ pub struct Reply {
     pub events: Vec<String>,
     /// The longest time between two reads that carried stream data.
     pub longest_stall: Duration,
+    /// When each `data:` event arrived, since the request was sent.
+    pub event_at: Vec<Duration>,
 }
 
 impl Reply {
@@ -63,6 +65,8 @@ pub fn request(
     head.push_str("\r\n");
     s.write_all(head.as_bytes()).unwrap();
     s.write_all(body.as_bytes()).unwrap();
+    let sent = Instant::now();
+    let mut event_at = Vec::new();
     let mut raw = Vec::new();
     let mut buf = [0u8; 16 * 1024];
     let mut last_data: Option<Instant> = None;
@@ -85,6 +89,7 @@ pub fn request(
             let total = String::from_utf8_lossy(&raw).matches("\ndata:").count();
             while seen_events < total {
                 seen_events += 1;
+                event_at.push(sent.elapsed());
                 on_event(seen_events);
             }
         }
@@ -112,5 +117,6 @@ pub fn request(
         body: body.to_string(),
         events,
         longest_stall: longest,
+        event_at,
     }
 }
