@@ -40,7 +40,7 @@ async fn cluster() -> Cluster {
     let layout = KvLayout::new(30, 3, 64, 16, KvDtype::F16, 1).unwrap();
     let mut regs = Vec::new();
     for (id, role) in [("prefill-0", Role::Prefill), ("decode-0", Role::Decode)] {
-        let info = NodeInfo::new(id, role, format!("http://127.0.0.1:1/{id}"), layout.clone(), 1024)
+        let info = NodeInfo::new(id, role, format!("http://127.0.0.1:1/{id}"), layout, 1024)
             .with_kv_transfer_addr("tcp://127.0.0.1:2");
         regs.push(discovery.register(info).await.unwrap());
     }

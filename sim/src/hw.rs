@@ -213,7 +213,7 @@ impl MeasuredSteps {
             .map(|(b, t)| (b, b / t))
             .collect();
         decode.sort_by(|a, b| a.0.total_cmp(&b.0));
-        if decode.is_empty() || !(prefill > 0.0) {
+        if decode.is_empty() || prefill.is_nan() || prefill <= 0.0 {
             return Err("bench-engine JSON without positive prefill and decode figures".into());
         }
         Ok(MeasuredSteps { prefill_tokens_per_s: prefill, decode_step_s: decode, transfer_s, kv_capacity_tokens })

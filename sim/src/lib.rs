@@ -58,16 +58,17 @@ impl SimConfig {
         if self.kv_capacity_tokens() < (self.lengths.prompt + self.lengths.output) as f64 * 2.0 {
             return Err(bad("tp", tp, "the model's weights leave no room for KV at this tensor-parallel width"));
         }
-        if !(self.duration_s > 0.0) {
+        if self.duration_s.is_nan() || self.duration_s <= 0.0 {
             return Err(bad("duration-secs", self.duration_s, "must be positive"));
         }
-        if !(self.arrivals.mean_rate() > 0.0) || !self.arrivals.mean_rate().is_finite() {
+        let rate = self.arrivals.mean_rate();
+        if !rate.is_finite() || rate <= 0.0 {
             return Err(bad("rate", self.arrivals.mean_rate(), "must be positive"));
         }
-        if let Arrivals::Bursty { high, duty, period_s, .. } = self.arrivals {
-            if !(high >= 1.0 && high * duty < 1.0 && duty > 0.0 && period_s > 0.0) {
-                return Err(bad("burst", format!("high {high}, duty {duty}"), "needs high ≥ 1, 0 < duty, high × duty < 1"));
-            }
+        if let Arrivals::Bursty { high, duty, period_s, .. } = self.arrivals
+            && !(high >= 1.0 && high * duty < 1.0 && duty > 0.0 && period_s > 0.0)
+        {
+            return Err(bad("burst", format!("high {high}, duty {duty}"), "needs high ≥ 1, 0 < duty, high × duty < 1"));
         }
         if self.lengths.prompt == 0 || self.lengths.output == 0 || !(0.0..1.0).contains(&self.lengths.spread) {
             return Err(bad("prompt-tokens/output-tokens/spread", format!("{:?}", self.lengths), "lengths ≥ 1, spread in [0, 1)"));
