@@ -180,6 +180,9 @@ fn decide_prefill(obs: &Observation, cfg: &PlannerConfig, memory: &mut PlannerMe
     let limits = pool.effective(cfg.prefill);
     let best = pool.nodes.iter().map(|n| n.tokens_per_s).fold(0.0, f64::max);
     memory.best_prefill_tokens_per_s = memory.best_prefill_tokens_per_s.max(best);
+    // No throughput configured and none measured yet (the pool has not worked): no basis to
+    // size it by its backlog; wait for the first reports of work.
+    let measured = cfg.prefill_tokens_per_s > 0.0 || memory.best_prefill_tokens_per_s > 0.0;
     let per_node = if cfg.prefill_tokens_per_s > 0.0 {
         cfg.prefill_tokens_per_s
     } else {
@@ -198,7 +201,7 @@ fn decide_prefill(obs: &Observation, cfg: &PlannerConfig, memory: &mut PlannerMe
     let window = cfg.ttft_p90_slo_ms as f64 / 1000.0 / 2.0;
     let needed = (pending as f64 / (per_node * window)).ceil() as usize;
     let target = needed.clamp(limits.min, limits.max);
-    if target > pool.desired && cooled(memory, Role::Prefill, obs.at, limits.scale_up_cooldown_secs) {
+    if measured && target > pool.desired && cooled(memory, Role::Prefill, obs.at, limits.scale_up_cooldown_secs) {
         return Some(Decision {
             pool: "prefill",
             from: pool.desired,
@@ -531,5 +534,18 @@ mod tests {
         );
         assert_eq!(d[0].to, 3);
         assert_eq!(d[0].inputs.capacity, 2000.0);
+        // Before any report of work there is no throughput to size by: a backlog alone does
+        // not grow the pool.
+        let mut m = PlannerMemory::default();
+        let d = decide(
+            &Observation {
+                at: Instant::now(),
+                prefill: prefill(1, &[6000], 0.0),
+                decode: decode(1, &[50]),
+            },
+            &c,
+            &mut m,
+        );
+        assert!(d.is_empty(), "{d:?}");
     }
 }
