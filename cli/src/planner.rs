@@ -48,6 +48,11 @@ pub struct PlannerArgs {
     /// refused, naming the field). Default: TTFT p90 2 s, ITL p90 100 ms, pools 1..4.
     #[arg(long)]
     pub slo_file: Option<PathBuf>,
+    /// A prefill node's throughput profile: `tandem bench-engine --format json` output run on
+    /// the nodes' hardware and config; its `prefill_tok_s` becomes `prefill_tokens_per_s`
+    /// (otherwise the SLO file's value, or the best the nodes have reported).
+    #[arg(long)]
+    pub profile: Option<PathBuf>,
     /// Decide, log and publish, but never apply (and do not take part in the election).
     #[arg(long)]
     pub dry_run: bool,
@@ -127,12 +132,26 @@ fn describe(obs: &tandem_planner::Observation) -> String {
     out.trim_end().to_string()
 }
 
+/// `prefill_tok_s` of a `tandem bench-engine --format json` file.
+pub fn profile_tokens_per_s(path: &std::path::Path) -> anyhow::Result<f64> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("--profile {}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("--profile {}: not `tandem bench-engine --format json` output", path.display()))?;
+    match v["prefill_tok_s"].as_f64() {
+        Some(t) if t.is_finite() && t > 0.0 => Ok(t),
+        _ => anyhow::bail!("--profile {}: no positive `prefill_tok_s`", path.display()),
+    }
+}
+
 /// Checks the SLO file (refused at start, naming the field) and the flags.
 pub fn load_config(args: &PlannerArgs) -> anyhow::Result<PlannerConfig> {
-    let config = match &args.slo_file {
+    let mut config = match &args.slo_file {
         Some(p) => PlannerConfig::from_file(p)?,
         None => PlannerConfig::default(),
     };
+    if let Some(p) = &args.profile {
+        config.prefill_tokens_per_s = profile_tokens_per_s(p)?;
+    }
     anyhow::ensure!(args.lease_ttl_secs >= 2, "--lease-ttl-secs must be at least 2 (etcd's minimum)");
     if args.executor == ExecutorKind::Kubernetes {
         anyhow::ensure!(!args.dry_run, "--dry-run applies nothing: it cannot run --executor kubernetes");
@@ -259,4 +278,25 @@ pub fn run(args: &PlannerArgs) -> anyhow::Result<()> {
         }
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod profile_tests {
+    use super::profile_tokens_per_s;
+
+    #[test]
+    fn a_bench_engine_profile_gives_the_prefill_throughput_and_anything_else_is_refused() {
+        let dir = std::env::temp_dir().join(format!("tandem-profile-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = dir.join("good.json");
+        std::fs::write(&good, r#"{"prefill_tok_s": 566.5, "decode_tok_s": {"1": 68.4}}"#).unwrap();
+        assert_eq!(profile_tokens_per_s(&good).unwrap(), 566.5);
+        for (name, text) in [("zero.json", r#"{"prefill_tok_s": 0}"#), ("other.json", "[1, 2]"), ("bad.json", "{")] {
+            let p = dir.join(name);
+            std::fs::write(&p, text).unwrap();
+            let e = format!("{:#}", profile_tokens_per_s(&p).unwrap_err());
+            assert!(e.contains("--profile"), "{e}");
+        }
+        assert!(profile_tokens_per_s(&dir.join("missing.json")).is_err());
+    }
 }

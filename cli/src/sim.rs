@@ -108,6 +108,10 @@ pub struct SimArgs {
     /// With --profile: the KV-transfer tail after a prompt's last chunk, ms.
     #[arg(long, default_value_t = 1.0)]
     pub transfer_ms: f64,
+    /// With --profile: per-request time outside the engines (ingress, tokenization, routing,
+    /// hops), ms: a real cluster's TTFT for a prompt of a few tokens, less its prefill.
+    #[arg(long, default_value_t = 0.0)]
+    pub overhead_ms: f64,
     /// With --profile: KV tokens per instance.
     #[arg(long, default_value_t = 100_000)]
     pub kv_tokens: u64,
@@ -173,7 +177,12 @@ pub fn config(a: &SimArgs) -> anyhow::Result<SimConfig> {
                 let text = std::fs::read_to_string(p)
                     .with_context(|| format!("--profile {}", p.display()))?;
                 Some(
-                    tandem_sim::MeasuredSteps::from_bench_engine(&text, a.transfer_ms / 1e3, a.kv_tokens as f64)
+                    tandem_sim::MeasuredSteps::from_bench_engine(
+                        &text,
+                        a.transfer_ms / 1e3,
+                        a.kv_tokens as f64,
+                        a.overhead_ms / 1e3,
+                    )
                         .map_err(|e| anyhow::anyhow!("--profile {}: {e}", p.display()))?,
                 )
             }

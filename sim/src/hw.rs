@@ -193,6 +193,10 @@ pub struct MeasuredSteps {
     pub transfer_s: f64,
     /// KV tokens one instance holds.
     pub kv_capacity_tokens: f64,
+    /// Per-request time outside the engines, from the request's arrival to its prefill being
+    /// queued (ingress parsing, tokenization, routing, the decode reservation, the hops), s:
+    /// measured on the real cluster with a prompt of a few tokens.
+    pub overhead_s: f64,
 }
 
 impl MeasuredSteps {
@@ -201,6 +205,7 @@ impl MeasuredSteps {
         json: &str,
         transfer_s: f64,
         kv_capacity_tokens: f64,
+        overhead_s: f64,
     ) -> Result<MeasuredSteps, String> {
         let v: serde_json::Value = serde_json::from_str(json).map_err(|e| format!("not bench-engine JSON: {e}"))?;
         let prefill = v["prefill_tok_s"].as_f64().ok_or("no prefill_tok_s")?;
@@ -216,7 +221,13 @@ impl MeasuredSteps {
         if decode.is_empty() || prefill.is_nan() || prefill <= 0.0 {
             return Err("bench-engine JSON without positive prefill and decode figures".into());
         }
-        Ok(MeasuredSteps { prefill_tokens_per_s: prefill, decode_step_s: decode, transfer_s, kv_capacity_tokens })
+        Ok(MeasuredSteps {
+            prefill_tokens_per_s: prefill,
+            decode_step_s: decode,
+            transfer_s,
+            kv_capacity_tokens,
+            overhead_s,
+        })
     }
 
     /// A decode step of `batch` sequences.

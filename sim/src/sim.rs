@@ -119,6 +119,7 @@ pub struct SimConfig {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Event {
     Arrival,
+    Route(u32),
     Step(u32),
     Transferred(u32),
     Ready(u32),
@@ -331,6 +332,11 @@ impl Sim {
             self.now = t as f64 / 1e9;
             match e {
                 Event::Arrival => self.on_arrival(),
+                Event::Route(r) => {
+                    if !self.place(r) {
+                        self.router_queue.push_back(r);
+                    }
+                }
                 Event::Step(i) => self.on_step_done(i),
                 Event::Transferred(r) => self.on_transferred(r),
                 Event::Ready(i) => {
@@ -354,7 +360,10 @@ impl Sim {
         let id = self.reqs.len() as u32;
         self.reqs.push(Request { arrived: self.now, prompt, output, first_token: f64::NAN, decode: u32::MAX });
         self.window_arrivals += 1;
-        if !self.place(id) {
+        let overhead = self.cfg.measured.as_ref().map_or(0.0, |m| m.overhead_s);
+        if overhead > 0.0 {
+            self.at(self.now + overhead, Event::Route(id));
+        } else if !self.place(id) {
             self.router_queue.push_back(id);
         }
         let next = self.cfg.arrivals.next_after(self.now, &mut self.rng);

@@ -257,6 +257,24 @@ impl Cluster {
     }
 
     /// The router's /metrics value of the exact series `series` (e.g. `name{labels}`).
+    /// A series of one node's own `/metrics` (found through its etcd record), summed over
+    /// every line that starts with `series` (all label sets when given without labels).
+    pub async fn node_metric(&self, role: Role, node_id: &str, series: &str) -> Option<f64> {
+        let info = self.discovery.list(role).await.ok()?.remove(node_id)?;
+        let url = info.metrics_url;
+        let rest = url.strip_prefix("http://")?;
+        let (addr, path) = rest.split_once('/').map_or((rest, "/metrics".to_string()), |(a, p)| (a, format!("/{p}")));
+        let (_, body) = http(addr.parse().ok()?, "GET", &path, None).await.ok()?;
+        let values: Vec<f64> = body
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| l.strip_prefix(series))
+            .filter(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+            .filter_map(|rest| rest.rsplit(' ').next()?.parse().ok())
+            .collect();
+        (!values.is_empty()).then(|| values.iter().sum())
+    }
+
     pub async fn metric(&self, series: &str) -> Option<u64> {
         let (_, body) = http(self.http, "GET", "/metrics", None).await.ok()?;
         body.lines()
