@@ -208,14 +208,17 @@ impl Cluster {
             .unwrap_or_default()
     }
 
-    /// Waits until the router's /health is 200 and `n_prefill`/`n_decode` nodes are registered.
+    /// Waits until `n_prefill` and `n_decode` nodes *serve* (registered and warmed up: a node
+    /// still warming takes no work, so a test that expects a request on it must wait for this)
+    /// and the router is healthy; then gives the router's membership watch a moment to see
+    /// the last state change.
     pub async fn wait_ready(&mut self, n_prefill: usize, n_decode: usize) {
         self.wait_for(
-            "nodes to register and the router to be healthy",
+            "nodes to serve and the router to be healthy",
             WAIT,
             async |c| {
-                c.registered(Role::Prefill).await.len() >= n_prefill
-                    && c.registered(Role::Decode).await.len() >= n_decode
+                c.serving(Role::Prefill).await >= n_prefill
+                    && c.serving(Role::Decode).await >= n_decode
                     && http(c.http, "GET", "/health", None)
                         .await
                         .map(|r| r.0 == 200)
@@ -223,6 +226,16 @@ impl Cluster {
             },
         )
         .await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+
+    /// Nodes of `role` whose record says `serving`.
+    pub async fn serving(&self, role: Role) -> usize {
+        self.discovery
+            .list(role)
+            .await
+            .map(|v| v.values().filter(|n| n.state == tandem_cluster::NodeState::Serving).count())
+            .unwrap_or(0)
     }
 
     /// Latest load reports of every node (both roles).
