@@ -174,12 +174,11 @@ pub(crate) async fn disaggregated_level(
                 let mut stream = client.generate(req).await?.into_inner();
                 let (mut ttft, mut tokens) = (None, 0);
                 while let Some(m) = stream.message().await? {
-                    if let Some(generate_response::Event::Delta(d)) = m.event {
-                        if !d.token_ids.is_empty() {
+                    if let Some(generate_response::Event::Delta(d)) = m.event
+                        && !d.token_ids.is_empty() {
                             ttft.get_or_insert(start.elapsed());
                             tokens += d.token_ids.len();
                         }
-                    }
                 }
                 out.push(Sample {
                     ttft: ttft.unwrap_or_default(),
@@ -291,33 +290,22 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<String> {
         };
         // The cluster's data and logs are scratch: a temporary directory, removed afterwards
         // (never the source tree the benchmark happens to run in).
-        let run_dir = std::env::temp_dir().join(format!("tandem-bench-serve-{}", std::process::id()));
+        let run_dir =
+            std::env::temp_dir().join(format!("tandem-bench-serve-{}", std::process::id()));
         let up_args = UpArgs {
-            prefill: 1,
-            decode: 1,
             grpc: free(())?,
             http: free(())?,
             run_dir: Some(run_dir.clone()),
             cluster: format!("bench-{}", std::process::id()),
             model: Some(model.clone()),
-            etcd_bin: "etcd".into(),
-            nats_bin: "nats-server".into(),
-            prompt: String::new(),
-            max_tokens: 0,
             no_sample: true,
             exit_after_sample: true,
-            ready_timeout_secs: 180,
-            api_keys_file: None,
-            cost_file: None,
-            prometheus: false,
-            prometheus_addr: "127.0.0.1:0".parse().expect("a socket address"),
-            prometheus_bin: "prometheus".into(),
             trace: tandem_telemetry::TraceArgs::default(),
-            node_args: vec![],
             ..UpArgs::defaults()
         };
         let interrupt = up::Interrupt::install(&rt)?;
-        let mut cluster = up::start(&up_args, &rt, &interrupt).context("starting the local 1P+1D cluster")?;
+        let mut cluster =
+            up::start(&up_args, &rt, &interrupt).context("starting the local 1P+1D cluster")?;
         // Warm-up: one request through the whole path.
         rt.block_on(disaggregated_level(
             up_args.grpc,

@@ -71,7 +71,12 @@ fn scraper(urls: Vec<String>, stop: Arc<AtomicBool>, count: Arc<AtomicU64>) {
             if let Ok(mut s) = std::net::TcpStream::connect(host) {
                 use std::io::{Read, Write};
                 let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-                if write!(s, "GET /{path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").is_ok() {
+                if write!(
+                    s,
+                    "GET /{path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+                )
+                .is_ok()
+                {
                     let mut sink = Vec::new();
                     if s.read_to_end(&mut sink).is_ok() {
                         count.fetch_add(1, Ordering::Relaxed);
@@ -112,27 +117,14 @@ pub fn run(args: &BenchServeArgs, model: &Path, vocab: usize) -> anyhow::Result<
                 _ => TraceArgs::default(),
             };
             let up_args = UpArgs {
-                prefill: 1,
-                decode: 1,
                 grpc: free()?,
                 http: free()?,
                 run_dir: Some(run_dir.clone()),
                 cluster: format!("bench-telemetry-{}", std::process::id()),
                 model: Some(model.to_path_buf()),
-                etcd_bin: "etcd".into(),
-                nats_bin: "nats-server".into(),
-                prompt: String::new(),
-                max_tokens: 0,
                 no_sample: true,
                 exit_after_sample: true,
-                ready_timeout_secs: 180,
-                api_keys_file: None,
-                cost_file: None,
-                prometheus: false,
-                prometheus_addr: free()?,
-                prometheus_bin: "prometheus".into(),
                 trace,
-                node_args: vec![],
                 ..UpArgs::defaults()
             };
             let mut cluster = up::start(&up_args, &rt, &interrupt)
@@ -226,7 +218,12 @@ pub fn run(args: &BenchServeArgs, model: &Path, vocab: usize) -> anyhow::Result<
     for r in &report.rows {
         s += &format!(
             "{:>5} {:>8} {:>10.1} {:>10.3} {:>8.1}ms {:>+10.2}ms\n",
-            r.concurrency, r.config, r.output_tok_s, r.throughput_ratio, r.ttft_p50_ms, r.ttft_delta_ms
+            r.concurrency,
+            r.config,
+            r.output_tok_s,
+            r.throughput_ratio,
+            r.ttft_p50_ms,
+            r.ttft_delta_ms
         );
     }
     Ok(s)

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Args;
-use tandem_cluster::{Discovery, EtcdConfig, EtcdDiscovery, Role};
+use tandem_cluster::{Discovery, Role};
 
 /// Flags of `tandem drain`.
 #[derive(Args, Debug, Clone)]
@@ -17,12 +17,8 @@ pub struct DrainArgs {
     /// The node's role (default: whichever role has a node with that id).
     #[arg(long, value_parser = ["prefill", "decode"])]
     pub role: Option<String>,
-    /// etcd client URLs, comma-separated (`tandem up` prints its own).
-    #[arg(long, env = "TANDEM_ETCD_ENDPOINTS", value_delimiter = ',', required = true)]
-    pub etcd_endpoints: Vec<String>,
-    /// Cluster name.
-    #[arg(long, env = "TANDEM_CLUSTER", default_value = "local")]
-    pub cluster: String,
+    #[command(flatten)]
+    pub target: crate::control::ClusterTarget,
     /// How long to wait for the node to leave (0: do not wait).
     #[arg(long, default_value_t = 120)]
     pub wait_secs: u64,
@@ -34,11 +30,7 @@ pub fn run(args: &DrainArgs) -> anyhow::Result<String> {
         .enable_all()
         .build()?;
     rt.block_on(async {
-        let d = EtcdDiscovery::connect(EtcdConfig::new(
-            args.etcd_endpoints.clone(),
-            args.cluster.clone(),
-        ))
-        .await?;
+        let d = args.target.discovery().await?;
         let roles: Vec<Role> = match args.role.as_deref() {
             Some("prefill") => vec![Role::Prefill],
             Some(_) => vec![Role::Decode],
@@ -49,7 +41,7 @@ pub fn run(args: &DrainArgs) -> anyhow::Result<String> {
             let view = d
                 .list(r)
                 .await
-                .with_context(|| format!("listing {r} nodes in etcd ({:?})", args.etcd_endpoints))?;
+                .with_context(|| format!("listing {r} nodes in etcd ({:?})", args.target.etcd_endpoints))?;
             if view.contains_key(&args.node_id) {
                 role = Some(r);
                 break;
@@ -59,7 +51,7 @@ pub fn run(args: &DrainArgs) -> anyhow::Result<String> {
             bail!(
                 "no node `{}` is registered in cluster `{}`",
                 args.node_id,
-                args.cluster
+                args.target.cluster
             );
         };
         d.request_drain(role, &args.node_id).await?;

@@ -99,11 +99,10 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         }],
         |o| {
             first_token_at.get_or_insert_with(|| t0.elapsed());
-            if write_err.is_none() {
-                if let Err(e) = out.write_all(o.text.as_bytes()).and_then(|_| out.flush()) {
+            if write_err.is_none()
+                && let Err(e) = out.write_all(o.text.as_bytes()).and_then(|_| out.flush()) {
                     write_err = Some(e);
                 }
-            }
         },
     )?;
     if let Some(e) = write_err {

@@ -17,6 +17,7 @@
 pub mod bench_engine;
 pub mod bench_serve;
 pub mod bench_telemetry;
+pub mod control;
 pub mod drain;
 pub mod fetch;
 pub mod generate;

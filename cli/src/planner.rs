@@ -13,9 +13,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use tandem_cluster::{
-    Discovery, EtcdConfig, EtcdDiscovery, LoadSignals, NatsConfig, NatsLoadSignals, ScaleStore,
-};
+use tandem_cluster::{Discovery, LoadSignals, NatsConfig, NatsLoadSignals, ScaleStore};
 use tandem_planner::{
     DecisionRecord, DecisionSink, KubeExecutor, KubeExecutorConfig, NatsDecisionSink, Observer,
     Planner, PlannerConfig, PlannerMetrics, StoreActuator,
@@ -35,15 +33,11 @@ pub enum ExecutorKind {
 /// Flags of `tandem planner`.
 #[derive(Args, Debug, Clone)]
 pub struct PlannerArgs {
-    /// etcd client URLs, comma-separated.
-    #[arg(long, env = "TANDEM_ETCD_ENDPOINTS", value_delimiter = ',', required = true)]
-    pub etcd_endpoints: Vec<String>,
+    #[command(flatten)]
+    pub target: crate::control::ClusterTarget,
     /// NATS URL (load reports in, decisions out).
     #[arg(long, env = "TANDEM_NATS_URL", required = true)]
     pub nats_url: String,
-    /// Cluster name.
-    #[arg(long, env = "TANDEM_CLUSTER", default_value = "local")]
-    pub cluster: String,
     /// SLOs, watermarks and per-pool bounds (TOML; unknown keys and impossible values are
     /// refused, naming the field). Default: TTFT p90 2 s, ITL p90 100 ms, pools 1..4.
     #[arg(long)]
@@ -81,10 +75,18 @@ pub struct PlannerArgs {
     #[arg(long, env = "TANDEM_KUBE_NAMESPACE")]
     pub namespace: Option<String>,
     /// With --executor kubernetes: the prefill pool's Deployment.
-    #[arg(long, env = "TANDEM_PREFILL_DEPLOYMENT", default_value = "tandem-prefill")]
+    #[arg(
+        long,
+        env = "TANDEM_PREFILL_DEPLOYMENT",
+        default_value = "tandem-prefill"
+    )]
     pub prefill_deployment: String,
     /// With --executor kubernetes: the decode pool's Deployment.
-    #[arg(long, env = "TANDEM_DECODE_DEPLOYMENT", default_value = "tandem-decode")]
+    #[arg(
+        long,
+        env = "TANDEM_DECODE_DEPLOYMENT",
+        default_value = "tandem-decode"
+    )]
     pub decode_deployment: String,
 }
 
@@ -113,15 +115,20 @@ impl DecisionSink for StdoutSink {
 
 /// The pools as observed, one line each.
 fn describe(obs: &tandem_planner::Observation) -> String {
-    let mut out = String::from("pool     desired  serving  reporting  pending_prompt_tokens  tokens_per_s  kv_use\n");
+    let mut out = String::from(
+        "pool     desired  serving  reporting  pending_prompt_tokens  tokens_per_s  kv_use\n",
+    );
     for (name, p) in [("prefill", &obs.prefill), ("decode", &obs.decode)] {
         let pending: u64 = p.nodes.iter().map(|n| n.pending_prompt_tokens).sum();
         let tps: f64 = p.nodes.iter().map(|n| n.tokens_per_s).sum();
-        let (free, total) = p
-            .nodes
-            .iter()
-            .fold((0u64, 0u64), |(f, t), n| (f + n.free_blocks, t + n.total_blocks));
-        let kv = if total == 0 { 0.0 } else { 100.0 * (total - free) as f64 / total as f64 };
+        let (free, total) = p.nodes.iter().fold((0u64, 0u64), |(f, t), n| {
+            (f + n.free_blocks, t + n.total_blocks)
+        });
+        let kv = if total == 0 {
+            0.0
+        } else {
+            100.0 * (total - free) as f64 / total as f64
+        };
         out += &format!(
             "{name:<8} {:>7}  {:>7}  {:>9}  {pending:>21}  {tps:>12.0}  {kv:>5.1}%\n",
             p.desired,
@@ -134,9 +141,14 @@ fn describe(obs: &tandem_planner::Observation) -> String {
 
 /// `prefill_tok_s` of a `tandem bench-engine --format json` file.
 pub fn profile_tokens_per_s(path: &std::path::Path) -> anyhow::Result<f64> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("--profile {}", path.display()))?;
-    let v: serde_json::Value = serde_json::from_str(&text)
-        .with_context(|| format!("--profile {}: not `tandem bench-engine --format json` output", path.display()))?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("--profile {}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text).with_context(|| {
+        format!(
+            "--profile {}: not `tandem bench-engine --format json` output",
+            path.display()
+        )
+    })?;
     match v["prefill_tok_s"].as_f64() {
         Some(t) if t.is_finite() && t > 0.0 => Ok(t),
         _ => anyhow::bail!("--profile {}: no positive `prefill_tok_s`", path.display()),
@@ -152,9 +164,15 @@ pub fn load_config(args: &PlannerArgs) -> anyhow::Result<PlannerConfig> {
     if let Some(p) = &args.profile {
         config.prefill_tokens_per_s = profile_tokens_per_s(p)?;
     }
-    anyhow::ensure!(args.lease_ttl_secs >= 2, "--lease-ttl-secs must be at least 2 (etcd's minimum)");
+    anyhow::ensure!(
+        args.lease_ttl_secs >= 2,
+        "--lease-ttl-secs must be at least 2 (etcd's minimum)"
+    );
     if args.executor == ExecutorKind::Kubernetes {
-        anyhow::ensure!(!args.dry_run, "--dry-run applies nothing: it cannot run --executor kubernetes");
+        anyhow::ensure!(
+            !args.dry_run,
+            "--dry-run applies nothing: it cannot run --executor kubernetes"
+        );
         // Names refused before anything connects ("default" stands in for an inferred namespace).
         args.kube_config("default").validate()?;
     }
@@ -170,12 +188,8 @@ pub fn run(args: &PlannerArgs) -> anyhow::Result<()> {
         .build()?;
     rt.block_on(async {
         let id = args.id.clone().unwrap_or_else(|| format!("planner-{}", std::process::id()));
-        let discovery = EtcdDiscovery::connect(EtcdConfig::new(
-            args.etcd_endpoints.clone(),
-            args.cluster.clone(),
-        ))
-        .await?;
-        let nats = NatsLoadSignals::connect(NatsConfig::new(args.nats_url.clone(), args.cluster.clone()))
+        let discovery = args.target.discovery().await?;
+        let nats = NatsLoadSignals::connect(NatsConfig::new(args.nats_url.clone(), args.target.cluster.clone()))
             .await
             .with_context(|| format!("connecting to NATS at {}", args.nats_url))?;
         let store: Arc<dyn ScaleStore> = Arc::new(discovery.scale_store());
@@ -210,7 +224,7 @@ pub fn run(args: &PlannerArgs) -> anyhow::Result<()> {
         }
         eprintln!(
             "tandem planner {id}: cluster `{}`, decisions on {subject}{}; SLOs: TTFT p90 {} ms, ITL p90 {} ms; prefill {}..{}, decode {}..{}",
-            args.cluster,
+            args.target.cluster,
             if args.dry_run { " (dry run: nothing is applied)" } else { "" },
             config.ttft_p90_slo_ms,
             config.itl_p90_slo_ms,
@@ -289,9 +303,17 @@ mod profile_tests {
         let dir = std::env::temp_dir().join(format!("tandem-profile-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let good = dir.join("good.json");
-        std::fs::write(&good, r#"{"prefill_tok_s": 566.5, "decode_tok_s": {"1": 68.4}}"#).unwrap();
+        std::fs::write(
+            &good,
+            r#"{"prefill_tok_s": 566.5, "decode_tok_s": {"1": 68.4}}"#,
+        )
+        .unwrap();
         assert_eq!(profile_tokens_per_s(&good).unwrap(), 566.5);
-        for (name, text) in [("zero.json", r#"{"prefill_tok_s": 0}"#), ("other.json", "[1, 2]"), ("bad.json", "{")] {
+        for (name, text) in [
+            ("zero.json", r#"{"prefill_tok_s": 0}"#),
+            ("other.json", "[1, 2]"),
+            ("bad.json", "{"),
+        ] {
             let p = dir.join(name);
             std::fs::write(&p, text).unwrap();
             let e = format!("{:#}", profile_tokens_per_s(&p).unwrap_err());

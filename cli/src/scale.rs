@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Args;
-use tandem_cluster::{Discovery, EtcdConfig, EtcdDiscovery, NodeState, PoolBounds, Role, ScaleLimits, ScaleStore};
+use tandem_cluster::{
+    Discovery, EtcdDiscovery, NodeState, PoolBounds, Role, ScaleLimits, ScaleStore,
+};
 
 /// Flags of `tandem scale`.
 #[derive(Args, Debug, Clone)]
@@ -28,12 +30,8 @@ pub struct ScaleArgs {
     /// Set a pool's maximum, as POOL=N.
     #[arg(long = "max")]
     pub maxes: Vec<String>,
-    /// etcd client URLs, comma-separated (`tandem up` prints its own).
-    #[arg(long, env = "TANDEM_ETCD_ENDPOINTS", value_delimiter = ',', required = true)]
-    pub etcd_endpoints: Vec<String>,
-    /// Cluster name.
-    #[arg(long, env = "TANDEM_CLUSTER", default_value = "local")]
-    pub cluster: String,
+    #[command(flatten)]
+    pub target: crate::control::ClusterTarget,
     /// Wait up to this long for each pool to serve its target (the pools named in SIZES, or
     /// every pool when none is named; 0: do not wait).
     #[arg(long, default_value_t = 0)]
@@ -79,11 +77,7 @@ pub fn run(args: &ScaleArgs) -> anyhow::Result<String> {
         .enable_all()
         .build()?;
     rt.block_on(async {
-        let d = EtcdDiscovery::connect(EtcdConfig::new(
-            args.etcd_endpoints.clone(),
-            args.cluster.clone(),
-        ))
-        .await?;
+        let d = args.target.discovery().await?;
         let store = d.scale_store();
         if !mins.is_empty() || !maxes.is_empty() {
             let mut limits = store.limits().await?.unwrap_or(ScaleLimits {
@@ -109,7 +103,11 @@ pub fn run(args: &ScaleArgs) -> anyhow::Result<String> {
             eprintln!("tandem scale: {role} pool asked for {n} node(s)");
         }
         if let Some(pool) = &args.ids {
-            let role = if pool == "prefill" { Role::Prefill } else { Role::Decode };
+            let role = if pool == "prefill" {
+                Role::Prefill
+            } else {
+                Role::Decode
+            };
             let ids: Vec<String> = d.list(role).await?.into_keys().collect();
             return Ok(ids.join("\n"));
         }
@@ -136,7 +134,10 @@ pub fn run(args: &ScaleArgs) -> anyhow::Result<String> {
                         break;
                     }
                     if t0.elapsed() > Duration::from_secs(args.wait_secs) {
-                        bail!("{role} pool serves {now} node(s), not {n}, after {} s", args.wait_secs);
+                        bail!(
+                            "{role} pool serves {now} node(s), not {n}, after {} s",
+                            args.wait_secs
+                        );
                     }
                     tokio::time::sleep(Duration::from_millis(250)).await;
                 }
@@ -157,7 +158,10 @@ pub fn run(args: &ScaleArgs) -> anyhow::Result<String> {
             out += &format!(
                 "{:<8} {:>6}  {:>7}  {min:>3}  {max:>3}  {}\n",
                 role.as_str(),
-                targets.of(role).map(|n| n.to_string()).unwrap_or("-".into()),
+                targets
+                    .of(role)
+                    .map(|n| n.to_string())
+                    .unwrap_or("-".into()),
                 serving(&d, role).await?,
                 nodes.join(", "),
             );

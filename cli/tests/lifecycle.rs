@@ -26,21 +26,24 @@ async fn a_node_warms_up_before_it_serves_and_tandem_drain_under_load_loses_noth
     let mut seen = Vec::new();
     let t0 = std::time::Instant::now();
     while !seen.contains(&NodeState::Serving) && t0.elapsed() < Duration::from_secs(60) {
-        if let Some(info) = decode_view.borrow_and_update().get("d0") {
-            if seen.last() != Some(&info.state) {
+        if let Some(info) = decode_view.borrow_and_update().get("d0")
+            && seen.last() != Some(&info.state) {
                 seen.push(info.state);
             }
-        }
         let _ = tokio::time::timeout(Duration::from_millis(200), decode_view.changed()).await;
     }
     assert_eq!(seen.last(), Some(&NodeState::Serving), "{seen:?}");
     let log = c.proc("d0").log_text();
     let (registered, warm) = (
         log.find("registered in the cluster").expect("registered"),
-        log.find("warm: KV self-check passed; serving").expect("self-check ran"),
+        log.find("warm: KV self-check passed; serving")
+            .expect("self-check ran"),
     );
     assert!(log.contains("warm: one real forward pass"), "{log}");
-    assert!(registered < warm, "registered (warming) before the self-check let it serve");
+    assert!(
+        registered < warm,
+        "registered (warming) before the self-check let it serve"
+    );
     c.wait_ready(1, 2).await;
 
     // Steady load: 4 clients, every request counted.
@@ -66,12 +69,16 @@ async fn a_node_warms_up_before_it_serves_and_tandem_drain_under_load_loses_noth
             }
         }));
     }
-    c.wait_for("traffic on both decode nodes", Duration::from_secs(30), async |c| {
-        ok.load(Ordering::Relaxed) >= 8
-            && c.metric("tandem_router_in_flight{role=\"decode\",node=\"d1\"}")
-                .await
-                .is_some()
-    })
+    c.wait_for(
+        "traffic on both decode nodes",
+        Duration::from_secs(30),
+        async |c| {
+            ok.load(Ordering::Relaxed) >= 8
+                && c.metric("tandem_router_in_flight{role=\"decode\",node=\"d1\"}")
+                    .await
+                    .is_some()
+        },
+    )
     .await;
 
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
@@ -92,8 +99,16 @@ async fn a_node_warms_up_before_it_serves_and_tandem_drain_under_load_loses_noth
     );
     assert!(out.status.success(), "{stdout}{stderr}\n{}", c.logs());
     assert!(stdout.contains("d1 drained and left"), "{stdout}");
-    assert!(stderr.contains("d1 is draining"), "{stderr}");
+    assert!(stderr.contains("asked decode node d1 to drain"), "{stderr}");
+    // `tandem drain` polls the record every 200 ms and may miss the short `draining` state; the
+    // node's own log says it drained (stopped taking work before finishing what it had).
     let d1 = c.proc("d1");
+    assert!(
+        d1.log_text()
+            .contains("draining: no new work, finishing in-flight requests"),
+        "{}",
+        d1.log_text()
+    );
     d1.name = "expect-exit-d1".into();
     let status = tokio::time::timeout(Duration::from_secs(30), async {
         loop {
@@ -118,14 +133,25 @@ async fn a_node_warms_up_before_it_serves_and_tandem_drain_under_load_loses_noth
     for l in load {
         l.await.unwrap();
     }
-    assert_eq!(failed.load(Ordering::Relaxed), 0, "no request lost or cut short");
+    assert_eq!(
+        failed.load(Ordering::Relaxed),
+        0,
+        "no request lost or cut short"
+    );
     assert!(ok.load(Ordering::Relaxed) >= 12);
     let log = c.proc("expect-exit-d1").log_text();
     assert!(log.contains("drain requested"), "{log}");
 
     // Draining a node that does not exist is an error naming it.
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["drain", "d9", "--etcd-endpoints", &c.etcd.endpoint(), "--cluster", &c.name])
+        .args([
+            "drain",
+            "d9",
+            "--etcd-endpoints",
+            &c.etcd.endpoint(),
+            "--cluster",
+            &c.name,
+        ])
         .output()
         .await
         .unwrap();

@@ -1,37 +1,14 @@
 //! What arrives: request times (Poisson, or bursty: a Poisson process whose rate alternates
 //! between high and low phases) and prompt/output lengths (fixed, or uniform within ±spread).
-//! Seeded and deterministic: the same flags give the same requests.
+//! Seeded and deterministic (the engine's xoshiro256** [`Rng`]): the same flags give the same
+//! requests.
 
 use serde::Serialize;
+pub use tandem_engine::rng::Rng;
 
-/// splitmix64: small, fast, good enough for arrivals.
-#[derive(Clone, Debug)]
-pub struct Rng(u64);
-
-impl Rng {
-    /// A generator from `seed`.
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
-    }
-
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    pub fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    /// Exponential with the given mean.
-    pub fn exponential(&mut self, mean: f64) -> f64 {
-        -mean * (1.0 - self.uniform()).ln()
-    }
+/// Exponential with the given mean.
+fn exponential(rng: &mut Rng, mean: f64) -> f64 {
+    -mean * (1.0 - rng.next_f64()).ln()
 }
 
 /// How requests arrive.
@@ -69,9 +46,18 @@ impl Arrivals {
     pub fn rate_at(&self, t: f64) -> f64 {
         match *self {
             Arrivals::Poisson { rate } => rate,
-            Arrivals::Bursty { rate, high, period_s, duty } => {
+            Arrivals::Bursty {
+                rate,
+                high,
+                period_s,
+                duty,
+            } => {
                 let low = (rate * (1.0 - high * duty) / (1.0 - duty)).max(0.0);
-                if (t % period_s) < period_s * duty { rate * high } else { low }
+                if (t % period_s) < period_s * duty {
+                    rate * high
+                } else {
+                    low
+                }
             }
         }
     }
@@ -84,8 +70,8 @@ impl Arrivals {
         };
         let mut t = t;
         loop {
-            t += rng.exponential(1.0 / max);
-            if rng.uniform() * max <= self.rate_at(t) {
+            t += exponential(rng, 1.0 / max);
+            if rng.next_f64() * max <= self.rate_at(t) {
                 return t;
             }
         }
@@ -107,7 +93,7 @@ impl Lengths {
     /// One request's `(prompt, output)`.
     pub fn draw(&self, rng: &mut Rng) -> (u32, u32) {
         let mut one = |mean: u32| {
-            let f = 1.0 + self.spread * (2.0 * rng.uniform() - 1.0);
+            let f = 1.0 + self.spread * (2.0 * rng.next_f64() - 1.0);
             ((mean as f64 * f).round() as u32).max(1)
         };
         (one(self.prompt), one(self.output))
@@ -122,7 +108,12 @@ mod tests {
     fn poisson_and_bursty_keep_their_mean_rate_and_bursts_are_bursty() {
         for a in [
             Arrivals::Poisson { rate: 50.0 },
-            Arrivals::Bursty { rate: 50.0, high: 3.0, period_s: 60.0, duty: 0.25 },
+            Arrivals::Bursty {
+                rate: 50.0,
+                high: 3.0,
+                period_s: 60.0,
+                duty: 0.25,
+            },
         ] {
             let mut rng = Rng::new(7);
             let (mut t, mut n, mut in_burst) = (0.0, 0u32, 0u32);

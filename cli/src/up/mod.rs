@@ -164,6 +164,8 @@ pub struct Cluster {
     pub prometheus_url: Option<String>,
     /// The planner's metrics URL (with `--autoscale`).
     pub planner_metrics_url: Option<String>,
+    /// The router's HTTP address.
+    pub router_http: SocketAddr,
     pools: Option<pools::Pools>,
     control: Option<(std::sync::Arc<dyn Discovery>, EtcdScaleStore)>,
 }
@@ -185,9 +187,80 @@ impl Cluster {
         }
     }
 
+    /// Sends `signal` to the child named `name`; fails if none by that name runs.
+    pub fn signal(&mut self, name: &str, signal: i32) -> anyhow::Result<()> {
+        anyhow::ensure!(self.procs.running(name), "no running process named {name}");
+        self.procs.signal(name, signal);
+        Ok(())
+    }
+
+    /// Starts the child named `name` again with its original command line (it must have
+    /// exited or been killed) and waits until it serves: etcd and NATS accept connections, the
+    /// router answers `/health`, a node is registered again.
+    pub fn restart(
+        &mut self,
+        name: &str,
+        rt: &tokio::runtime::Runtime,
+        interrupt: &Interrupt,
+    ) -> anyhow::Result<()> {
+        self.procs.restart(name)?;
+        let port_of = |url: &str| url.rsplit(':').next().and_then(|p| p.parse::<u16>().ok());
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let what = format!("{name} to serve again");
+        match name {
+            "etcd" | "nats" => {
+                let url = if name == "etcd" { &self.etcd_url } else { &self.nats_url };
+                let port = port_of(url).with_context(|| format!("no port in {url}"))?;
+                self.procs.wait_until(&what, deadline, interrupt, || {
+                    TcpStream::connect(("127.0.0.1", port)).is_ok()
+                })
+            }
+            "router" => {
+                let http = self.router_http;
+                self.procs
+                    .wait_until(&what, deadline, interrupt, || http_get_ok(http, "/health"))
+            }
+            node => {
+                let discovery = self.control.as_ref().map(|(d, _)| d.clone());
+                self.procs.wait_until(&what, deadline, interrupt, || {
+                    discovery.as_ref().is_some_and(|d| {
+                        [Role::Prefill, Role::Decode].iter().any(|&r| {
+                            rt.block_on(d.list(r)).is_ok_and(|v| v.contains_key(node))
+                        })
+                    })
+                })
+            }
+        }
+    }
+
+    /// Every registered node's `(id, metrics URL)`.
+    pub fn node_metrics_urls(
+        &self,
+        rt: &tokio::runtime::Runtime,
+    ) -> anyhow::Result<Vec<(String, String)>> {
+        let (discovery, _) = self.control.as_ref().context("the cluster has no control plane")?;
+        let mut out = Vec::new();
+        for role in [Role::Prefill, Role::Decode] {
+            for (id, info) in rt.block_on(discovery.list(role))? {
+                out.push((id, info.metrics_url));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Stops the cluster, then lists every process it ever started (restarts included) that
+    /// still runs, as `name pid`.
+    pub fn shutdown_and_list_leftovers(&mut self) -> Vec<String> {
+        self.procs.shutdown();
+        self.procs.leftovers()
+    }
+
     /// `(name, pid)` of every running child, in start order.
     pub fn pids(&self) -> Vec<(String, u32)> {
-        self.procs.iter().map(|p| (p.name.clone(), p.pid())).collect()
+        self.procs
+            .iter()
+            .map(|p| (p.name.clone(), p.pid()))
+            .collect()
     }
 }
 
@@ -227,8 +300,7 @@ pub fn start(
                 .to_string(),
         ),
     };
-    std::fs::create_dir_all(&run_dir)
-        .with_context(|| format!("creating {}", run_dir.display()))?;
+    std::fs::create_dir_all(&run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
     let run_dir = run_dir.canonicalize()?;
     let me = std::env::current_exe()?;
     let deadline = Instant::now() + Duration::from_secs(args.ready_timeout_secs);
@@ -245,6 +317,7 @@ pub fn start(
         nats_url: nats_url.clone(),
         prometheus_url: None,
         planner_metrics_url: None,
+        router_http: args.http,
         pools: None,
         control: None,
     };
@@ -262,28 +335,29 @@ pub fn start(
     let nats_args = vec!["--addr=127.0.0.1".into(), format!("--port={nats_port}")];
     cluster.procs.spawn("nats", &nats, &nats_args)?;
     for port in [etcd_port, nats_port] {
-        cluster.procs.wait_until(
-            &format!("127.0.0.1:{port}"),
-            deadline,
-            interrupt,
-            || TcpStream::connect(("127.0.0.1", port)).is_ok(),
-        )?;
+        cluster
+            .procs
+            .wait_until(&format!("127.0.0.1:{port}"), deadline, interrupt, || {
+                TcpStream::connect(("127.0.0.1", port)).is_ok()
+            })?;
     }
 
     // Nodes, then the router.
-    let common = vec![
+    // Every process of the cluster (nodes, router, planner) finds the same control plane.
+    let control: Vec<String> = vec![
         "--cluster".into(),
         args.cluster.clone(),
         "--etcd-endpoints".into(),
         etcd_url.clone(),
         "--nats-url".into(),
         nats_url.clone(),
-        "--model".into(),
-        model.display().to_string(),
-    ]
-    .into_iter()
-    .chain(args.trace.to_flags())
-    .collect::<Vec<String>>();
+    ];
+    let common: Vec<String> = control
+        .iter()
+        .cloned()
+        .chain(["--model".into(), model.display().to_string()])
+        .chain(args.trace.to_flags())
+        .collect();
     let node_args = {
         let (common, extra) = (common.clone(), args.node_args.clone());
         move |role: Role, id: &str| {
@@ -343,12 +417,11 @@ pub fn start(
         "tandem up: waiting for {} decode and {} prefill node(s) to load the model and register",
         args.decode, args.prefill
     );
-    cluster.procs.wait_until(
-        "every node to register",
-        deadline,
-        interrupt,
-        || registered(Role::Decode) >= args.decode && registered(Role::Prefill) >= args.prefill,
-    )?;
+    cluster
+        .procs
+        .wait_until("every node to register", deadline, interrupt, || {
+            registered(Role::Decode) >= args.decode && registered(Role::Prefill) >= args.prefill
+        })?;
     let http = args.http;
     cluster
         .procs
@@ -362,21 +435,16 @@ pub fn start(
     ));
     if args.autoscale {
         let port = free_port()?;
-        let mut a = vec![
-            "planner".to_string(),
-            "--cluster".into(),
-            args.cluster.clone(),
-            "--etcd-endpoints".into(),
-            etcd_url.clone(),
-            "--nats-url".into(),
-            nats_url.clone(),
+        let mut a = vec!["planner".to_string()];
+        a.extend(control.iter().cloned());
+        a.extend([
             "--metrics-addr".into(),
             format!("127.0.0.1:{port}"),
             "--id".into(),
             "planner-0".into(),
             "--log".into(),
             "info".into(),
-        ];
+        ]);
         if let Some(p) = &args.slo_file {
             let p = p
                 .canonicalize()
@@ -442,14 +510,20 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
         eprintln!("  Prometheus  {url}  (alerts: {url}/alerts)");
     }
     if let Some(endpoint) = &args.trace.otlp_endpoint {
-        eprintln!("  traces  OTLP {} → {endpoint}", args.trace.otlp_protocol.as_str());
+        eprintln!(
+            "  traces  OTLP {} → {endpoint}",
+            args.trace.otlp_protocol.as_str()
+        );
     }
     if args.exit_after_sample {
         cluster.shutdown();
         return Ok(());
     }
     if let Some(url) = &cluster.planner_metrics_url {
-        eprintln!("  planner  {url}  (decisions on NATS tandem.{}.planner.decisions)", args.cluster);
+        eprintln!(
+            "  planner  {url}  (decisions on NATS tandem.{}.planner.decisions)",
+            args.cluster
+        );
     }
     eprintln!("tandem up: Ctrl-C or SIGTERM stops the cluster; `tandem scale` resizes a pool");
     cluster.serve(&rt, &interrupt);
@@ -544,9 +618,12 @@ pub fn sample_key(args: &UpArgs) -> anyhow::Result<Option<String>> {
             ),
         };
     }
-    Ok(std::env::var("TANDEM_API_KEYS")
-        .ok()
-        .and_then(|v| v.split(',').map(str::trim).find(|k| !k.is_empty()).map(str::to_owned)))
+    Ok(std::env::var("TANDEM_API_KEYS").ok().and_then(|v| {
+        v.split(',')
+            .map(str::trim)
+            .find(|k| !k.is_empty())
+            .map(str::to_owned)
+    }))
 }
 
 async fn sample(args: &UpArgs) -> anyhow::Result<()> {

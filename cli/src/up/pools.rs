@@ -50,9 +50,12 @@ pub struct Pools {
     /// Nodes that exited without being asked to (counted; each is replaced).
     pub unexpected_exits: u64,
     /// How the node command line is built: `(role, node id) → args`.
-    node_args: Box<dyn Fn(Role, &str) -> Vec<String> + Send>,
+    node_args: NodeArgs,
     program: std::path::PathBuf,
 }
+
+/// Builds a node's command line: `(role, node id) → args`.
+pub type NodeArgs = Box<dyn Fn(Role, &str) -> Vec<String> + Send>;
 
 fn idx(role: Role) -> usize {
     match role {
@@ -66,7 +69,7 @@ impl Pools {
     pub fn new(
         initial: [(Role, usize); 2],
         program: &Path,
-        node_args: Box<dyn Fn(Role, &str) -> Vec<String> + Send>,
+        node_args: NodeArgs,
     ) -> Pools {
         let mut nodes = Vec::new();
         let mut next_index = [0; 2];
@@ -87,8 +90,18 @@ impl Pools {
             backoff: [RESTART_BACKOFF_MIN; 2],
             not_before: [Instant::now(); 2],
             last_targets: ScaleTargets {
-                prefill: Some(initial.iter().find(|(r, _)| *r == Role::Prefill).map_or(0, |x| x.1)),
-                decode: Some(initial.iter().find(|(r, _)| *r == Role::Decode).map_or(0, |x| x.1)),
+                prefill: Some(
+                    initial
+                        .iter()
+                        .find(|(r, _)| *r == Role::Prefill)
+                        .map_or(0, |x| x.1),
+                ),
+                decode: Some(
+                    initial
+                        .iter()
+                        .find(|(r, _)| *r == Role::Decode)
+                        .map_or(0, |x| x.1),
+                ),
             },
             unexpected_exits: 0,
             node_args,
@@ -121,7 +134,9 @@ impl Pools {
             }
         };
         for role in [Role::Prefill, Role::Decode] {
-            let Some(want) = targets.of(role) else { continue };
+            let Some(want) = targets.of(role) else {
+                continue;
+            };
             self.note_external_drains(role, rt, discovery);
             if self.last_targets.of(role) != Some(want) {
                 eprintln!(
@@ -178,7 +193,10 @@ impl Pools {
         // A drain that overstays is ended.
         for n in &self.nodes {
             if n.draining_since.is_some_and(|t| t.elapsed() > DRAIN_LIMIT) {
-                eprintln!("tandem up: {} still draining after {DRAIN_LIMIT:?}; stopping it", n.name);
+                eprintln!(
+                    "tandem up: {} still draining after {DRAIN_LIMIT:?}; stopping it",
+                    n.name
+                );
                 procs.signal(&n.name, libc::SIGKILL);
             }
         }
@@ -192,10 +210,22 @@ impl Pools {
         rt: &tokio::runtime::Runtime,
         discovery: &Arc<dyn Discovery>,
     ) {
-        let Ok(view) = rt.block_on(discovery.list(role)) else { return };
-        for n in self.nodes.iter_mut().filter(|n| n.role == role && n.draining_since.is_none()) {
-            if view.get(&n.name).is_some_and(|i| i.state == NodeState::Draining) {
-                eprintln!("tandem up: {} is draining (asked elsewhere); starting its replacement", n.name);
+        let Ok(view) = rt.block_on(discovery.list(role)) else {
+            return;
+        };
+        for n in self
+            .nodes
+            .iter_mut()
+            .filter(|n| n.role == role && n.draining_since.is_none())
+        {
+            if view
+                .get(&n.name)
+                .is_some_and(|i| i.state == NodeState::Draining)
+            {
+                eprintln!(
+                    "tandem up: {} is draining (asked elsewhere); starting its replacement",
+                    n.name
+                );
                 n.draining_since = Some(Instant::now());
             }
         }
@@ -252,7 +282,10 @@ impl Pools {
                 procs.signal(&node.name, libc::SIGTERM);
             }
             Err(e) => {
-                eprintln!("tandem up: asking {} to drain failed: {e}; retrying", node.name);
+                eprintln!(
+                    "tandem up: asking {} to drain failed: {e}; retrying",
+                    node.name
+                );
                 return;
             }
         }

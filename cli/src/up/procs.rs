@@ -94,6 +94,8 @@ pub struct Proc {
     pub name: String,
     child: Child,
     log: PathBuf,
+    program: PathBuf,
+    args: Vec<String>,
 }
 
 impl Proc {
@@ -206,6 +208,51 @@ impl Procs {
         out
     }
 
+    /// Starts the child named `name` again with its original command line, in its place in the
+    /// stop order; it must have exited (or been killed: it is reaped here first). Its log goes
+    /// on after the old one's.
+    pub fn restart(&mut self, name: &str) -> anyhow::Result<u32> {
+        let at = self
+            .procs
+            .iter()
+            .position(|p| p.name == name)
+            .with_context(|| format!("no process named {name}"))?;
+        let old = &mut self.procs[at];
+        if old.child.try_wait()?.is_none() {
+            bail!("{name} (pid {}) is still running", old.child.id());
+        }
+        let (program, args) = (old.program.clone(), old.args.clone());
+        let fresh = self.start(name, &program, &args)?;
+        self.procs[at] = fresh;
+        Ok(self.procs[at].pid())
+    }
+
+    /// Every pid `<run-dir>/pids` lists (each child ever started, restarts included) whose
+    /// process still runs (not a zombie), as `name pid`.
+    pub fn leftovers(&self) -> Vec<String> {
+        let text = std::fs::read_to_string(&self.pid_file).unwrap_or_default();
+        text.lines()
+            .filter(|l| {
+                let pid = l.rsplit(' ').next().and_then(|p| p.parse::<u32>().ok());
+                pid.is_some_and(|pid| {
+                    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+                        // `pid (comm) STATE ...`: the state follows the last `)`.
+                        stat.rsplit(')').next().and_then(|r| r.split_whitespace().next()) != Some("Z")
+                    })
+                })
+            })
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// Whether the child named `name` runs.
+    pub fn running(&mut self, name: &str) -> bool {
+        self.procs
+            .iter_mut()
+            .find(|p| p.name == name)
+            .is_some_and(|p| p.child.try_wait().ok().flatten().is_none())
+    }
+
     /// Sends `signal` to the child named `name`, if it runs.
     pub fn signal(&mut self, name: &str, signal: i32) {
         if let Some(p) = self.procs.iter_mut().find(|p| p.name == name)
@@ -218,8 +265,11 @@ impl Procs {
 
     fn start(&mut self, name: &str, program: &Path, args: &[String]) -> anyhow::Result<Proc> {
         let log = self.logs.join(format!("{name}.log"));
-        let out =
-            std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .with_context(|| format!("opening {}", log.display()))?;
         let err = out.try_clone()?;
         let parent = std::process::id() as libc::pid_t;
         let mut cmd = Command::new(program);
@@ -254,6 +304,8 @@ impl Procs {
             name: name.to_string(),
             child,
             log,
+            program: program.to_path_buf(),
+            args: args.to_vec(),
         })
     }
 

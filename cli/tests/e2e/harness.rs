@@ -180,10 +180,11 @@ impl Cluster {
             }
             let mut exited = None;
             for p in &mut self.procs {
-                if let Ok(Some(status)) = p.child.try_wait() {
-                    if !p.name.starts_with("expect-exit") && !p.name.starts_with("killed-") {
-                        exited = Some(format!("{} exited ({status})", p.name));
-                    }
+                if let Ok(Some(status)) = p.child.try_wait()
+                    && !p.name.starts_with("expect-exit")
+                    && !p.name.starts_with("killed-")
+                {
+                    exited = Some(format!("{} exited ({status})", p.name));
                 }
             }
             if let Some(e) = exited {
@@ -234,7 +235,11 @@ impl Cluster {
         self.discovery
             .list(role)
             .await
-            .map(|v| v.values().filter(|n| n.state == tandem_cluster::NodeState::Serving).count())
+            .map(|v| {
+                v.values()
+                    .filter(|n| n.state == tandem_cluster::NodeState::Serving)
+                    .count()
+            })
             .unwrap_or(0)
     }
 
@@ -276,7 +281,11 @@ impl Cluster {
         let info = self.discovery.list(role).await.ok()?.remove(node_id)?;
         let url = info.metrics_url;
         let rest = url.strip_prefix("http://")?;
-        let (addr, path) = rest.split_once('/').map_or((rest, "/metrics".to_string()), |(a, p)| (a, format!("/{p}")));
+        let (addr, path) = rest
+            .split_once('/')
+            .map_or((rest, "/metrics".to_string()), |(a, p)| {
+                (a, format!("/{p}"))
+            });
         let (_, body) = http(addr.parse().ok()?, "GET", &path, None).await.ok()?;
         let values: Vec<f64> = body
             .lines()
