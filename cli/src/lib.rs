@@ -18,6 +18,7 @@ pub mod bench_engine;
 pub mod bench_serve;
 pub mod bench_telemetry;
 pub mod control;
+pub mod drill;
 pub mod drain;
 pub mod fetch;
 pub mod generate;

@@ -72,6 +72,9 @@ enum Command {
     /// Simulate a large cluster (default: 1,000 H200s, the seed's 70B model, TP 8) with
     /// tandem's router policy, scheduler and planner: disaggregated vs colocated.
     Sim(tandem_cli::sim::SimArgs),
+    /// Failover drills: real requests on a fresh local cluster, one fault (a node killed or
+    /// hung, etcd/NATS/router lost, clients hanging up), and a table of what the clients saw.
+    Drill(tandem_cli::drill::DrillArgs),
     /// Usage per API key (requests, tokens, node-seconds) from a router's ledger.
     Usage(tandem_cli::usage::UsageArgs),
     /// Cost per API key and per pool ($ per million input, cached input and output tokens)
@@ -125,6 +128,7 @@ fn main() -> ExitCode {
         Command::Scale(a) => tandem_cli::scale::run(a).map(|s| println!("{s}")),
         Command::Sim(a) => tandem_cli::sim::run(a).map(|s| println!("{s}")),
         Command::Drain(a) => tandem_cli::drain::run(a).map(|s| println!("{s}")),
+        Command::Drill(a) => tandem_cli::drill::run(a),
         Command::Usage(a) => tandem_cli::usage::usage(a).map(|s| println!("{s}")),
         Command::Cost(a) => tandem_cli::usage::cost(a).map(|s| println!("{s}")),
         Command::BenchServe(a) => tandem_cli::bench_serve::run(a).map(|s| println!("{s}")),

@@ -1,0 +1,114 @@
+//! `tandem drill`, short forms: each drill starts its own cluster (2 prefill + 2 decode nodes),
+//! injects its fault into a real load and must meet the target (nothing lost, garbled or leaked,
+//! recovery within a lease TTL, no process left behind); the rows show that the fault hit
+//! (the router migrated streams, clients retried, streams were cancelled). Bad input and an
+//! interrupted drill leave nothing running.
+
+mod common;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::up::SERIAL;
+
+fn tandem() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tandem"));
+    c.env("TANDEM_MODEL", common::model());
+    c
+}
+
+fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit(')').next().and_then(|r| r.split_whitespace().next()) != Some("Z")
+    })
+}
+
+#[test]
+fn short_drills_meet_the_target_and_show_the_fault_hit() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = std::env::temp_dir().join(format!("tandem-drills-{}", std::process::id()));
+    let out = tandem()
+        .args(["drill", "decode-kill", "prefill-kill", "router-restart", "disconnect-storm"])
+        .args(["--short", "--format", "json", "--run-dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{}\n{stderr}", String::from_utf8_lossy(&out.stdout));
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(rows.len(), 4, "{rows:#?}");
+    let row = |name: &str| rows.iter().find(|r| r["drill"] == name).unwrap_or_else(|| panic!("{name}: {rows:#?}"));
+    for r in &rows {
+        let n = |f: &str| r[f].as_u64().unwrap_or_else(|| panic!("{f} in {r}"));
+        assert!(n("sent") >= 8, "{r}");
+        assert_eq!(n("ok") + n("failed") + n("cancelled"), n("sent"), "{r}");
+        assert_eq!((n("failed"), n("garbled"), n("leaked_blocks"), n("processes_left")), (0, 0, 0, 0), "{r}");
+        assert!(r["recovery_s"].as_f64().unwrap() <= 10.0, "{r}");
+        assert_eq!(r["target_met"], true, "{r}");
+    }
+    // The faults hit: streams on the killed decode node were migrated by the router, the
+    // router's crash cut connections the clients had to retry, the storm cancelled streams.
+    assert!(row("decode-kill")["router_recoveries"].as_u64().unwrap() >= 1, "{rows:#?}");
+    assert!(row("router-restart")["retried"].as_u64().unwrap() >= 1, "{rows:#?}");
+    assert!(row("disconnect-storm")["cancelled"].as_u64().unwrap() >= 2, "{rows:#?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn an_unknown_drill_lists_the_known_ones_and_starts_nothing() {
+    let dir = std::env::temp_dir().join(format!("tandem-drills-bad-{}", std::process::id()));
+    let out = tandem().args(["drill", "decode-explode", "--run-dir"]).arg(&dir).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    for name in ["decode-kill", "etcd-stop", "disconnect-storm"] {
+        assert!(err.contains(name), "{err}");
+    }
+    assert!(!dir.exists(), "nothing was started");
+    let out = tandem().args(["drill"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--all"));
+    let out = tandem().args(["drill", "--list"]).output().unwrap();
+    assert!(out.status.success());
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 8);
+}
+
+#[test]
+fn an_interrupted_drill_stops_its_cluster_and_leaves_no_process() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = std::env::temp_dir().join(format!("tandem-drills-int-{}", std::process::id()));
+    let mut child = tandem()
+        .args(["drill", "etcd-kill", "--short", "--run-dir"])
+        .arg(&dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Into the drill: the cluster is up (the router started) and the load has begun.
+    let pids = dir.join("etcd-kill/pids");
+    let t0 = Instant::now();
+    while !std::fs::read_to_string(&pids).is_ok_and(|p| p.contains("router")) {
+        assert!(t0.elapsed() < Duration::from_secs(180), "the drill's cluster did not start");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    std::thread::sleep(Duration::from_secs(12));
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let t1 = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t1.elapsed() < Duration::from_secs(90), "tandem drill did not stop on SIGTERM");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert!(!status.success(), "an interrupted drill is not a pass\n{err}");
+    let listed = std::fs::read_to_string(&pids).unwrap();
+    let left: Vec<&str> = listed
+        .lines()
+        .filter(|l| l.rsplit(' ').next().and_then(|p| p.parse().ok()).is_some_and(alive))
+        .collect();
+    assert!(left.is_empty(), "left running: {left:?}\n{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
