@@ -131,11 +131,16 @@ pub fn run_drill(
         .iter()
         .filter(|n| !dead.contains(&n.name.as_str()))
         .collect();
-    let leaked = rt.block_on(settle(
+    let (leaked, holders) = rt.block_on(settle(
         &http,
         &survivors,
         cluster.lease_ttl() + SETTLE_EXTRA,
     ));
+    notes.extend(
+        holders
+            .into_iter()
+            .map(|h| format!("still held after the load: {h}")),
+    );
     let after = rt.block_on(router_recoveries(&http, &router_metrics));
     // A restarted router counts from zero again.
     let recovered = if after >= recoveries_before {
@@ -261,11 +266,17 @@ async fn node_busy(http: &reqwest::Client, url: &str) -> bool {
 }
 
 /// Waits up to `limit` for every node's used and reserved KV blocks to reach zero; returns
-/// what is still held then (`None` if a node's metrics could not be read).
-async fn settle(http: &reqwest::Client, nodes: &[&NodeEndpoint], limit: Duration) -> Option<u64> {
+/// what is still held then (`None` if a node's metrics could not be read) and, per node still
+/// holding blocks, `node: U used, R reserved`.
+async fn settle(
+    http: &reqwest::Client,
+    nodes: &[&NodeEndpoint],
+    limit: Duration,
+) -> (Option<u64>, Vec<String>) {
     let t0 = Instant::now();
     loop {
         let mut held = Some(0u64);
+        let mut holders = Vec::new();
         for n in nodes {
             let used = metric(
                 http,
@@ -282,12 +293,17 @@ async fn settle(http: &reqwest::Client, nodes: &[&NodeEndpoint], limit: Duration
             )
             .await;
             held = match (held, used, reserved) {
-                (Some(h), Some(u), Some(r)) => Some(h + (u + r) as u64),
+                (Some(h), Some(u), Some(r)) => {
+                    if u + r > 0.0 {
+                        holders.push(format!("{}: {u} used, {r} reserved", n.name));
+                    }
+                    Some(h + (u + r) as u64)
+                }
                 _ => None,
             };
         }
         if held == Some(0) || t0.elapsed() > limit {
-            return held;
+            return (held, holders);
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }

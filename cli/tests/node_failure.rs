@@ -119,3 +119,59 @@ async fn the_canary_takes_a_frozen_decode_node_out_of_routing_and_back_when_it_r
     })
     .await;
 }
+
+/// The in-process engine's greedy answer (what every path through the cluster must equal).
+fn engine_text(prompt: &str, max_tokens: usize) -> String {
+    use tandem_engine::{
+        Engine, EngineConfig, Model, ModelSource, Priority, Request, SamplingParams, WeightDtype, loader,
+    };
+    let loaded = loader::load(&ModelSource::Path(e2e::harness::model()), WeightDtype::F32).unwrap();
+    let mut e = Engine::new(Model::new(loaded.weights), loaded.tokenizer, EngineConfig::default()).unwrap();
+    let prompt = e.tokenizer().unwrap().encode(prompt);
+    let req = Request {
+        id: 1,
+        prompt,
+        params: SamplingParams { ignore_eos: true, ..SamplingParams::greedy(max_tokens) },
+        priority: Priority::Interactive,
+    };
+    e.generate(vec![req], |_| {}).unwrap().remove(0).text
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupted_kv_block_is_refused_at_the_decode_node_and_the_request_is_re_prefilled() {
+    let mut c = Cluster::start("e2e-kv-corrupt").await;
+    c.node("decode", "d0", &[]);
+    // Every push from p-bad has one payload byte flipped after it was checksummed (the
+    // fault-injection build's `--kv-fault`). "p-bad" sorts first: the router's tie-break sends
+    // it the first request.
+    c.node("prefill", "p-bad", &["--kv-fault", "corrupt:100"]);
+    c.node("prefill", "p-ok", &[]);
+    c.router(&["--canary-interval-secs", "0"]);
+    c.wait_ready(2, 1).await;
+
+    let prompt = "The history of the printing press begins";
+    let want = engine_text(prompt, 16);
+    let body = serde_json::json!({"prompt": prompt, "max_tokens": 16, "ignore_eos": true}).to_string();
+    for i in 0..3 {
+        let (status, reply) = http(c.http, "POST", "/v1/completions", Some(&body)).await.unwrap();
+        assert_eq!(status, 200, "request {i}: {reply}\n{}", c.logs());
+        let a = reply.find('{').unwrap();
+        let v: serde_json::Value = serde_json::from_str(&reply[a..=reply.rfind('}').unwrap()]).unwrap();
+        assert_eq!(v["choices"][0]["text"], want.as_str(), "request {i}: the clean KV's answer");
+    }
+    // The decode node refused the corrupted transfer (its own counter), the router re-prefilled
+    // (its own counter), and nothing is held anywhere afterwards.
+    let mismatches = c
+        .node_metric(Role::Decode, "d0", "tandem_kv_transfer_checksum_mismatches_total")
+        .await
+        .expect("the decode node's checksum-mismatch counter");
+    assert!(mismatches >= 1.0, "the corrupted block was refused at the decode node");
+    let reprefills = c.metric("tandem_router_recoveries_total{kind=\"reprefill\"}").await.unwrap_or(0);
+    assert!(reprefills >= 1, "the router re-prefilled after the refusal\n{}", c.logs());
+    let generated = c
+        .node_metric(Role::Decode, "d0", "tandem_node_generated_tokens_total")
+        .await
+        .unwrap();
+    assert!(generated >= 3.0 * 15.0, "three answers decoded on d0 ({generated} tokens)");
+    c.wait_all_blocks_free(&["d0", "p-bad", "p-ok"]).await;
+}
