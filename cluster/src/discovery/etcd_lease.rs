@@ -367,6 +367,10 @@ async fn hold(inner: Arc<Inner>, mut info: NodeInfo, mut lease: i64, mut task: R
                         tracing::warn!(cluster = %cluster, node_id = %info.node_id, lease_id = lease, "lease lost; registering again");
                         lost = true;
                         set_state(RegistrationState::Reregistering);
+                        // Register again now, not a keep-alive period later: until then no
+                        // router may send this node work (an etcd that resumes after a hang
+                        // revokes every lease at once, and the pools would stand empty).
+                        tick.reset_immediately();
                     }
                     Renewal::Unreachable(e) => {
                         if matches!(*task.state.borrow(), RegistrationState::Live { .. }) {

@@ -502,7 +502,13 @@ impl<'a> AttemptState<'a> {
                     }
                     Err(status) => {
                         self.failed_decode.insert(decode_node.clone());
-                        break Err(RouterError::node(Role::Decode, &decode_node, Step::Decode, &status));
+                        let e = RouterError::node(Role::Decode, &decode_node, Step::Decode, &status);
+                        if matches!(e, RouterError::Node { fault: NodeFault::KvCorrupt, .. }) {
+                            // The decode node checked the KV and refused it: its sender is the
+                            // suspect too, so the re-prefill avoids both while others exist.
+                            self.failed_prefill.insert(prefill_node.clone());
+                        }
+                        break Err(e);
                     }
                 },
             }
