@@ -27,6 +27,16 @@ pub enum DrillKind {
     RouterRestart,
     /// Half the streaming clients hang up mid-answer.
     DisconnectStorm,
+    /// For 20 s every KV push of one prefill node has a byte flipped after checksumming.
+    KvCorrupt,
+    /// For 20 s one prefill node's pushes lose their first chunk (they can only time out).
+    KvDrop,
+    /// For 20 s one prefill node's connections are cut 4 KiB into each push.
+    KvCut,
+    /// For 20 s one prefill node waits 1 s before every chunk it sends (a stalled link).
+    KvDelay,
+    /// For 20 s one prefill node waits 20 ms before every chunk (a slow link).
+    KvSlow,
 }
 
 /// When the fault is injected.
@@ -89,9 +99,12 @@ pub struct Drill {
     pub steps: Vec<FaultStep>,
     /// Half the streaming clients hang up after this many tokens.
     pub hang_up_after: Option<u64>,
+    /// The KV-push fault (`--kv-fault` syntax) the prefill nodes start with switched off;
+    /// `SIGUSR1` switches it on and off (fault-injection builds only).
+    pub kv_fault: Option<&'static str>,
 }
 
-const ALL: [DrillKind; 8] = [
+const ALL: [DrillKind; 13] = [
     DrillKind::DecodeKill,
     DrillKind::PrefillKill,
     DrillKind::DecodeStop,
@@ -100,6 +113,11 @@ const ALL: [DrillKind; 8] = [
     DrillKind::NatsRestart,
     DrillKind::RouterRestart,
     DrillKind::DisconnectStorm,
+    DrillKind::KvCorrupt,
+    DrillKind::KvDrop,
+    DrillKind::KvCut,
+    DrillKind::KvDelay,
+    DrillKind::KvSlow,
 ];
 
 impl Drill {
@@ -126,76 +144,133 @@ impl Drill {
     /// The full-length drill of `kind`.
     pub fn of(kind: DrillKind) -> Drill {
         use FaultStep::{Restart, Signal as Send, Sleep};
-        use Signal::{Cont, Kill, Stop};
+        use Signal::{Cont, Kill, Stop, Usr1};
         let s = Duration::from_secs;
-        let (name, proves, trigger, steps, hang_up_after) = match kind {
+        // A KV fault on prefill-0 for 20 s, once streams are flowing.
+        let kv = |spec: &'static str| {
+            (
+                Trigger::StreamedTokens(10),
+                vec![
+                    Send("prefill-0", Usr1),
+                    Sleep(s(20)),
+                    Send("prefill-0", Usr1),
+                ],
+                None,
+                Some(spec),
+            )
+        };
+        let (name, proves, (trigger, steps, hang_up_after, kv_fault)) = match kind {
             DrillKind::DecodeKill => (
                 "decode-kill",
                 "a decode node that dies mid-stream (once it holds streams) loses no request: the router migrates each of its streams (re-prefill of prompt + tokens so far) to another decode node, and the client sees the same tokens",
-                Trigger::NodeBusy {
-                    node: "decode-0",
-                    min_tokens: 30,
-                    fallback_tokens: 300,
-                },
-                vec![Send("decode-0", Kill)],
-                None,
+                (
+                    Trigger::NodeBusy {
+                        node: "decode-0",
+                        min_tokens: 30,
+                        fallback_tokens: 300,
+                    },
+                    vec![Send("decode-0", Kill)],
+                    None,
+                    None,
+                ),
             ),
             DrillKind::PrefillKill => (
                 "prefill-kill",
                 "a prefill node that dies while computing or pushing KV loses no request: the decode reservation is released and the prompt is prefilled again on another prefill node",
-                Trigger::NodeBusy {
-                    node: "prefill-0",
-                    min_tokens: 0,
-                    fallback_tokens: 200,
-                },
-                vec![Send("prefill-0", Kill)],
-                None,
+                (
+                    Trigger::NodeBusy {
+                        node: "prefill-0",
+                        min_tokens: 0,
+                        fallback_tokens: 200,
+                    },
+                    vec![Send("prefill-0", Kill)],
+                    None,
+                    None,
+                ),
             ),
             DrillKind::DecodeStop => (
                 "decode-stop",
                 "a hung decode node (alive, holding its lease, answering nothing) is detected by its silence and its streams migrate; when it thaws it serves again without leaking blocks",
-                Trigger::NodeBusy {
-                    node: "decode-0",
-                    min_tokens: 30,
-                    fallback_tokens: 300,
-                },
-                vec![Send("decode-0", Stop), Sleep(s(20)), Send("decode-0", Cont)],
-                None,
+                (
+                    Trigger::NodeBusy {
+                        node: "decode-0",
+                        min_tokens: 30,
+                        fallback_tokens: 300,
+                    },
+                    vec![Send("decode-0", Stop), Sleep(s(20)), Send("decode-0", Cont)],
+                    None,
+                    None,
+                ),
             ),
             DrillKind::EtcdKill => (
                 "etcd-kill",
                 "losing etcd for 30 s stops nothing: routers serve on their last view of the nodes, nodes keep serving, and every node registers again when etcd returns",
-                Trigger::StreamedTokens(30),
-                vec![Send("etcd", Kill), Sleep(s(30)), Restart("etcd")],
-                None,
+                (
+                    Trigger::StreamedTokens(30),
+                    vec![Send("etcd", Kill), Sleep(s(30)), Restart("etcd")],
+                    None,
+                    None,
+                ),
             ),
             DrillKind::EtcdStop => (
                 "etcd-stop",
                 "an etcd that hangs for 30 s (connections open, no answers) stops nothing: calls to it time out instead of blocking the request path",
-                Trigger::StreamedTokens(30),
-                vec![Send("etcd", Stop), Sleep(s(30)), Send("etcd", Cont)],
-                None,
+                (
+                    Trigger::StreamedTokens(30),
+                    vec![Send("etcd", Stop), Sleep(s(30)), Send("etcd", Cont)],
+                    None,
+                    None,
+                ),
             ),
             DrillKind::NatsRestart => (
                 "nats-restart",
                 "losing NATS (the load signals) degrades routing to its fallback and nothing else; publishers reconnect when it returns",
-                Trigger::StreamedTokens(30),
-                vec![Send("nats", Kill), Sleep(s(5)), Restart("nats")],
-                None,
+                (
+                    Trigger::StreamedTokens(30),
+                    vec![Send("nats", Kill), Sleep(s(5)), Restart("nats")],
+                    None,
+                    None,
+                ),
             ),
             DrillKind::RouterRestart => (
                 "router-restart",
                 "a router that crashes and restarts loses only the connections it held: clients that retry get the same answers, and the nodes release everything those streams held",
-                Trigger::StreamedTokens(30),
-                vec![Send("router", Kill), Sleep(s(2)), Restart("router")],
-                None,
+                (
+                    Trigger::StreamedTokens(30),
+                    vec![Send("router", Kill), Sleep(s(2)), Restart("router")],
+                    None,
+                    None,
+                ),
             ),
             DrillKind::DisconnectStorm => (
                 "disconnect-storm",
                 "clients that hang up mid-stream (half of them at once) cancel their work end to end: every KV block they held on prefill and decode nodes is freed",
-                Trigger::StreamedTokens(10),
-                vec![],
-                Some(4),
+                (Trigger::StreamedTokens(10), vec![], Some(4), None),
+            ),
+            DrillKind::KvCorrupt => (
+                "kv-corrupt",
+                "a KV push damaged in flight is refused by the decode node's checksums (never decoded) and the request is prefilled again on another prefill node",
+                kv("corrupt:100"),
+            ),
+            DrillKind::KvDrop => (
+                "kv-drop",
+                "a push that loses a chunk ends at its deadline (never decoded from partial KV), its reservation is freed, and the request is prefilled again elsewhere",
+                kv("drop:0"),
+            ),
+            DrillKind::KvCut => (
+                "kv-cut",
+                "a connection cut mid-push is seen by both sides, everything it held is released, and the request is prefilled again elsewhere",
+                kv("cut:4096"),
+            ),
+            DrillKind::KvDelay => (
+                "kv-delay",
+                "a stalled KV link (1 s before every chunk) delays its requests, within the push deadline, without losing or garbling any",
+                kv("delay-ms:1000"),
+            ),
+            DrillKind::KvSlow => (
+                "kv-slow",
+                "a slow KV link (20 ms before every chunk) costs time to first token and nothing else",
+                kv("delay-ms:20"),
             ),
         };
         Drill {
@@ -205,6 +280,7 @@ impl Drill {
             trigger,
             steps,
             hang_up_after,
+            kv_fault,
         }
     }
 
@@ -249,6 +325,12 @@ mod tests {
 
     #[test]
     fn names_are_unique_and_an_unknown_one_lists_them_all() {
+        assert!(
+            Drill::all()
+                .iter()
+                .filter(|d| d.kv_fault.is_some())
+                .all(|d| d.name.starts_with("kv-"))
+        );
         let all = Drill::all();
         let mut names: Vec<_> = all.iter().map(|d| d.name).collect();
         names.sort();

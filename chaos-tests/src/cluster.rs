@@ -19,6 +19,8 @@ pub enum Signal {
     Stop,
     /// Thaw a stopped process.
     Cont,
+    /// A fault-injection build's switch: turns a prefill node's KV-push fault on or off.
+    Usr1,
 }
 
 impl Signal {
@@ -29,6 +31,7 @@ impl Signal {
             Signal::Term => "SIGTERM",
             Signal::Stop => "SIGSTOP",
             Signal::Cont => "SIGCONT",
+            Signal::Usr1 => "SIGUSR1",
         }
     }
 }

@@ -110,6 +110,7 @@ impl ClusterHandle for UpCluster<'_> {
             Signal::Term => libc::SIGTERM,
             Signal::Stop => libc::SIGSTOP,
             Signal::Cont => libc::SIGCONT,
+            Signal::Usr1 => libc::SIGUSR1,
         };
         self.cluster.signal(name, sig).map_err(|e| format!("{e:#}"))
     }
@@ -150,6 +151,14 @@ pub fn run(args: &DrillArgs) -> anyhow::Result<()> {
             .map(|n| Drill::by_name(n))
             .collect::<Result<_, _>>()?
     };
+    if let Some(d) = drills.iter().find(|d| d.kv_fault.is_some())
+        && !tandem_prefill_node::FAULT_INJECTION
+    {
+        bail!(
+            "drill {} injects KV-transfer faults, which this build of tandem cannot (no `fault-injection` feature, as in every default build); build one with\n    cargo build --release -p tandem-cli --features fault-injection",
+            d.name
+        );
+    }
     anyhow::ensure!(
         args.prefill >= 2 && args.decode >= 2,
         "--prefill and --decode must each be at least 2 (a drill kills one node of a pool)"
@@ -197,6 +206,16 @@ pub fn run(args: &DrillArgs) -> anyhow::Result<()> {
             no_sample: true,
             cluster: format!("drill-{}", drill.name),
             node_args: args.node_args.clone(),
+            // The prefill nodes start with the drill's KV fault switched off; SIGUSR1 flips it.
+            env: drill
+                .kv_fault
+                .map(|spec| {
+                    vec![
+                        ("TANDEM_KV_FAULT".to_string(), spec.to_string()),
+                        ("TANDEM_KV_FAULT_ON_SIGUSR1".to_string(), "true".to_string()),
+                    ]
+                })
+                .unwrap_or_default(),
             ..UpArgs::defaults()
         };
         let cluster = up::start(&up_args, &rt, &interrupt)

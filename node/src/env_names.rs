@@ -40,3 +40,6 @@ pub const TANDEM_PUSH_DEADLINE_MS: &str = "TANDEM_PUSH_DEADLINE_MS";
 pub const TANDEM_RESERVATION_TTL_MS: &str = "TANDEM_RESERVATION_TTL_MS";
 /// `--kv-fault` (prefill, fault-injection builds only): a fault applied to every push.
 pub const TANDEM_KV_FAULT: &str = "TANDEM_KV_FAULT";
+/// `--kv-fault-on-sigusr1` (prefill, fault-injection builds only): the fault starts off and
+/// each SIGUSR1 turns it on or off (the drills' switch).
+pub const TANDEM_KV_FAULT_ON_SIGUSR1: &str = "TANDEM_KV_FAULT_ON_SIGUSR1";

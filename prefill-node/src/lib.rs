@@ -68,6 +68,12 @@ pub struct PrefillArgs {
     #[arg(long, env = TANDEM_KV_FAULT)]
     pub kv_fault: Option<tandem_kv_transfer::Fault>,
 
+    /// With `--kv-fault`: start with the fault off; each SIGUSR1 turns it on or off (how
+    /// `tandem drill` injects transfer faults into one node of a running cluster).
+    #[cfg(feature = "fault-injection")]
+    #[arg(long, env = TANDEM_KV_FAULT_ON_SIGUSR1, requires = "kv_fault")]
+    pub kv_fault_on_sigusr1: bool,
+
     /// Log filter for stderr (RUST_LOG syntax).
     #[arg(long, env = "RUST_LOG", default_value = "info")]
     pub log: String,
@@ -113,7 +119,7 @@ impl PrefillNode {
             TransportKind::Tcp => None,
         };
         #[cfg(feature = "fault-injection")]
-        let fault = Arc::new(std::sync::Mutex::new(args.kv_fault));
+        let fault = fault_switch(args.kv_fault, args.kv_fault_on_sigusr1)?;
         let settings = PushSettings {
             deadline: Duration::from_millis(args.push_deadline_ms),
             #[cfg(feature = "fault-injection")]
@@ -288,6 +294,36 @@ impl PrefillNode {
     pub async fn serve_until(self, shutdown: impl Future<Output = ()>) -> Result<(), NodeError> {
         lifecycle::serve_until(self.plan, Failure::default(), shutdown).await
     }
+}
+
+/// Whether this build can inject KV-transfer faults (`--kv-fault`): the `fault-injection`
+/// feature, which no default build has.
+pub const FAULT_INJECTION: bool = cfg!(feature = "fault-injection");
+
+/// The fault every push reads; with `on_signal`, off until a SIGUSR1 and toggled by each one.
+#[cfg(feature = "fault-injection")]
+fn fault_switch(
+    fault: Option<tandem_kv_transfer::Fault>,
+    on_signal: bool,
+) -> Result<Arc<std::sync::Mutex<Option<tandem_kv_transfer::Fault>>>, NodeError> {
+    let current = Arc::new(std::sync::Mutex::new(if on_signal { None } else { fault }));
+    if on_signal {
+        let mut usr1 = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1())
+            .map_err(|e| NodeError::InvalidConfig {
+                flag: "--kv-fault-on-sigusr1",
+                value: "true".into(),
+                reason: format!("cannot listen for SIGUSR1: {e}"),
+            })?;
+        let switch = Arc::clone(&current);
+        tokio::spawn(async move {
+            while usr1.recv().await.is_some() {
+                let mut f = switch.lock().unwrap_or_else(|p| p.into_inner());
+                *f = if f.is_some() { None } else { fault };
+                tracing::warn!(fault = ?*f, "SIGUSR1: KV push fault switched");
+            }
+        });
+    }
+    Ok(current)
 }
 
 /// Runs a prefill node with etcd and NATS from the flags until `shutdown` resolves, then shuts

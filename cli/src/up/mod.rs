@@ -121,6 +121,10 @@ pub struct UpArgs {
     /// Extra flags given to every prefill and decode node (after `--`), e.g. `-- --kv-cache-gb 0.5`.
     #[arg(last = true)]
     pub node_args: Vec<String>,
+    /// Extra environment for every process started (programs that embed `tandem up`, e.g. the
+    /// drills' fault switch; not a flag).
+    #[arg(skip)]
+    pub env: Vec<(String, String)>,
 }
 
 impl UpArgs {
@@ -310,8 +314,10 @@ pub fn start(
     let (etcd_port, etcd_peer, nats_port) = (free_port()?, free_port()?, free_port()?);
     let etcd_url = format!("http://127.0.0.1:{etcd_port}");
     let nats_url = format!("nats://127.0.0.1:{nats_port}");
+    let mut procs = Procs::new(&run_dir)?;
+    procs.set_env(args.env.clone());
     let mut cluster = Cluster {
-        procs: Procs::new(&run_dir)?,
+        procs,
         run_dir: run_dir.clone(),
         etcd_url: etcd_url.clone(),
         nats_url: nats_url.clone(),

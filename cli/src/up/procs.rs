@@ -145,6 +145,8 @@ pub struct Procs {
     procs: Vec<Proc>,
     logs: PathBuf,
     pid_file: PathBuf,
+    /// Extra environment for every child (the drills' fault switch).
+    env: Vec<(String, String)>,
 }
 
 impl Procs {
@@ -159,7 +161,13 @@ impl Procs {
             procs: Vec::new(),
             logs,
             pid_file,
+            env: Vec::new(),
         })
+    }
+
+    /// Sets extra environment variables for every child started from now on.
+    pub fn set_env(&mut self, env: Vec<(String, String)>) {
+        self.env = env;
     }
 
     /// Starts `program args` as `name`, in its own process group, stdout and stderr to
@@ -274,6 +282,7 @@ impl Procs {
         let parent = std::process::id() as libc::pid_t;
         let mut cmd = Command::new(program);
         cmd.args(args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
