@@ -31,8 +31,8 @@ use tandem_kv_transfer::{
 use tandem_node::engine_thread::{Driver, EngineHandle, share_step_time};
 use tandem_node::metrics::Outcome;
 use tandem_node::{InFlightGuard, KvAddress, NodeMetrics, status};
-use tandem_telemetry::trace::propagation;
 use tandem_proto::v1::{FirstToken, KvPushed, PrefillResponse, prefill_response::Event};
+use tandem_telemetry::trace::propagation;
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;

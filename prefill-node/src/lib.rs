@@ -32,10 +32,10 @@ use tandem_kv_transfer::{KvTransport, TransportKind};
 use tandem_node::engine_thread::{self, EngineHandle, EngineSnapshot};
 use tandem_node::env_names::*;
 use tandem_node::lifecycle::{self, ShutdownPlan};
-use tandem_node::{Failure, NodeMetrics};
 use tandem_node::{
     Coordination, Lifecycle, NodeArgs, NodeError, membership, model, server, transport,
 };
+use tandem_node::{Failure, NodeMetrics};
 use tandem_proto::v1::prefill_server::PrefillServer;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -198,13 +198,14 @@ impl PrefillNode {
             }
         };
         let background = CancellationToken::new();
-        let (metrics_server, metrics_url) = match tandem_node::metrics::serve(&args.node.listen, &metrics).await {
-            Ok(m) => m,
-            Err(e) => {
-                engine.shutdown().await;
-                return Err(e);
-            }
-        };
+        let (metrics_server, metrics_url) =
+            match tandem_node::metrics::serve(&args.node.listen, &metrics).await {
+                Ok(m) => m,
+                Err(e) => {
+                    engine.shutdown().await;
+                    return Err(e);
+                }
+            };
         let grpc_url = format!("http://{}", args.node.listen.advertised(grpc_addr));
         let info = NodeInfo::new(
             &node_id,
@@ -308,12 +309,14 @@ fn fault_switch(
 ) -> Result<Arc<std::sync::Mutex<Option<tandem_kv_transfer::Fault>>>, NodeError> {
     let current = Arc::new(std::sync::Mutex::new(if on_signal { None } else { fault }));
     if on_signal {
-        let mut usr1 = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1())
-            .map_err(|e| NodeError::InvalidConfig {
-                flag: "--kv-fault-on-sigusr1",
-                value: "true".into(),
-                reason: format!("cannot listen for SIGUSR1: {e}"),
-            })?;
+        let mut usr1 =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1()).map_err(
+                |e| NodeError::InvalidConfig {
+                    flag: "--kv-fault-on-sigusr1",
+                    value: "true".into(),
+                    reason: format!("cannot listen for SIGUSR1: {e}"),
+                },
+            )?;
         let switch = Arc::clone(&current);
         tokio::spawn(async move {
             while usr1.recv().await.is_some() {
@@ -381,6 +384,47 @@ mod tests {
         assert_eq!(
             a.kv_fault,
             Some(tandem_kv_transfer::Fault::CorruptByte { offset: 7 })
+        );
+        assert!(!a.kv_fault_on_sigusr1);
+        // The switch needs a fault to switch.
+        assert!(PrefillArgs::try_parse_from(["p", "--kv-fault-on-sigusr1"]).is_err());
+    }
+
+    #[cfg(feature = "fault-injection")]
+    #[tokio::test]
+    async fn sigusr1_switches_the_fault_on_and_off() {
+        let fault = tandem_kv_transfer::Fault::CutAfterBytes { bytes: 9 };
+        let switch = fault_switch(Some(fault), true).unwrap();
+        let now = || *switch.lock().unwrap();
+        assert_eq!(now(), None, "starts off");
+        let wait_for = async |want| {
+            for _ in 0..100 {
+                if now() == want {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            panic!("the fault did not become {want:?}");
+        };
+        // The handler is installed above, so SIGUSR1 no longer ends this process.
+        let usr1 = || {
+            let me = std::process::id().to_string();
+            assert!(
+                std::process::Command::new("kill")
+                    .args(["-USR1", &me])
+                    .status()
+                    .unwrap()
+                    .success()
+            );
+        };
+        usr1();
+        wait_for(Some(fault)).await;
+        usr1();
+        wait_for(None).await;
+        // Without the switch the fault is on from the start.
+        assert_eq!(
+            *fault_switch(Some(fault), false).unwrap().lock().unwrap(),
+            Some(fault)
         );
     }
 
