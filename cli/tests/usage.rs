@@ -148,8 +148,19 @@ async fn usage_per_key_adds_across_routers_survives_a_restart_and_is_priced() {
     // Access: a key reads its own usage, not others'; unknown ids are 404s.
     assert_eq!(call(ra, "GET", "/v1/usage", "sk-a", None).0, 403);
     assert_eq!(call(ra, "GET", "/v1/usage/team-b", "sk-a", None).0, 403);
-    let (status, own) = call(rb, "GET", "/v1/usage/team-a", "sk-a", None);
-    assert_eq!((status, own["requests"].as_u64()), (200, Some(3)), "{own}");
+    // Router B sees router A's additions once A has flushed them to etcd (the ledger is
+    // eventually consistent across routers: A's own view above includes what it has not
+    // written yet).
+    let t0 = Instant::now();
+    loop {
+        let (status, own) = call(rb, "GET", "/v1/usage/team-a", "sk-a", None);
+        assert_eq!(status, 200, "{own}");
+        if own["requests"].as_u64() == Some(3) {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "router B's view of team-a: {own}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     assert_eq!(call(ra, "GET", "/v1/usage/team-zzz", "sk-ops", None).0, 404);
     assert_eq!(call(ra, "GET", "/v1/usage", "sk-wrong", None).0, 401);
 

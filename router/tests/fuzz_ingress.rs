@@ -1,0 +1,138 @@
+//! Fuzzed ingress: valid OpenAI request bodies, mutated at random (bytes flipped, inserted,
+//! deleted and duplicated; numbers swapped for extreme ones; JSON fragments, control
+//! characters, emoji and invalid UTF-8 spliced in), go through everything the router does
+//! before it routes: the JSON parser, the completion and chat validators, the chat template,
+//! the tokenizer and the token limits. No input may panic; every refusal must be a client error
+//! (HTTP 4xx, typed); every acceptance must fit the model's context.
+//!
+//! Deterministic: `TANDEM_SEED=N` reproduces a run (the failing seed and case are printed);
+//! `TANDEM_FUZZ_CASES=N` runs longer. The default (100,000 cases) takes about two seconds.
+
+mod common;
+
+use common::model;
+use tandem_router::TokenLimits;
+use tandem_router::http::openai::{RequestBody, parse_body};
+use tandem_router::request::prepare;
+
+/// splitmix64: enough randomness for mutations, reproducible from one seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+const SEEDS: &[(&str, bool)] = &[
+    (
+        r#"{"prompt":"Hello there","max_tokens":8,"temperature":0.7,"top_p":0.9,"top_k":40,"seed":7,"stop":["\n","END"],"stream":true,"stream_options":{"include_usage":true},"ignore_eos":true,"model":"smollm2"}"#,
+        false,
+    ),
+    (r#"{"prompt":[1,2,3,4],"max_tokens":2,"temperature":0}"#, false),
+    (r#"{"prompt":[[5,6,7]],"max_tokens":3}"#, false),
+    (r#"{"prompt":["one text"],"stop":"x"}"#, false),
+    (
+        r#"{"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":[{"type":"text","text":"Hi"}]}],"max_tokens":4,"top_k":-1}"#,
+        true,
+    ),
+    (r#"{"messages":[{"role":"user","content":"Why is the sky blue?"}],"stream":false}"#, true),
+];
+
+const FRAGMENTS: &[&str] = &[
+    "-1", "0", "1e309", "-1e309", "18446744073709551616", "4294967296", "NaN", "null", "true",
+    "[]", "{}", "\"\"", "[[]]", "[-1]", "[4294967295]", "\"\\u0000\"", "\"\\ud800\"", "\u{1F980}",
+    "\u{202E}", "\"<|im_start|>\"", "\"<|im_end|>\"", "\"role\"", "\"assistant\"", ",", ":", "\"",
+    "\\", "{\"type\":\"image_url\"}", "0.000001", "2147483648", "1.5",
+];
+
+fn mutate(rng: &mut Rng, input: &[u8]) -> Vec<u8> {
+    let mut v = input.to_vec();
+    for _ in 0..1 + rng.below(4) {
+        let at = rng.below(v.len() + 1);
+        match rng.below(7) {
+            0 if !v.is_empty() => {
+                let i = at.min(v.len() - 1);
+                v[i] ^= 1 << rng.below(8);
+            }
+            1 => v.insert(at, rng.next() as u8),
+            2 if !v.is_empty() => {
+                let end = (at + 1 + rng.below(8)).min(v.len());
+                v.drain(at.min(end)..end);
+            }
+            3 if !v.is_empty() => {
+                let start = rng.below(v.len());
+                let end = (start + 1 + rng.below(16)).min(v.len());
+                let piece: Vec<u8> = v[start..end].to_vec();
+                v.splice(at..at, piece);
+            }
+            4 => {
+                let f = FRAGMENTS[rng.below(FRAGMENTS.len())].as_bytes();
+                v.splice(at..at, f.iter().copied());
+            }
+            5 => {
+                v.splice(at..at, [0xff, 0xfe, 0x00, 0x1b]);
+            }
+            _ => {
+                // Replace a run of digits with an extreme number.
+                if let Some(start) = v.iter().position(|b| b.is_ascii_digit()) {
+                    let end = v[start..]
+                        .iter()
+                        .position(|b| !b.is_ascii_digit())
+                        .map_or(v.len(), |n| start + n);
+                    let f = ["-1", "1e309", "18446744073709551616", "0", "4294967296"][rng.below(5)];
+                    v.splice(start..end, f.bytes());
+                }
+            }
+        }
+    }
+    v
+}
+
+#[test]
+fn mutated_openai_bodies_never_panic_and_every_refusal_is_a_client_error() {
+    let seed: u64 = std::env::var("TANDEM_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(1);
+    let cases: usize = std::env::var("TANDEM_FUZZ_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(100_000);
+    let model = model();
+    let limits = TokenLimits {
+        max_tokens_limit: 256,
+        default_max_tokens: 16,
+    };
+    let mut rng = Rng(seed);
+    let (mut accepted, mut refused) = (0usize, 0usize);
+    for case in 0..cases {
+        let (base, chat) = SEEDS[rng.below(SEEDS.len())];
+        let body = mutate(&mut rng, base.as_bytes());
+        let shown = || format!("seed {seed}, case {case}: {:?}", String::from_utf8_lossy(&body));
+        let result = parse_body::<RequestBody>(&body)
+            .and_then(|b| if chat { b.into_chat() } else { b.into_completion() })
+            .and_then(|g| prepare(&model, limits, g, || "fuzz".to_string()));
+        match result {
+            Ok(p) => {
+                accepted += 1;
+                let total = p.prompt_tokens() as u64 + p.max_new_tokens() as u64;
+                assert!(total <= model.context_tokens as u64, "over the context: {}", shown());
+                assert!(p.max_new_tokens() <= limits.max_tokens_limit, "over the limit: {}", shown());
+            }
+            Err(e) => {
+                refused += 1;
+                assert!(e.is_client_error(), "{e:?} is not a client error: {}", shown());
+                assert!(!e.to_string().is_empty(), "an empty error message: {}", shown());
+            }
+        }
+    }
+    eprintln!("seed {seed}: {cases} cases, {accepted} accepted, {refused} refused");
+    // The mutations must exercise both sides, or the test proves little.
+    assert!(accepted > cases / 50 && refused > cases / 2, "{accepted} accepted, {refused} refused");
+}
