@@ -3,7 +3,9 @@
 //! characters, emoji and invalid UTF-8 spliced in), go through everything the router does
 //! before it routes: the JSON parser, the completion and chat validators, the chat template,
 //! the tokenizer and the token limits. No input may panic; every refusal must be a client error
-//! (HTTP 4xx, typed); every acceptance must fit the model's context.
+//! (HTTP 4xx, typed); every acceptance must fit the model's context. The same holds for random
+//! gRPC requests (extreme floats, NaN, unknown priorities, huge token ids, long and odd texts)
+//! through the proto mapping and the same validation.
 //!
 //! Deterministic: `TANDEM_SEED=N` reproduces a run (the failing seed and case are printed);
 //! `TANDEM_FUZZ_CASES=N` runs longer. The default (100,000 cases) takes about two seconds.
@@ -135,4 +137,80 @@ fn mutated_openai_bodies_never_panic_and_every_refusal_is_a_client_error() {
     eprintln!("seed {seed}: {cases} cases, {accepted} accepted, {refused} refused");
     // The mutations must exercise both sides, or the test proves little.
     assert!(accepted > cases / 50 && refused > cases / 2, "{accepted} accepted, {refused} refused");
+}
+
+/// A random string: fragments, special tokens, control characters, emoji, long runs.
+fn text(rng: &mut Rng) -> String {
+    let mut s = String::new();
+    for _ in 0..rng.below(6) {
+        match rng.below(5) {
+            0 => s.push_str(FRAGMENTS[rng.below(FRAGMENTS.len())]),
+            1 => s.push(char::from_u32(rng.next() as u32 % 0x11_0000).unwrap_or('\u{fffd}')),
+            2 => s.push_str(&"a".repeat(rng.below(3000))),
+            3 => s.push_str("<|im_start|>user\n"),
+            _ => s.push_str(" the harbour at night"),
+        }
+    }
+    s
+}
+
+#[test]
+fn random_grpc_requests_never_panic_and_every_refusal_is_a_client_error() {
+    use tandem_proto::v1 as pb;
+    use tandem_router::grpc::from_proto;
+    let seed: u64 = std::env::var("TANDEM_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(1);
+    let model = model();
+    let limits = TokenLimits {
+        max_tokens_limit: 256,
+        default_max_tokens: 16,
+    };
+    let floats = [0.0f32, -0.0, 1.0, 0.5, -1.0, f32::NAN, f32::INFINITY, f32::NEG_INFINITY, f32::MIN_POSITIVE, 1e30, 2.0];
+    let mut rng = Rng(seed);
+    let (mut accepted, mut refused) = (0usize, 0usize);
+    for case in 0..20_000 {
+        let input = match rng.below(4) {
+            0 => Some(pb::generate_request::Input::Prompt(text(&mut rng))),
+            1 => Some(pb::generate_request::Input::Chat(pb::ChatMessages {
+                messages: (0..rng.below(4))
+                    .map(|_| pb::ChatMessage {
+                        role: ["user", "system", "assistant", "tool", ""][rng.below(5)].to_string(),
+                        content: text(&mut rng),
+                    })
+                    .collect(),
+            })),
+            2 => Some(pb::generate_request::Input::TokenIds(pb::TokenIds {
+                ids: (0..rng.below(40)).map(|_| [0, 1, 2, 49151, 49152, u32::MAX][rng.below(6)] as u32 ^ (rng.next() as u32 % 3)).collect(),
+            })),
+            _ => None,
+        };
+        let request = pb::GenerateRequest {
+            model: ["", "smollm2", "gpt-4", "\u{0}"][rng.below(4)].to_string(),
+            input,
+            sampling: (rng.below(5) > 0).then(|| pb::SamplingParams {
+                temperature: floats[rng.below(floats.len())],
+                top_p: floats[rng.below(floats.len())],
+                top_k: [0, 1, 40, u32::MAX][rng.below(4)],
+                seed: (rng.below(2) == 0).then(|| rng.next()),
+                stop: (0..rng.below(3)).map(|_| text(&mut rng)).collect(),
+                max_tokens: [0, 1, 16, 256, 257, 8192, u32::MAX][rng.below(7)],
+                ignore_eos: rng.below(2) == 0,
+            }),
+            priority: [0, 1, 2, -1, i32::MAX][rng.below(5)],
+            request_id: ["", "r-1", "\u{202E}x"][rng.below(3)].to_string(),
+        };
+        let shown = || format!("seed {seed}, case {case}: {request:?}");
+        match from_proto(request.clone()).and_then(|g| prepare(&model, limits, g, || "fuzz".to_string())) {
+            Ok(p) => {
+                accepted += 1;
+                let total = p.prompt_tokens() as u64 + p.max_new_tokens() as u64;
+                assert!(total <= model.context_tokens as u64, "over the context: {}", shown());
+            }
+            Err(e) => {
+                refused += 1;
+                assert!(e.is_client_error(), "{e:?} is not a client error: {}", shown());
+            }
+        }
+    }
+    eprintln!("seed {seed}: 20000 gRPC requests, {accepted} accepted, {refused} refused");
+    assert!(accepted > 100 && refused > 1000, "{accepted} accepted, {refused} refused");
 }
