@@ -89,6 +89,7 @@ pub fn run_drill(
     if let Err(e) = wait_for_trigger(
         drill, &*cluster, &nodes, rt, &http, &progress, t0, opts, &mut notes,
     ) {
+        task.abort();
         cluster.stop_and_list_leftovers();
         return Err(e);
     }
@@ -110,12 +111,14 @@ pub fn run_drill(
                 .map_err(|e| (format!("restarting {name}"), e)),
         };
         if cluster.interrupted() {
+            task.abort();
             cluster.stop_and_list_leftovers();
             return Err(DrillError::Interrupted {
                 drill: drill.name.into(),
             });
         }
         if let Err((action, reason)) = done {
+            task.abort();
             cluster.stop_and_list_leftovers();
             return Err(DrillError::Fault {
                 drill: drill.name.into(),
