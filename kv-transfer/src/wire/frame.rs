@@ -167,18 +167,22 @@ mod tests {
         })
     }
 
-    #[tokio::test]
-    async fn frames_round_trip_through_a_stream_with_checked_access() {
-        let (mut a, b) = tokio::io::duplex(1 << 16);
-        let mut buf = AlignedVec::new();
-        let chunk = Msg::Chunk(Chunk {
+    fn chunk() -> Msg {
+        Msg::Chunk(Chunk {
             transfer_id: 7,
             seq: 1,
             layer_start: 2,
             layer_end: 4,
             payload_bytes: 4096,
             checksums: vec![1, 2, 3, 4],
-        });
+        })
+    }
+
+    #[tokio::test]
+    async fn frames_round_trip_through_a_stream_with_checked_access() {
+        let (mut a, b) = tokio::io::duplex(1 << 16);
+        let mut buf = AlignedVec::new();
+        let chunk = chunk();
         write_frame(&mut a, &begin(), &mut buf).await.unwrap();
         write_frame(&mut a, &chunk, &mut buf).await.unwrap();
         let mut r = FrameReader::new(b);
@@ -252,7 +256,10 @@ mod tests {
     /// to a message (rkyv's validation allows some flips). `TANDEM_SEED` reproduces a run.
     #[tokio::test]
     async fn mutated_frames_are_refused_or_decoded_and_never_panic() {
-        let seed: u64 = std::env::var("TANDEM_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(1);
+        let seed: u64 = std::env::var("TANDEM_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(1);
         let mut state = seed;
         let mut next = move || {
             state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -261,16 +268,8 @@ mod tests {
             z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
             z ^ (z >> 31)
         };
-        let chunk = Msg::Chunk(Chunk {
-            transfer_id: 7,
-            seq: 1,
-            layer_start: 2,
-            layer_end: 4,
-            payload_bytes: 4096,
-            checksums: vec![1, 2, 3, 4],
-        });
         let mut frames = Vec::new();
-        for msg in [begin(), chunk] {
+        for msg in [begin(), chunk()] {
             let mut buf = AlignedVec::new();
             encode_frame(&msg, &mut buf).unwrap();
             frames.push(frame_bytes(&buf).to_vec());
@@ -286,7 +285,14 @@ mod tests {
                     2 => bytes.truncate(at.max(1)),
                     _ if bytes.len() >= 4 => {
                         // A different length prefix (shorter, longer, huge).
-                        let len = [0u32, 1, 3, at as u32, u32::MAX, (MAX_FRAME_BYTES + 1) as u32][(next() % 6) as usize];
+                        let len = [
+                            0u32,
+                            1,
+                            3,
+                            at as u32,
+                            u32::MAX,
+                            (MAX_FRAME_BYTES + 1) as u32,
+                        ][(next() % 6) as usize];
                         bytes[..4].copy_from_slice(&len.to_le_bytes());
                     }
                     _ => {}
@@ -297,14 +303,22 @@ mod tests {
                 Ok(archived) => match to_owned::<Msg, _>(archived) {
                     Ok(_) => decoded += 1,
                     Err(e) => {
-                        assert!(matches!(e, TransferError::Protocol { .. }), "seed {seed}, case {case}: {e:?}");
+                        assert!(
+                            matches!(e, TransferError::Protocol { .. }),
+                            "seed {seed}, case {case}: {e:?}"
+                        );
                         refused += 1;
                     }
                 },
-                Err(ReadError::Invalid(TransferError::Protocol { .. })) | Err(ReadError::Io(_)) => refused += 1,
+                Err(ReadError::Invalid(TransferError::Protocol { .. })) | Err(ReadError::Io(_)) => {
+                    refused += 1
+                }
                 Err(e) => panic!("seed {seed}, case {case}: {e:?}"),
             }
         }
-        assert!(refused > 1000, "the mutations reach the checks: {refused} refused, {decoded} decoded");
+        assert!(
+            refused > 1000,
+            "the mutations reach the checks: {refused} refused, {decoded} decoded"
+        );
     }
 }
