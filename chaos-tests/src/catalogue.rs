@@ -27,6 +27,10 @@ pub enum DrillKind {
     RouterRestart,
     /// Half the streaming clients hang up mid-answer.
     DisconnectStorm,
+    /// A decode node cut off the network (its own namespace, veth link down) for 20 s.
+    Partition,
+    /// etcd's data directory (a small tmpfs) filled for 30 s, then freed.
+    EtcdDiskFull,
     /// For 20 s every KV push of one prefill node has a byte flipped after checksumming.
     KvCorrupt,
     /// For 20 s one prefill node's pushes lose their first chunk (they can only time out).
@@ -82,6 +86,28 @@ pub enum FaultStep {
     Sleep(Duration),
     /// Start a process again with its original command line.
     Restart(&'static str),
+    /// Start a process again if it has exited (a fault it may or may not survive).
+    Revive(&'static str),
+    /// Cut the process (started in its own network namespace) off the network.
+    Partition(&'static str),
+    /// Join it again.
+    Heal(&'static str),
+    /// Fill the size-limited disk under the process's data until it refuses more.
+    FillDisk(&'static str),
+    /// Remove what filled it.
+    FreeDisk(&'static str),
+}
+
+/// What a drill needs of the cluster before it starts (both need root).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Setup {
+    /// The named node runs in its own network namespace, joined by a veth pair.
+    OwnNetns(&'static str),
+    /// etcd's data directory is a tmpfs of this many MiB.
+    SmallEtcdDisk {
+        /// Its size.
+        mib: u64,
+    },
 }
 
 /// A drill: its fault, its trigger, and what it proves.
@@ -102,9 +128,11 @@ pub struct Drill {
     /// The KV-push fault (`--kv-fault` syntax) the prefill nodes start with switched off;
     /// `SIGUSR1` switches it on and off (fault-injection builds only).
     pub kv_fault: Option<&'static str>,
+    /// What the cluster must be started with.
+    pub setup: Option<Setup>,
 }
 
-const ALL: [DrillKind; 13] = [
+const ALL: [DrillKind; 15] = [
     DrillKind::DecodeKill,
     DrillKind::PrefillKill,
     DrillKind::DecodeStop,
@@ -113,6 +141,8 @@ const ALL: [DrillKind; 13] = [
     DrillKind::NatsRestart,
     DrillKind::RouterRestart,
     DrillKind::DisconnectStorm,
+    DrillKind::Partition,
+    DrillKind::EtcdDiskFull,
     DrillKind::KvCorrupt,
     DrillKind::KvDrop,
     DrillKind::KvCut,
@@ -143,7 +173,9 @@ impl Drill {
 
     /// The full-length drill of `kind`.
     pub fn of(kind: DrillKind) -> Drill {
-        use FaultStep::{Restart, Signal as Send, Sleep};
+        use FaultStep::{
+            FillDisk, FreeDisk, Heal, Partition, Restart, Revive, Signal as Send, Sleep,
+        };
         use Signal::{Cont, Kill, Stop, Usr1};
         let s = Duration::from_secs;
         // A KV fault on prefill-0 for 20 s, once streams are flowing.
@@ -247,6 +279,35 @@ impl Drill {
                 "clients that hang up mid-stream (half of them at once) cancel their work end to end: every KV block they held on prefill and decode nodes is freed",
                 (Trigger::StreamedTokens(10), vec![], Some(4), None),
             ),
+            DrillKind::Partition => (
+                "partition",
+                "a decode node cut off the network for 20 s (alive, unreachable, unable to reach etcd or NATS) loses no request: its streams migrate, its lease expires and it leaves the routing view; healed, it registers again and releases what the cut streams held",
+                (
+                    Trigger::NodeBusy {
+                        node: "decode-0",
+                        min_tokens: 30,
+                        fallback_tokens: 300,
+                    },
+                    vec![Partition("decode-0"), Sleep(s(20)), Heal("decode-0")],
+                    None,
+                    None,
+                ),
+            ),
+            DrillKind::EtcdDiskFull => (
+                "etcd-disk-full",
+                "etcd's disk full for 30 s (writes refused, or etcd stopping) stops nothing: serving goes on from the routers' view, and once space is back etcd (restarted if it died) takes the nodes' registrations again",
+                (
+                    Trigger::StreamedTokens(30),
+                    vec![
+                        FillDisk("etcd"),
+                        Sleep(s(30)),
+                        FreeDisk("etcd"),
+                        Revive("etcd"),
+                    ],
+                    None,
+                    None,
+                ),
+            ),
             DrillKind::KvCorrupt => (
                 "kv-corrupt",
                 "a KV push damaged in flight is refused by the decode node's checksums (never decoded) and the request is prefilled again on another prefill node",
@@ -273,6 +334,12 @@ impl Drill {
                 kv("delay-ms:20"),
             ),
         };
+        let setup = match kind {
+            DrillKind::Partition => Some(Setup::OwnNetns("decode-0")),
+            // etcd's WAL preallocates 64 MiB segments: room for one, its database and a little.
+            DrillKind::EtcdDiskFull => Some(Setup::SmallEtcdDisk { mib: 160 }),
+            _ => None,
+        };
         Drill {
             kind,
             name,
@@ -281,6 +348,7 @@ impl Drill {
             steps,
             hang_up_after,
             kv_fault,
+            setup,
         }
     }
 

@@ -58,6 +58,14 @@ pub trait ClusterHandle {
     /// Starts the process named `name` again with its original command line (after it died or
     /// was killed), and waits until it listens again.
     fn restart(&mut self, name: &str) -> Result<(), String>;
+    /// Whether the process named `name` runs.
+    fn running(&mut self, name: &str) -> bool;
+    /// Cuts the process named `name` off the network (`cut`) or joins it again. Only a process
+    /// the cluster started in its own network namespace can be cut.
+    fn partition(&mut self, name: &str, cut: bool) -> Result<(), String>;
+    /// Fills the size-limited disk under `name`'s data until it refuses more (`full`; returns
+    /// the bytes written) or removes what filled it.
+    fn fill_disk(&mut self, name: &str, full: bool) -> Result<u64, String>;
     /// Whether the operator asked the drill to stop (SIGINT/SIGTERM): the drill ends at its next
     /// step and stops the cluster.
     fn interrupted(&self) -> bool {

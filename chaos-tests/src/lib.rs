@@ -7,8 +7,8 @@
 //!    outputs are what every later answer is compared with, token text by token text.
 //! 2. **The drill.** The workload runs again, paced (an open loop: requests start on schedule
 //!    whether or not earlier ones finished), and the drill's fault is injected once its trigger
-//!    holds (streams in flight, a transfer under way): a process killed, stopped, restarted, or
-//!    half the clients hanging up.
+//!    holds (streams in flight, a transfer under way): a process killed, stopped, restarted, cut
+//!    off the network, its disk filled, or half the clients hanging up.
 //! 3. **Accounting.** Once the load ends, every surviving node's own KV accounting must come back
 //!    to zero blocks used or reserved (what stays is leaked), and after the cluster stops no
 //!    process it started may still run.
@@ -32,7 +32,7 @@ mod report;
 mod run;
 mod workload;
 
-pub use catalogue::{Drill, DrillKind, FaultStep, Trigger};
+pub use catalogue::{Drill, DrillKind, FaultStep, Setup, Trigger};
 pub use cluster::{ClusterHandle, NodeEndpoint, Signal};
 pub use error::DrillError;
 pub use report::{Row, table};

@@ -105,7 +105,7 @@ mod tests {
             target_met: false,
             notes: vec!["1 request failed".into()],
         };
-        let t = table(&[row.clone()]);
+        let t = table(std::slice::from_ref(&row));
         assert!(t.lines().next().unwrap().contains("procs left"));
         assert!(t.contains("MISSED") && t.contains("never") && t.contains("1 request failed"));
         let json = serde_json::to_value(&row).unwrap();

@@ -109,6 +109,33 @@ pub fn run_drill(
             FaultStep::Restart(name) => cluster
                 .restart(name)
                 .map_err(|e| (format!("restarting {name}"), e)),
+            FaultStep::Revive(name) if cluster.running(name) => Ok(()),
+            FaultStep::Revive(name) => {
+                notes.push(format!("{name} exited during the fault; started again"));
+                cluster
+                    .restart(name)
+                    .map_err(|e| (format!("restarting {name}"), e))
+            }
+            FaultStep::Partition(name) | FaultStep::Heal(name) => {
+                let cut = matches!(step, FaultStep::Partition(_));
+                cluster.partition(name, cut).map_err(|e| {
+                    let what = if cut { "cutting off" } else { "healing" };
+                    (format!("{what} {name}"), e)
+                })
+            }
+            FaultStep::FillDisk(name) => cluster
+                .fill_disk(name, true)
+                .map(|bytes| {
+                    notes.push(format!(
+                        "{name}'s disk filled ({:.0} MiB written until it refused more)",
+                        bytes as f64 / (1u64 << 20) as f64
+                    ))
+                })
+                .map_err(|e| (format!("filling {name}'s disk"), e)),
+            FaultStep::FreeDisk(name) => cluster
+                .fill_disk(name, false)
+                .map(|_| ())
+                .map_err(|e| (format!("freeing {name}'s disk"), e)),
         };
         if cluster.interrupted() {
             task.abort();
@@ -551,6 +578,15 @@ mod handle_tests {
             Err(format!("no process {name}"))
         }
         fn restart(&mut self, name: &str) -> Result<(), String> {
+            Err(format!("no process {name}"))
+        }
+        fn running(&mut self, _: &str) -> bool {
+            false
+        }
+        fn partition(&mut self, name: &str, _: bool) -> Result<(), String> {
+            Err(format!("no process {name}"))
+        }
+        fn fill_disk(&mut self, name: &str, _: bool) -> Result<u64, String> {
             Err(format!("no process {name}"))
         }
         fn stop_and_list_leftovers(&mut self) -> Vec<String> {

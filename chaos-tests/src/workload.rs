@@ -67,8 +67,11 @@ pub struct Workload {
     /// Requests started per second.
     pub rate_per_s: f64,
     /// Requests (by index) whose client hangs up after this many streamed events.
-    pub hang_up: Option<(fn(usize) -> bool, u64)>,
+    pub hang_up: Option<HangUp>,
 }
+
+/// Which requests hang up (by index), and after how many streamed events.
+pub type HangUp = (fn(usize) -> bool, u64);
 
 impl Workload {
     /// Short and long prompts, streamed and not, `max_tokens` each: eight distinct requests.

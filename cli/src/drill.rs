@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use tandem_chaos_tests::{ClusterHandle, Drill, DrillOptions, NodeEndpoint, Row, Signal};
+use tandem_chaos_tests::{
+    ClusterHandle, Drill, DrillError, DrillOptions, NodeEndpoint, Row, Setup, Signal,
+};
 
 use crate::up::{self, Interrupt, UpArgs};
 
@@ -121,6 +123,22 @@ impl ClusterHandle for UpCluster<'_> {
             .map_err(|e| format!("{e:#}"))
     }
 
+    fn running(&mut self, name: &str) -> bool {
+        self.cluster.running(name)
+    }
+
+    fn partition(&mut self, name: &str, cut: bool) -> Result<(), String> {
+        self.cluster
+            .partition(name, cut)
+            .map_err(|e| format!("{e:#}"))
+    }
+
+    fn fill_disk(&mut self, name: &str, full: bool) -> Result<u64, String> {
+        self.cluster
+            .fill_disk(name, full)
+            .map_err(|e| format!("{e:#}"))
+    }
+
     fn interrupted(&self) -> bool {
         self.interrupt.fired()
     }
@@ -143,7 +161,11 @@ pub fn run(args: &DrillArgs) -> anyhow::Result<()> {
     } else if args.names.is_empty() {
         bail!(
             "name the drills to run, or --all; the drills are: {}",
-            Drill::all().iter().map(|d| d.name).collect::<Vec<_>>().join(", ")
+            Drill::all()
+                .iter()
+                .map(|d| d.name)
+                .collect::<Vec<_>>()
+                .join(", ")
         );
     } else {
         args.names
@@ -156,7 +178,11 @@ pub fn run(args: &DrillArgs) -> anyhow::Result<()> {
     let needs_build = |d: &Drill| d.kv_fault.is_some() && !tandem_prefill_node::FAULT_INJECTION;
     let how = "they inject KV-transfer faults, which this build of tandem cannot (no `fault-injection` feature, as in every default build); build one with\n    cargo build --release -p tandem-cli --features fault-injection";
     let mut errors = Vec::new();
-    let skipped: Vec<&str> = drills.iter().filter(|d| needs_build(d)).map(|d| d.name).collect();
+    let skipped: Vec<&str> = drills
+        .iter()
+        .filter(|d| needs_build(d))
+        .map(|d| d.name)
+        .collect();
     if !skipped.is_empty() {
         if !args.all {
             bail!("drill(s) {}: {how}", skipped.join(", "));
@@ -165,6 +191,31 @@ pub fn run(args: &DrillArgs) -> anyhow::Result<()> {
         errors.push(format!("{}: not run ({how})", skipped.join(", ")));
     }
     let drills: Vec<Drill> = drills.into_iter().filter(|d| !needs_build(d)).collect();
+    // The partition and full-disk drills need root; without it they fail up front, never pass.
+    let not_permitted: Vec<(&str, String)> = drills
+        .iter()
+        .filter(|d| d.setup.is_some())
+        .filter_map(|d| {
+            up::isolate::missing_privilege(&format!("drill {}", d.name)).map(|w| (d.name, w))
+        })
+        .collect();
+    if !not_permitted.is_empty() {
+        let names: Vec<&str> = not_permitted.iter().map(|(n, _)| *n).collect();
+        let why = &not_permitted[0].1;
+        if !args.all {
+            return Err(DrillError::NotPermitted {
+                drill: names.join(", "),
+                reason: why.clone(),
+            }
+            .into());
+        }
+        eprintln!("tandem drill: skipping {}: {why}", names.join(", "));
+        errors.push(format!("{}: not run ({why})", names.join(", ")));
+    }
+    let drills: Vec<Drill> = drills
+        .into_iter()
+        .filter(|d| !not_permitted.iter().any(|(n, _)| *n == d.name))
+        .collect();
     anyhow::ensure!(
         args.prefill >= 2 && args.decode >= 2,
         "--prefill and --decode must each be at least 2 (a drill kills one node of a pool)"
@@ -221,6 +272,14 @@ pub fn run(args: &DrillArgs) -> anyhow::Result<()> {
                     ]
                 })
                 .unwrap_or_default(),
+            isolate_node: match drill.setup {
+                Some(Setup::OwnNetns(node)) => Some(node.to_string()),
+                _ => None,
+            },
+            etcd_disk_mib: match drill.setup {
+                Some(Setup::SmallEtcdDisk { mib }) => Some(mib),
+                _ => None,
+            },
             ..UpArgs::defaults()
         };
         let cluster = up::start(&up_args, &rt, &interrupt)
@@ -236,7 +295,11 @@ pub fn run(args: &DrillArgs) -> anyhow::Result<()> {
                 eprintln!(
                     "tandem drill: {}: {}",
                     drill.name,
-                    if row.target_met { "target met" } else { "target MISSED" }
+                    if row.target_met {
+                        "target met"
+                    } else {
+                        "target MISSED"
+                    }
                 );
                 rows.push(row);
             }
@@ -274,7 +337,13 @@ mod tests {
     fn the_lease_ttl_comes_from_the_node_flags_or_the_default() {
         let v = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         assert_eq!(lease_ttl(&[]), Duration::from_secs(10));
-        assert_eq!(lease_ttl(&v(&["--lease-ttl-secs", "4"])), Duration::from_secs(4));
-        assert_eq!(lease_ttl(&v(&["--x", "--lease-ttl-secs=6"])), Duration::from_secs(6));
+        assert_eq!(
+            lease_ttl(&v(&["--lease-ttl-secs", "4"])),
+            Duration::from_secs(4)
+        );
+        assert_eq!(
+            lease_ttl(&v(&["--x", "--lease-ttl-secs=6"])),
+            Duration::from_secs(6)
+        );
     }
 }

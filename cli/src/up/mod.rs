@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Args;
+pub mod isolate;
 mod pools;
 mod procs;
 pub mod prometheus;
@@ -125,6 +126,14 @@ pub struct UpArgs {
     /// drills' fault switch; not a flag).
     #[arg(skip)]
     pub env: Vec<(String, String)>,
+    /// Runs this node (`decode-0`) in its own network namespace, so that a drill can cut it off
+    /// (root only; etcd and NATS then listen on the veth pair's host address; not a flag).
+    #[arg(skip)]
+    pub isolate_node: Option<String>,
+    /// Puts etcd's data directory on a tmpfs of this many MiB, so that a drill can fill it
+    /// (root only; not a flag).
+    #[arg(skip)]
+    pub etcd_disk_mib: Option<u64>,
 }
 
 impl UpArgs {
@@ -172,6 +181,11 @@ pub struct Cluster {
     pub router_http: SocketAddr,
     pools: Option<pools::Pools>,
     control: Option<(std::sync::Arc<dyn Discovery>, EtcdScaleStore)>,
+    /// Where etcd and NATS listen (127.0.0.1, or the veth address with an isolated node).
+    control_host: std::net::Ipv4Addr,
+    // Dropped after `procs` (fields drop in order): taken down once every process has stopped.
+    partition: Option<isolate::NetPartition>,
+    etcd_disk: Option<isolate::SmallDisk>,
 }
 
 impl Cluster {
@@ -215,8 +229,9 @@ impl Cluster {
             "etcd" | "nats" => {
                 let url = if name == "etcd" { &self.etcd_url } else { &self.nats_url };
                 let port = port_of(url).with_context(|| format!("no port in {url}"))?;
+                let host = self.control_host;
                 self.procs.wait_until(&what, deadline, interrupt, || {
-                    TcpStream::connect(("127.0.0.1", port)).is_ok()
+                    TcpStream::connect((host, port)).is_ok()
                 })
             }
             "router" => {
@@ -234,6 +249,30 @@ impl Cluster {
                     })
                 })
             }
+        }
+    }
+
+    /// Whether the child named `name` runs.
+    pub fn running(&mut self, name: &str) -> bool {
+        self.procs.running(name)
+    }
+
+    /// Cuts the node `name` off the network (`true`) or joins it again; it must have been
+    /// started in its own namespace (`UpArgs::isolate_node`).
+    pub fn partition(&mut self, name: &str, cut: bool) -> anyhow::Result<()> {
+        match &self.partition {
+            Some(p) if p.node == name => p.set_cut(cut),
+            _ => bail!("{name} was not started in its own network namespace"),
+        }
+    }
+
+    /// Fills (`true`: returns the bytes written) or frees the small disk under `name`'s data
+    /// (etcd's, with `UpArgs::etcd_disk_mib`).
+    pub fn fill_disk(&mut self, name: &str, full: bool) -> anyhow::Result<u64> {
+        match (&self.etcd_disk, name) {
+            (Some(d), "etcd") if full => d.fill(),
+            (Some(d), "etcd") => d.free().map(|()| 0),
+            _ => bail!("{name} has no size-limited disk"),
         }
     }
 
@@ -310,10 +349,23 @@ pub fn start(
     let deadline = Instant::now() + Duration::from_secs(args.ready_timeout_secs);
     eprintln!("tandem up: run directory {}", run_dir.display());
 
+    // What the drills need of the machine, before any process starts.
+    let partition = match &args.isolate_node {
+        Some(node) => Some(isolate::NetPartition::create(node)?),
+        None => None,
+    };
+    let etcd_disk = match args.etcd_disk_mib {
+        Some(mib) => Some(isolate::SmallDisk::mount(&run_dir.join("etcd"), mib)?),
+        None => None,
+    };
+    let host = partition
+        .as_ref()
+        .map_or(std::net::Ipv4Addr::LOCALHOST, |p| p.host_ip);
+
     // Control plane.
     let (etcd_port, etcd_peer, nats_port) = (free_port()?, free_port()?, free_port()?);
-    let etcd_url = format!("http://127.0.0.1:{etcd_port}");
-    let nats_url = format!("nats://127.0.0.1:{nats_port}");
+    let etcd_url = format!("http://{host}:{etcd_port}");
+    let nats_url = format!("nats://{host}:{nats_port}");
     let mut procs = Procs::new(&run_dir)?;
     procs.set_env(args.env.clone());
     let mut cluster = Cluster {
@@ -326,6 +378,9 @@ pub fn start(
         router_http: args.http,
         pools: None,
         control: None,
+        control_host: host,
+        partition,
+        etcd_disk,
     };
     let peer_url = format!("http://127.0.0.1:{etcd_peer}");
     let etcd_args = vec![
@@ -338,13 +393,13 @@ pub fn start(
         format!("--initial-cluster=tandem-local={peer_url}"),
     ];
     cluster.procs.spawn("etcd", &etcd, &etcd_args)?;
-    let nats_args = vec!["--addr=127.0.0.1".into(), format!("--port={nats_port}")];
+    let nats_args = vec![format!("--addr={host}"), format!("--port={nats_port}")];
     cluster.procs.spawn("nats", &nats, &nats_args)?;
     for port in [etcd_port, nats_port] {
         cluster
             .procs
-            .wait_until(&format!("127.0.0.1:{port}"), deadline, interrupt, || {
-                TcpStream::connect(("127.0.0.1", port)).is_ok()
+            .wait_until(&format!("{host}:{port}"), deadline, interrupt, || {
+                TcpStream::connect((host, port)).is_ok()
             })?;
     }
 
@@ -377,7 +432,13 @@ pub fn start(
     for (role, n) in [(Role::Decode, args.decode), (Role::Prefill, args.prefill)] {
         for i in 0..n {
             let id = format!("{role}-{i}");
-            cluster.procs.spawn(&id, &me, &node_args(role, &id))?;
+            match cluster.partition.as_ref().filter(|p| p.node == id) {
+                Some(p) => {
+                    let (program, a) = p.wrap(&me, node_args(role, &id));
+                    cluster.procs.spawn(&id, &program, &a)?;
+                }
+                None => cluster.procs.spawn(&id, &me, &node_args(role, &id))?,
+            }
         }
     }
     let mut a = vec!["router".to_string()];
