@@ -66,6 +66,12 @@ pub struct DecodeArgs {
     #[arg(long, env = TANDEM_RESERVATION_TTL_MS, default_value_t = 30_000)]
     pub reservation_ttl_ms: u64,
 
+    /// A KV push that has begun but lands nothing for this long (a lost chunk, a sender hung
+    /// mid-push) is ended and its request prefilled again, instead of holding its blocks until
+    /// the reservation's TTL; in ms, 0 = off.
+    #[arg(long, env = TANDEM_KV_STALL_TIMEOUT_MS, default_value_t = 5_000)]
+    pub kv_stall_timeout_ms: u64,
+
     /// Log filter for stderr (RUST_LOG syntax).
     #[arg(long, env = "RUST_LOG", default_value = "info")]
     pub log: String,
@@ -149,7 +155,13 @@ impl DecodeNode {
         )
         .await?;
         metrics.watch_engine(engine.snapshot());
-        let registry = InboundRegistry::new(registration, TransferConfig::default().fence_timeout);
+        let stall = (args.kv_stall_timeout_ms > 0)
+            .then(|| Duration::from_millis(args.kv_stall_timeout_ms));
+        let registry = InboundRegistry::with_stall_timeout(
+            registration,
+            TransferConfig::default().fence_timeout,
+            stall,
+        );
         let background = CancellationToken::new();
         let failure = Failure::default();
         let kv_failed = failure.clone();
@@ -346,6 +358,7 @@ mod tests {
             DecodeArgs::try_parse_from(["d", "--kv-addr", "127.0.0.1:7000", "--kv-blocks", "64"])
                 .unwrap();
         assert_eq!(a.reservation_ttl_ms, 30_000);
+        assert_eq!(a.kv_stall_timeout_ms, 5_000);
         assert_eq!(a.node.listen.kv_addr, "127.0.0.1:7000".parse::<SocketAddr>().unwrap());
         assert_eq!(a.node.engine.kv_blocks, Some(64));
     }

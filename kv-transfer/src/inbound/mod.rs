@@ -20,12 +20,16 @@
 //!   confirmation (or the connection's end), bounded by `fence_timeout`; past that the
 //!   connection is torn down and the result is [`TransferError::FenceTimeout`].
 //! - Every entry holds a `live_reservations` gauge unit until it is removed, by whichever path.
+//! - With a stall timeout, a claimed reservation whose transfer lands nothing for that long (a
+//!   lost chunk, a sender that hangs mid-push) ends with `DeadlineExceeded` in phase `Data`, well
+//!   before its TTL: the caller re-prefills instead of waiting out the whole reservation.
 //!
 //! # Costs
 //! One mutex-protected table per pool, touched once per transfer and once per chunk; the checksum
 //! pass reads each landed byte once (xxh3, memory speed), right after it lands.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -95,10 +99,32 @@ struct Claim {
     pending: Option<TransferError>,
 }
 
+/// When a reservation's transfer last made progress (claimed, a chunk verified), as ms since
+/// the registry started plus one; 0 until it is claimed. Shared by the entry, the session that
+/// writes it and the [`InboundTransfer`] that waits on it.
+#[derive(Clone, Default)]
+pub(crate) struct Progress(Arc<AtomicU64>);
+
+impl Progress {
+    fn touch(&self, since: Instant) {
+        let ms = since.elapsed().as_millis() as u64 + 1;
+        self.0.store(ms, Ordering::Relaxed);
+    }
+
+    /// The last progress, if the transfer was claimed.
+    fn last(&self, since: Instant) -> Option<Instant> {
+        match self.0.load(Ordering::Relaxed) {
+            0 => None,
+            ms => Some(since + Duration::from_millis(ms - 1)),
+        }
+    }
+}
+
 struct Entry {
     epoch: u64,
     dst_blocks: Arc<[BlockId]>,
     deadline: Instant,
+    progress: Progress,
     claim: Option<Claim>,
     done_tx: Option<oneshot::Sender<Result<InboundReport, TransferError>>>,
     _live: LiveGuard,
@@ -148,6 +174,10 @@ struct Inner {
     registration: PoolRegistration,
     metrics: Arc<TransferMetrics>,
     fence_timeout: Duration,
+    /// A claimed transfer that lands nothing for this long fails (`None`: only the TTL ends it).
+    stall_timeout: Option<Duration>,
+    /// The time base of every [`Progress`].
+    started: Instant,
     table: Mutex<Table>,
 }
 
@@ -170,6 +200,17 @@ impl InboundRegistry {
     /// A registry for a registered pool; `fence_timeout` bounds how long an abort waits for the
     /// writer's confirmation.
     pub fn new(registration: PoolRegistration, fence_timeout: Duration) -> Self {
+        Self::with_stall_timeout(registration, fence_timeout, None)
+    }
+
+    /// Like [`InboundRegistry::new`]; besides, a claimed transfer that lands nothing for
+    /// `stall_timeout` ends with [`TransferError::DeadlineExceeded`] (phase `Data`) instead of
+    /// waiting for its reservation's TTL.
+    pub fn with_stall_timeout(
+        registration: PoolRegistration,
+        fence_timeout: Duration,
+        stall_timeout: Option<Duration>,
+    ) -> Self {
         let blocks = registration.pool().num_blocks();
         let metrics = Arc::clone(registration.metrics());
         Self {
@@ -177,6 +218,8 @@ impl InboundRegistry {
                 registration,
                 metrics,
                 fence_timeout,
+                stall_timeout,
+                started: Instant::now(),
                 table: Mutex::new(Table {
                     entries: HashMap::new(),
                     reserved: vec![false; blocks],
@@ -237,12 +280,14 @@ impl InboundRegistry {
         }
         let (done_tx, rx) = oneshot::channel();
         let deadline = Instant::now() + r.ttl;
+        let progress = Progress::default();
         t.entries.insert(
             r.reservation_id,
             Entry {
                 epoch: r.epoch,
                 dst_blocks: r.dst_blocks.into(),
                 deadline,
+                progress: progress.clone(),
                 claim: None,
                 done_tx: Some(done_tx),
                 _live: self.inner.metrics.live_guard(Live::Reservations),
@@ -253,6 +298,7 @@ impl InboundRegistry {
             reservation_id: r.reservation_id,
             epoch: r.epoch,
             deadline: tokio::time::Instant::from_std(deadline),
+            progress,
             rx: Some(rx),
         })
     }
@@ -334,6 +380,7 @@ impl InboundRegistry {
             hook,
             pending: None,
         });
+        entry.progress.touch(self.inner.started);
         let n = b.dst_blocks.len();
         Ok(InboundSession {
             registry: self.clone(),
@@ -356,6 +403,7 @@ impl InboundRegistry {
             slab_sums: vec![0; layers as usize * n],
             bytes: 0,
             finished: false,
+            progress: entry.progress.clone(),
         })
     }
 

@@ -25,6 +25,7 @@ pub(crate) struct InboundSession {
     pub(super) slab_sums: Vec<u64>,
     pub(super) bytes: u64,
     pub(super) finished: bool,
+    pub(super) progress: super::Progress,
 }
 
 impl InboundSession {
@@ -147,6 +148,7 @@ impl InboundSession {
         self.bytes += bytes;
         self.registry.inner.metrics.add_received(bytes);
         self.layers_verified += layer_end - layer_start;
+        self.progress.touch(self.registry.inner.started);
         Ok(self.layers_verified == self.num_layers)
     }
 

@@ -5,8 +5,8 @@ use std::pin::Pin;
 
 use tokio::sync::oneshot;
 
-use super::{AbortOutcome, InboundRegistry, InboundReport};
-use crate::error::{Side, TransferError};
+use super::{AbortOutcome, InboundRegistry, InboundReport, Progress};
+use crate::error::{Phase, Side, TransferError};
 
 /// A pending reservation: await it (it resolves when every layer of every block verified, or
 /// with the error that ended it), or [`InboundTransfer::cancel`] it.
@@ -19,6 +19,7 @@ pub struct InboundTransfer {
     pub(super) reservation_id: u64,
     pub(super) epoch: u64,
     pub(super) deadline: tokio::time::Instant,
+    pub(super) progress: Progress,
     pub(super) rx: Option<oneshot::Receiver<Result<InboundReport, TransferError>>>,
 }
 
@@ -28,21 +29,51 @@ impl InboundTransfer {
         self.reservation_id
     }
 
-    /// Waits for the reservation to fill (or expire).
+    /// Waits for the reservation to fill, expire, or (with a stall timeout) stop moving.
     pub async fn wait(mut self) -> Result<InboundReport, TransferError> {
-        let rx = self
-            .rx
-            .as_mut()
-            .expect("rx is only taken when a result was received");
-        tokio::select! {
-            r = rx => {
-                self.rx = None;
-                return r.unwrap_or(Err(TransferError::Shutdown));
+        let stall = self.registry.inner.stall_timeout;
+        let err = loop {
+            let now = tokio::time::Instant::now();
+            // Next look: the deadline, or when the transfer would have stalled (unclaimed: a
+            // stall timeout from now, to look again).
+            let mut wake = self.deadline;
+            if let Some(stall) = stall {
+                let last = self
+                    .progress
+                    .last(self.registry.inner.started)
+                    .map(tokio::time::Instant::from_std);
+                match last {
+                    Some(last) if now >= last + stall => {
+                        tracing::warn!(
+                            reservation = self.reservation_id,
+                            ?stall,
+                            "KV push stalled: nothing landed for the stall timeout; ending it"
+                        );
+                        break TransferError::DeadlineExceeded {
+                            phase: Phase::Data,
+                            deadline: stall,
+                        };
+                    }
+                    Some(last) => wake = wake.min(last + stall),
+                    None => wake = wake.min(now + stall),
+                }
             }
-            _ = tokio::time::sleep_until(self.deadline) => {}
-        }
-        let err = TransferError::ReservationExpired {
-            reservation_id: self.reservation_id,
+            if now >= self.deadline {
+                break TransferError::ReservationExpired {
+                    reservation_id: self.reservation_id,
+                };
+            }
+            let rx = self
+                .rx
+                .as_mut()
+                .expect("rx is only taken when a result was received");
+            tokio::select! {
+                r = rx => {
+                    self.rx = None;
+                    return r.unwrap_or(Err(TransferError::Shutdown));
+                }
+                _ = tokio::time::sleep_until(wake) => {}
+            }
         };
         self.abort_and_fence(err).await
     }

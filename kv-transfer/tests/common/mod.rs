@@ -175,13 +175,22 @@ pub fn small_chunks() -> TransferConfig {
 }
 
 pub async fn tcp_pair(src_layout: KvLayout, dst_layout: KvLayout) -> Pair {
+    tcp_pair_with_stall_timeout(src_layout, dst_layout, None).await
+}
+
+/// A TCP pair whose receiver ends a claimed push that lands nothing for `stall`.
+pub async fn tcp_pair_with_stall_timeout(
+    src_layout: KvLayout,
+    dst_layout: KvLayout,
+    stall: Option<Duration>,
+) -> Pair {
     let sender = TcpKvTransport::new(small_chunks()).unwrap();
     let receiver = Arc::new(TcpKvTransport::new(small_chunks()).unwrap());
     let src = sender.register(source_pool(src_layout, BLOCKS)).unwrap();
     let dst = receiver
         .register(Arc::new(KvPool::new(dst_layout, BLOCKS).unwrap()))
         .unwrap();
-    let registry = InboundRegistry::new(dst, fence());
+    let registry = InboundRegistry::with_stall_timeout(dst, fence(), stall);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let peer = listener.local_addr().unwrap().to_string();
     let shutdown = CancellationToken::new();
