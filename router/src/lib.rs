@@ -42,6 +42,7 @@ pub use keys::{ApiKeys, KeyIdentity};
 pub use config::{RouterArgs, RouterConfig};
 pub use error::{NodeFault, RouterError, Step};
 pub use model::ServedModel;
+pub use nodes::{NodeConnector, TcpConnector};
 pub use pipeline::{
     FinishReason, GenerationEvent, GenerationFinal, GenerationStream, RequestContext, Router,
     RouterOptions, Usage,

@@ -39,12 +39,32 @@ use crate::routing::{Candidate, Demand, LeastInFlightPolicy, LoadEstimate, Routi
 use crate::stats::{RouterStats, bump};
 
 /// How the pool connects to nodes and judges their reports.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct ChannelSettings {
     /// Limit on establishing a connection.
     pub connect_timeout: Duration,
     /// Load reports older than this are stale.
     pub max_report_age: Duration,
+    /// What carries the node connections.
+    pub connector: Arc<dyn NodeConnector>,
+}
+
+/// How the router opens a node's gRPC channel: TCP in production ([`TcpConnector`]); any
+/// other byte stream where a test needs it (the deterministic simulation's network).
+pub trait NodeConnector: Send + Sync + std::fmt::Debug + 'static {
+    /// A channel to `endpoint` (configured: timeouts, keep-alive) that connects on first use
+    /// and reconnects after a failure.
+    fn connect_lazy(&self, endpoint: Endpoint) -> Channel;
+}
+
+/// Node connections over TCP.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TcpConnector;
+
+impl NodeConnector for TcpConnector {
+    fn connect_lazy(&self, endpoint: Endpoint) -> Channel {
+        endpoint.connect_lazy()
+    }
 }
 
 /// HTTP/2 keep-alive pings on every node connection: a node whose process is frozen (SIGSTOP,
@@ -107,14 +127,14 @@ impl NodeEntry {
             addr: info.grpc_addr.clone(),
             reason,
         };
-        let channel = Endpoint::from_shared(info.grpc_addr.clone())
+        let endpoint = Endpoint::from_shared(info.grpc_addr.clone())
             .map_err(|e| bad(e.to_string()))?
             .connect_timeout(self.settings.connect_timeout)
             .tcp_nodelay(true)
             .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
             .keep_alive_timeout(KEEPALIVE_TIMEOUT)
-            .keep_alive_while_idle(true)
-            .connect_lazy();
+            .keep_alive_while_idle(true);
+        let channel = self.settings.connector.connect_lazy(endpoint);
         *slot = Some(channel.clone());
         Ok(channel)
     }
@@ -249,7 +269,7 @@ impl NodePool {
     /// own probes); [`RouterError::NoNodes`] if it is not registered and accepting work.
     pub fn dispatch_to(&self, node_id: &str) -> Result<Dispatch, RouterError> {
         let mut state = lock(&self.state);
-        sync(&mut state, self.settings);
+        sync(&mut state, &self.settings);
         let accepting = state
             .members
             .borrow()
@@ -295,7 +315,7 @@ impl NodePool {
     /// Registered nodes that accept work, with this router's in-flight count on each.
     pub fn in_flight_by_node(&self) -> Vec<(String, u32)> {
         let mut state = lock(&self.state);
-        sync(&mut state, self.settings);
+        sync(&mut state, &self.settings);
         let mut out: Vec<_> = state
             .entries
             .iter()
@@ -309,7 +329,7 @@ impl NodePool {
     /// on it. [`RouterError::NoNodes`] when no other node accepts work.
     pub fn pick(&self, demand: Demand, exclude: &HashSet<String>) -> Result<Dispatch, RouterError> {
         let mut state = lock(&self.state);
-        sync(&mut state, self.settings);
+        sync(&mut state, &self.settings);
         let members = state.members.borrow().clone();
         let quarantined = lock(&self.quarantined).clone();
         let nodes: Vec<(&NodeInfo, Arc<NodeEntry>)> = members
@@ -408,7 +428,7 @@ impl NodePool {
 }
 
 /// Brings the entries in line with the membership view if it changed.
-fn sync(state: &mut PoolState, settings: ChannelSettings) {
+fn sync(state: &mut PoolState, settings: &ChannelSettings) {
     if !state.members.has_changed().unwrap_or(false) {
         return;
     }
@@ -423,7 +443,7 @@ fn sync(state: &mut PoolState, settings: ChannelSettings) {
             None => {
                 state
                     .entries
-                    .insert(id, Arc::new(NodeEntry::new(info, settings)));
+                    .insert(id, Arc::new(NodeEntry::new(info, settings.clone())));
             }
         }
     }

@@ -278,11 +278,26 @@ impl Router {
         signals: Arc<dyn LoadSignals>,
         usage: Arc<dyn UsageStore>,
     ) -> Result<Self, RouterError> {
+        let tcp = Arc::new(crate::nodes::TcpConnector);
+        Self::start_with_connector(model, options, discovery, signals, usage, tcp).await
+    }
+
+    /// [`Router::start`] with node connections carried by `connector` instead of TCP (the
+    /// deterministic simulation runs the router over a simulated network).
+    pub async fn start_with_connector(
+        model: ServedModel,
+        options: RouterOptions,
+        discovery: Arc<dyn Discovery>,
+        signals: Arc<dyn LoadSignals>,
+        usage: Arc<dyn UsageStore>,
+        connector: Arc<dyn crate::nodes::NodeConnector>,
+    ) -> Result<Self, RouterError> {
         let stats = Arc::new(RouterStats::default());
         let shutdown = CancellationToken::new();
         let settings = ChannelSettings {
             connect_timeout: options.connect_timeout,
             max_report_age: options.max_report_age,
+            connector,
         };
         let mut pools = Vec::with_capacity(2);
         for role in [Role::Prefill, Role::Decode] {
@@ -297,7 +312,7 @@ impl Router {
                 members,
                 loads,
                 policy,
-                settings,
+                settings.clone(),
                 Arc::clone(&stats),
                 shutdown.clone(),
             ));
