@@ -225,11 +225,12 @@ fn done_event() -> Event {
     Event::default().data("[DONE]")
 }
 
-/// The generation as server-sent events.
-fn sse(
-    meta: Meta,
-    generation: GenerationStream,
-) -> Sse<impl futures_util::Stream<Item = Result<Event, Infallible>> + Send> {
+/// The generation as server-sent events (any stream of generation events: the pipeline's
+/// [`GenerationStream`], or the fuzz test's).
+fn sse<S>(meta: Meta, generation: S) -> Sse<impl futures_util::Stream<Item = Result<Event, Infallible>> + Send>
+where
+    S: futures_util::Stream<Item = Result<GenerationEvent, RouterError>> + Send + Unpin + 'static,
+{
     let events = stream::unfold(
         (generation, meta, Phase::Start),
         |(mut generation, meta, phase)| async move {
@@ -266,4 +267,111 @@ fn sse(
     )
     .flat_map(|events| stream::iter(events.into_iter().map(Ok)));
     Sse::new(events)
+}
+
+#[cfg(test)]
+mod tests {
+    //! Fuzzed SSE writer: random token texts (newlines, CR, NUL and escape characters, `data:`
+    //! and `[DONE]` look-alikes, quotes, backslashes, emoji, U+2028, U+FFFD) and random endings
+    //! (final, error, stream lost), for both endpoints, with and without usage, through the
+    //! real writer into wire bytes. Every frame must be one `data:` line of valid JSON, the
+    //! text must come back exactly, the end must be said once and `[DONE]` must close it.
+
+    use super::*;
+    use crate::pipeline::{FinishReason, Usage};
+    use tandem_cluster::Role;
+
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        }
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+    }
+
+    const PIECES: &[&str] = &[
+        "Hel", "lo", " ", "\n", "\r\n", "\r", "\n\n", "data: x", "[DONE]", "\u{0}", "\u{1b}[31m",
+        "é", "🦀", "\u{2028}", "\"quoted\"", "\\", ":", "event: e", "id: 1", "{\"error\":1}",
+        "\u{FFFD}", "\t",
+    ];
+
+    fn text(rng: &mut Rng) -> String {
+        (0..rng.below(5)).map(|_| PIECES[rng.below(PIECES.len())]).collect()
+    }
+
+    #[tokio::test]
+    async fn any_text_and_any_ending_make_well_formed_events() {
+        let seed = std::env::var("TANDEM_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x55e);
+        let mut rng = Rng(seed);
+        for case in 0..3_000 {
+            let endpoint = if rng.below(2) == 0 { Endpoint::Completion } else { Endpoint::Chat };
+            let include_usage = rng.below(2) == 0;
+            let meta = Meta {
+                endpoint,
+                id: "cmpl-1".into(),
+                created: 1,
+                model: "m".into(),
+                include_usage,
+            };
+            let texts: Vec<String> = (0..rng.below(8)).map(|_| text(&mut rng)).collect();
+            let mut events: Vec<Result<GenerationEvent, RouterError>> = texts
+                .iter()
+                .map(|t| Ok(GenerationEvent::Delta { text: t.clone(), token_ids: vec![1] }))
+                .collect();
+            let ending = rng.below(3);
+            match ending {
+                0 => events.push(Ok(GenerationEvent::Final(GenerationFinal {
+                    finish_reason: FinishReason::Length,
+                    usage: Usage { prompt_tokens: 3, cached_prompt_tokens: 0, completion_tokens: 2 },
+                    request_id: "r".into(),
+                }))),
+                1 => events.push(Err(RouterError::NoNodes { role: Role::Decode })),
+                _ => {} // the pipeline went away without a word
+            }
+            let body = sse(meta, stream::iter(events)).into_response().into_body();
+            let bytes = axum::body::to_bytes(body, usize::MAX).await.unwrap();
+            let wire = String::from_utf8(bytes.to_vec()).expect("the wire is UTF-8");
+            let ctx = format!("case {case} (TANDEM_SEED={seed}): {texts:?} ending {ending}\n{wire}");
+            assert!(wire.ends_with("\n\n"), "{ctx}");
+            let frames: Vec<&str> = wire.trim_end_matches("\n\n").split("\n\n").collect();
+            assert_eq!(frames.last(), Some(&"data: [DONE]"), "{ctx}");
+            assert_eq!(frames.iter().filter(|f| **f == "data: [DONE]").count(), 1, "{ctx}");
+            let (mut got, mut finishes, mut usages, mut errors) = (String::new(), 0, 0, 0);
+            for frame in &frames[..frames.len() - 1] {
+                assert!(!frame.contains(['\n', '\r']), "one line per frame: {frame:?}\n{ctx}");
+                let json = frame.strip_prefix("data: ").unwrap_or_else(|| panic!("{frame:?}\n{ctx}"));
+                let v: Value = serde_json::from_str(json).unwrap_or_else(|e| panic!("{e}: {json}\n{ctx}"));
+                if v.get("error").is_some() {
+                    errors += 1;
+                    continue;
+                }
+                if v["usage"].is_object() {
+                    usages += 1;
+                }
+                for c in v["choices"].as_array().unwrap() {
+                    let piece = match endpoint {
+                        Endpoint::Completion => c["text"].as_str(),
+                        Endpoint::Chat => c["delta"]["content"].as_str(),
+                    };
+                    got.push_str(piece.unwrap_or(""));
+                    finishes += usize::from(!c["finish_reason"].is_null());
+                }
+            }
+            assert_eq!(got, texts.concat(), "{ctx}");
+            match ending {
+                0 => {
+                    assert_eq!((finishes, errors), (1, 0), "{ctx}");
+                    assert_eq!(usages, usize::from(include_usage), "{ctx}");
+                }
+                _ => assert_eq!((finishes, usages, errors), (0, 0, 1), "{ctx}"),
+            }
+        }
+    }
 }
