@@ -1,0 +1,237 @@
+//! [`AttemptState::forward`]: the last step of an attempt, both node streams driven to the end
+//! one message at a time (see the parent module's diagram).
+//!
+//! Invariants: the prefill stream is read until its push is acknowledged (dropping it earlier
+//! would cancel the push); the reservation guard is disarmed only by the decode node's final
+//! message (the node freed the blocks); once the stream is producing, a decode node silent for
+//! the idle timeout is a failure of that node (the request moves on).
+
+use tandem_cluster::Role;
+use tandem_proto::v1 as pb;
+use tandem_telemetry::trace::propagation;
+
+use super::{AttemptState, DecodeCall, PrefillCall};
+use crate::error::{NodeFault, RouterError, Step};
+use crate::pipeline::reservation::ReservationGuard;
+use crate::pipeline::{FinishReason, GenerationEvent, GenerationFinal, Usage};
+
+/// The state of [`AttemptState::forward`] between messages.
+struct Forwarding {
+    prefill_node: String,
+    decode_node: String,
+    /// The prefill call's dispatch count and span, until its push is acknowledged.
+    prefill_open: Option<(crate::nodes::Dispatch, tracing::Span)>,
+    decode_span: tracing::Span,
+    guard: ReservationGuard,
+    /// Tokens the client had before this attempt (a migration continues from them).
+    tokens_before: u32,
+    tokens_here: u32,
+    cached_prompt_tokens: u32,
+    /// Once the stream produces, the decode node must speak within this.
+    idle: std::time::Duration,
+    stall_at: Option<tokio::time::Instant>,
+}
+
+/// What one message did to the attempt.
+enum Next {
+    /// Keep reading.
+    Continue,
+    /// The attempt ended.
+    End(Result<(), RouterError>),
+}
+
+impl AttemptState<'_> {
+    /// Drives both streams: the prefill one until the push is acknowledged (dropping it earlier
+    /// would cancel the push), the decode one to the client, then the final message. Each
+    /// message is one step ([`Self::on_prefill`], [`Self::on_decode`]); a decode node silent for
+    /// the idle timeout once the stream is producing is [`Self::stalled`].
+    pub(super) async fn forward(
+        &mut self,
+        prefill: PrefillCall,
+        decode: DecodeCall,
+        guard: ReservationGuard,
+        tokens_before: u32,
+        cached_prompt_tokens: u32,
+    ) -> Result<(), RouterError> {
+        let PrefillCall {
+            dispatch,
+            node_id: prefill_node,
+            stream: mut prefill_stream,
+            span: prefill_span,
+            ..
+        } = prefill;
+        let DecodeCall {
+            node_id: decode_node,
+            stream: mut decode_stream,
+            span: decode_span,
+        } = decode;
+        let mut f = Forwarding {
+            prefill_node,
+            decode_node,
+            prefill_open: Some((dispatch, prefill_span)),
+            decode_span,
+            guard,
+            tokens_before,
+            tokens_here: 0,
+            cached_prompt_tokens,
+            idle: self.inner.options.stream_idle_timeout,
+            stall_at: None,
+        };
+        let result = loop {
+            let stall_at = f.stall_at;
+            let stall = async {
+                match stall_at {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            let next = tokio::select! {
+                () = stall => Next::End(Err(self.stalled(&f))),
+                message = prefill_stream.message(), if f.prefill_open.is_some() => {
+                    self.on_prefill(&mut f, message)
+                }
+                message = decode_stream.message() => self.on_decode(&mut f, message).await,
+            };
+            if let Next::End(result) = next {
+                break result;
+            }
+        };
+        if let Err(e) = &result
+            && !matches!(e, RouterError::Cancelled)
+        {
+            f.decode_span.record("tandem.output_tokens", f.tokens_here);
+            propagation::mark_error(&f.decode_span, e.kind(), e);
+        }
+        result
+    }
+
+    /// The decode node said nothing for the idle timeout while producing: it is avoided and
+    /// the request moves on (retry or migration).
+    fn stalled(&mut self, f: &Forwarding) -> RouterError {
+        self.failed_decode.insert(f.decode_node.clone());
+        RouterError::Node {
+            role: Role::Decode,
+            node_id: f.decode_node.clone(),
+            step: Step::Decode,
+            fault: NodeFault::Stalled,
+            retry_safe: true,
+            code: tonic::Code::DeadlineExceeded,
+            message: format!("no message from the decode node for {:?}", f.idle),
+        }
+    }
+
+    /// One message of the prefill stream after its first token: only `KvPushed` is expected
+    /// (it ends the prefill span and the node's dispatch count, and arms the stall timer).
+    fn on_prefill(
+        &mut self,
+        f: &mut Forwarding,
+        message: Result<Option<pb::PrefillResponse>, tonic::Status>,
+    ) -> Next {
+        let protocol = PrefillCall::protocol(&f.prefill_node);
+        match message {
+            Ok(Some(pb::PrefillResponse {
+                event: Some(pb::prefill_response::Event::KvPushed(pushed)),
+            })) => {
+                if let Some((_, span)) = &f.prefill_open {
+                    span.record("tandem.kv.bytes", pushed.bytes);
+                    span.record("tandem.kv.blocks", pushed.blocks);
+                    span.record("tandem.kv.transfer_us", pushed.transfer_us);
+                }
+                f.prefill_open = None;
+                f.stall_at
+                    .get_or_insert(tokio::time::Instant::now() + f.idle);
+                Next::Continue
+            }
+            Ok(Some(_)) => Next::End(Err(protocol("sent a second first_token"))),
+            Ok(None) => Next::End(Err(protocol("stream ended before kv_pushed"))),
+            Err(status) => {
+                self.failed_prefill.insert(f.prefill_node.clone());
+                let e = RouterError::node(Role::Prefill, &f.prefill_node, Step::Prefill, &status);
+                if let Some((_, span)) = &f.prefill_open {
+                    propagation::mark_error(span, e.kind(), &e);
+                }
+                Next::End(Err(e))
+            }
+        }
+    }
+
+    /// One message of the decode stream: tokens go to the client (re-arming the stall timer),
+    /// the final message ends the attempt (the node freed the blocks: the guard is disarmed),
+    /// an error marks the node failed (and, for KV it refused, the prefill node that sent it).
+    async fn on_decode(
+        &mut self,
+        f: &mut Forwarding,
+        message: Result<Option<pb::DecodeResponse>, tonic::Status>,
+    ) -> Next {
+        let protocol = |what| RouterError::Protocol {
+            role: Role::Decode,
+            node_id: f.decode_node.clone(),
+            step: Step::Decode,
+            what,
+        };
+        match message {
+            Ok(Some(pb::DecodeResponse {
+                event: Some(pb::decode_response::Event::Tokens(batch)),
+            })) => {
+                f.stall_at = Some(tokio::time::Instant::now() + f.idle);
+                // The decode node streams the whole output, the first token included.
+                let token_ids = batch.token_ids;
+                f.tokens_here += token_ids.len() as u32;
+                self.generated.extend_from_slice(&token_ids);
+                let delta = GenerationEvent::Delta {
+                    text: batch.text,
+                    token_ids,
+                };
+                match self.send(delta).await {
+                    Ok(()) => Next::Continue,
+                    Err(e) => Next::End(Err(e)),
+                }
+            }
+            Ok(Some(pb::DecodeResponse {
+                event: Some(pb::decode_response::Event::Final(done)),
+            })) => {
+                f.guard.disarm();
+                self.node_seconds.1 += done.node_seconds;
+                let completion_tokens = done
+                    .usage
+                    .map(|u| u.completion_tokens)
+                    .filter(|&n| n > 0)
+                    .unwrap_or(f.tokens_here)
+                    + f.tokens_before;
+                f.decode_span.record("tandem.output_tokens", f.tokens_here);
+                let request = self.request;
+                let last = GenerationEvent::Final(GenerationFinal {
+                    finish_reason: FinishReason::from_proto(done.finish_reason),
+                    usage: Usage {
+                        prompt_tokens: request.prompt_tokens(),
+                        cached_prompt_tokens: f.cached_prompt_tokens,
+                        completion_tokens,
+                    },
+                    request_id: request.request_id.clone(),
+                });
+                Next::End(self.send(last).await)
+            }
+            Ok(Some(_)) => Next::End(Err(protocol("sent an empty event"))),
+            Ok(None) => {
+                self.failed_decode.insert(f.decode_node.clone());
+                Next::End(Err(protocol("stream ended without a final message")))
+            }
+            Err(status) => {
+                self.failed_decode.insert(f.decode_node.clone());
+                let e = RouterError::node(Role::Decode, &f.decode_node, Step::Decode, &status);
+                if matches!(
+                    e,
+                    RouterError::Node {
+                        fault: NodeFault::KvCorrupt,
+                        ..
+                    }
+                ) {
+                    // The decode node checked the KV and refused it: its sender is the suspect
+                    // too, so the re-prefill avoids both while others exist.
+                    self.failed_prefill.insert(f.prefill_node.clone());
+                }
+                Next::End(Err(e))
+            }
+        }
+    }
+}
