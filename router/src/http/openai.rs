@@ -6,9 +6,11 @@
 //! list), `stream`, `stream_options.include_usage`, `n` (must be 1), `user` (ignored), and the
 //! extensions `priority` (`"interactive"` / `"batch"`, or an integer: ≤ 0 interactive, > 0
 //! batch, lower is more urgent as in vLLM), `ignore_eos` and `request_id`. Fields OpenAI has
-//! but tandem cannot honour (`echo`, `logprobs`, `best_of` > 1, non-zero penalties, `tools`)
-//! are refused with a 400 naming them rather than silently ignored; other unknown fields are
-//! ignored, as OpenAI does.
+//! but tandem cannot honour (`echo`, `logprobs`, `top_logprobs`, `best_of` > 1, non-zero
+//! presence and frequency penalties, a repetition penalty other than 1, `logit_bias`, `suffix`,
+//! `tools`, `tool_choice`, `functions`, `function_call`, and a `response_format` other than
+//! text) are refused with a 400 naming them rather than silently ignored; other unknown fields
+//! are ignored, as OpenAI does.
 
 use serde::Deserialize;
 use tandem_tokenizer::ChatMessage;
@@ -110,6 +112,22 @@ pub struct RequestBody {
     pub frequency_penalty: Option<f32>,
     /// Tool definitions (unsupported).
     pub tools: Option<serde_json::Value>,
+    /// Tool choice (unsupported unless `"none"`).
+    pub tool_choice: Option<serde_json::Value>,
+    /// Legacy function calling (unsupported).
+    pub functions: Option<serde_json::Value>,
+    /// Legacy function choice (unsupported unless `"none"`).
+    pub function_call: Option<serde_json::Value>,
+    /// Output format (only `{"type": "text"}`: JSON modes are not supported yet).
+    pub response_format: Option<serde_json::Value>,
+    /// Alternatives per token (unsupported unless 0).
+    pub top_logprobs: Option<u32>,
+    /// Token biases (unsupported unless empty).
+    pub logit_bias: Option<serde_json::Value>,
+    /// Repetition penalty (extension; unsupported unless 1).
+    pub repetition_penalty: Option<f32>,
+    /// Text after the completion (unsupported unless empty).
+    pub suffix: Option<String>,
 }
 
 /// A chat message's `content`: a string or a list of text parts.
@@ -257,6 +275,42 @@ impl RequestBody {
         if self.tools.as_ref().is_some_and(|t| !t.is_null()) {
             return Err(unsupported("tools", "are not supported"));
         }
+        let none_or = |v: &Option<serde_json::Value>, ok: &str| {
+            v.as_ref()
+                .is_none_or(|v| v.is_null() || v.as_str() == Some(ok))
+        };
+        if !none_or(&self.tool_choice, "none") {
+            return Err(unsupported("tool_choice", "is not supported (tools are not)"));
+        }
+        if self.functions.as_ref().is_some_and(|f| !f.is_null()) {
+            return Err(unsupported("functions", "are not supported"));
+        }
+        if !none_or(&self.function_call, "none") {
+            return Err(unsupported("function_call", "is not supported (functions are not)"));
+        }
+        let text_format = self.response_format.as_ref().is_none_or(|f| {
+            f.is_null() || f.get("type").and_then(|t| t.as_str()) == Some("text")
+        });
+        if !text_format {
+            return Err(unsupported(
+                "response_format",
+                "only {\"type\": \"text\"} is supported (no JSON mode or schema yet)",
+            ));
+        }
+        if self.top_logprobs.is_some_and(|n| n > 0) {
+            return Err(unsupported("top_logprobs", "is not supported"));
+        }
+        if self.logit_bias.as_ref().is_some_and(|b| {
+            !b.is_null() && b.as_object().is_none_or(|m| !m.is_empty())
+        }) {
+            return Err(unsupported("logit_bias", "is not supported"));
+        }
+        if self.repetition_penalty.is_some_and(|p| p != 1.0) {
+            return Err(unsupported("repetition_penalty", "is not supported (use 1)"));
+        }
+        if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+            return Err(unsupported("suffix", "is not supported"));
+        }
         let top_k = match self.top_k {
             None | Some(-1) | Some(0) => 0,
             Some(k) if k > 0 && k <= u32::MAX as i64 => k as u32,
@@ -359,6 +413,48 @@ mod tests {
             core.input,
             PromptInput::Chat(vec![ChatMessage::new("user", "ab")])
         );
+    }
+
+    #[test]
+    fn output_changing_fields_are_refused_by_name_and_their_neutral_values_accepted() {
+        let refused = [
+            (r#""response_format": {"type": "json_object"}"#, "response_format"),
+            (r#""response_format": {"type": "json_schema", "json_schema": {}}"#, "response_format"),
+            (r#""top_logprobs": 3"#, "top_logprobs"),
+            (r#""logit_bias": {"50256": -100}"#, "logit_bias"),
+            (r#""repetition_penalty": 1.2"#, "repetition_penalty"),
+            (r#""tool_choice": "auto""#, "tool_choice"),
+            (r#""functions": [{"name": "f"}]"#, "functions"),
+            (r#""function_call": "auto""#, "function_call"),
+            (r#""suffix": "end""#, "suffix"),
+        ];
+        for (field, name) in refused {
+            let body = format!(r#"{{"prompt": "x", {field}}}"#);
+            let err = parse_body::<RequestBody>(body.as_bytes())
+                .unwrap()
+                .into_completion()
+                .unwrap_err();
+            assert!(
+                matches!(&err, RouterError::InvalidArgument { field: Field::Unsupported(n), .. } if *n == name),
+                "{body}: {err:?}"
+            );
+            assert!(err.is_client_error());
+        }
+        let neutral = [
+            r#""response_format": {"type": "text"}"#,
+            r#""top_logprobs": 0"#,
+            r#""logit_bias": {}"#,
+            r#""repetition_penalty": 1.0"#,
+            r#""tool_choice": "none""#,
+            r#""function_call": null"#,
+            r#""suffix": """#,
+            r#""user": "u-1""#,
+        ];
+        for field in neutral {
+            let body = format!(r#"{{"messages": [{{"role": "user", "content": "x"}}], {field}}}"#);
+            let parsed = parse_body::<RequestBody>(body.as_bytes()).unwrap();
+            assert!(parsed.into_chat().is_ok(), "{body}");
+        }
     }
 
     #[test]
