@@ -146,6 +146,12 @@ pub enum RouterError {
         /// The path of the offending field (`max_tokens`, `messages[0].role`), if known.
         path: Option<String>,
     },
+    /// The request body is larger than the ingress accepts.
+    #[error("request body too large: the limit is {limit_bytes} bytes")]
+    BodyTooLarge {
+        /// The limit.
+        limit_bytes: usize,
+    },
     /// The request names a model this router does not serve.
     #[error("model `{requested}` does not exist; this cluster serves `{served}`")]
     ModelNotFound {
@@ -349,6 +355,7 @@ impl RouterError {
             RouterError::Unauthenticated
                 | RouterError::InvalidArgument { .. }
                 | RouterError::MalformedBody { .. }
+                | RouterError::BodyTooLarge { .. }
                 | RouterError::ModelNotFound { .. }
         )
     }
@@ -359,6 +366,7 @@ impl RouterError {
             RouterError::Unauthenticated => "unauthenticated",
             RouterError::InvalidArgument { .. } => "invalid_argument",
             RouterError::MalformedBody { .. } => "malformed_body",
+            RouterError::BodyTooLarge { .. } => "body_too_large",
             RouterError::ModelNotFound { .. } => "model_not_found",
             RouterError::Overloaded { .. } => "overloaded",
             RouterError::QueueTimeout { .. } => "queue_timeout",

@@ -34,6 +34,7 @@ pub fn to_status(error: &RouterError) -> Status {
             return Status::invalid_argument(format!("invalid `{}`: {reason}", field.grpc_name()));
         }
         RouterError::MalformedBody { .. } => tonic::Code::InvalidArgument,
+        RouterError::BodyTooLarge { .. } => tonic::Code::ResourceExhausted,
         RouterError::ModelNotFound { .. } => tonic::Code::NotFound,
         RouterError::Overloaded { .. }
         | RouterError::QueueTimeout { .. }
@@ -202,6 +203,12 @@ pub async fn serve(
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()
         .map_err(|e| serve_error(e.to_string()))?;
+    // v1alpha too: grpcurl and Python's grpcio-reflection still ask for it.
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(tandem_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()
+        .map_err(|e| serve_error(e.to_string()))?;
     let health_task = tokio::spawn({
         let router = router.clone();
         async move {
@@ -227,6 +234,7 @@ pub async fn serve(
     let result = tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(reflection)
+        .add_service(reflection_v1alpha)
         .add_service(InferenceServer::new(InferenceService::new(router)))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
         .await

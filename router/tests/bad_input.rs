@@ -327,3 +327,34 @@ async fn every_bad_grpc_input_gets_invalid_argument_or_not_found_naming_the_fiel
     assert!(saw_final);
     assert_still_serving(&router).await;
 }
+
+/// A body over the ingress's limit is a 413 with an OpenAI-shaped JSON error (not axum's plain
+/// text), on both routes, and the router goes on serving.
+#[tokio::test]
+async fn an_oversize_body_is_a_413_with_an_openai_error() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    init_tracing();
+    let (router, _keep) = serving_router().await;
+    let size = tandem_router::http::BODY_LIMIT_BYTES + (1 << 20);
+    let body = format!(r#"{{"prompt": "{}"}}"#, "a".repeat(size));
+    for path in ["/v1/completions", "/v1/chat/completions"] {
+        let mut stream = tokio::net::TcpStream::connect(router.http_addr).await.unwrap();
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        stream.write_all(head.as_bytes()).await.unwrap();
+        // The router may answer and close before it has read the whole body.
+        let _ = stream.write_all(body.as_bytes()).await;
+        let mut raw = Vec::new();
+        let _ = stream.read_to_end(&mut raw).await;
+        let text = String::from_utf8_lossy(&raw);
+        assert!(text.starts_with("HTTP/1.1 413"), "{path}: {}", &text[..text.len().min(300)]);
+        let json: serde_json::Value = serde_json::from_str(text.split("\r\n\r\n").nth(1).unwrap_or(""))
+            .unwrap_or_else(|e| panic!("{path}: not JSON ({e}): {text}"));
+        assert_eq!(json["error"]["code"], "request_too_large", "{json}");
+        assert_eq!(json["error"]["type"], "invalid_request_error", "{json}");
+        assert!(json["error"]["message"].as_str().unwrap().contains("bytes"), "{json}");
+    }
+    assert_still_serving(&router).await;
+}

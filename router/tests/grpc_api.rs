@@ -129,7 +129,7 @@ async fn the_health_service_reports_serving_only_with_both_roles_and_reflection_
     cluster.deregister("d0").await;
     assert_eq!(next_status().await, ServingStatus::NotServing);
 
-    let mut reflection = ServerReflectionClient::new(channel);
+    let mut reflection = ServerReflectionClient::new(channel.clone());
     let request = ServerReflectionRequest {
         host: String::new(),
         message_request: Some(MessageRequest::ListServices(String::new())),
@@ -150,6 +150,32 @@ async fn the_health_service_reports_serving_only_with_both_roles_and_reflection_
     let names: Vec<_> = list.service.iter().map(|s| s.name.as_str()).collect();
     assert!(names.contains(&"tandem.v1.Inference"), "{names:?}");
     assert!(names.contains(&"grpc.health.v1.Health"), "{names:?}");
+
+    // The older v1alpha protocol (grpcurl, Python's grpcio-reflection) lists the same.
+    use tonic_reflection::pb::v1alpha as alpha;
+    let mut reflection = alpha::server_reflection_client::ServerReflectionClient::new(channel);
+    let request = alpha::ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(alpha::server_reflection_request::MessageRequest::ListServices(
+            String::new(),
+        )),
+    };
+    let reply = reflection
+        .server_reflection_info(futures_util::stream::iter([request]))
+        .await
+        .expect("v1alpha reflection is served")
+        .into_inner()
+        .message()
+        .await
+        .unwrap()
+        .expect("a v1alpha reflection reply");
+    let Some(alpha::server_reflection_response::MessageResponse::ListServicesResponse(list)) =
+        reply.message_response
+    else {
+        panic!("unexpected v1alpha reply: {reply:?}");
+    };
+    let names: Vec<_> = list.service.iter().map(|s| s.name.as_str()).collect();
+    assert!(names.contains(&"tandem.v1.Inference"), "{names:?}");
 }
 
 #[tokio::test]

@@ -17,6 +17,7 @@ use std::convert::Infallible;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::sse::{Event, Sse};
@@ -53,10 +54,10 @@ struct Meta {
 pub(super) async fn completions(
     State(router): State<Router>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let key = authorize(&router, &headers)?;
-    let request: RequestBody = parse_body(&body)?;
+    let request: RequestBody = parse_body(&super::body_bytes(body)?)?;
     let (stream, include_usage) = (request.stream, request.include_usage());
     let core = request.into_completion()?;
     let generation = router.generate_with(core, context(&headers, key)).await?;
@@ -66,10 +67,10 @@ pub(super) async fn completions(
 pub(super) async fn chat_completions(
     State(router): State<Router>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let key = authorize(&router, &headers)?;
-    let request: RequestBody = parse_body(&body)?;
+    let request: RequestBody = parse_body(&super::body_bytes(body)?)?;
     let (stream, include_usage) = (request.stream, request.include_usage());
     let core = request.into_chat()?;
     let generation = router.generate_with(core, context(&headers, key)).await?;

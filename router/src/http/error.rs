@@ -38,6 +38,12 @@ pub fn classify(error: &RouterError) -> (StatusCode, &'static str, Option<String
             path.clone(),
             "invalid_json",
         ),
+        RouterError::BodyTooLarge { .. } => (
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            None,
+            "request_too_large",
+        ),
         RouterError::ModelNotFound { .. } => (
             StatusCode::NOT_FOUND,
             "invalid_request_error",

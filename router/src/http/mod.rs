@@ -52,7 +52,31 @@ pub fn app(router: Router) -> AxumRouter {
         .route("/v1/usage", get(usage::all))
         .route("/v1/usage/{key_id}", get(usage::one))
         .fallback(not_found)
+        .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT_BYTES))
         .with_state(router)
+}
+
+/// The largest request body the OpenAI routes accept (a prompt at the context limit is a few
+/// hundred KiB at most).
+pub const BODY_LIMIT_BYTES: usize = 4 << 20;
+
+/// A request body, or the error the client gets for it: too large is a 413 with an
+/// OpenAI-shaped body (not axum's plain text), unreadable a 400.
+fn body_bytes(
+    body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>,
+) -> Result<axum::body::Bytes, RouterError> {
+    body.map_err(|rejection| {
+        if rejection.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+            RouterError::BodyTooLarge {
+                limit_bytes: BODY_LIMIT_BYTES,
+            }
+        } else {
+            RouterError::MalformedBody {
+                message: rejection.body_text(),
+                path: None,
+            }
+        }
+    })
 }
 
 /// Serves the HTTP ingress on `listener` until `shutdown` resolves (in-flight responses are
