@@ -18,6 +18,10 @@
 //! A batch (the puts of one chunk plus a flush, the tagged sends of one chunk, the receives of
 //! one chunk) replies once, after every request in it has completed: an error in one request
 //! still waits for the others, so "replied" always means "UCX no longer touches these buffers".
+//!
+//! `Progress::handle` only dispatches: each command is one named step (`map_pool`, `allocate`,
+//! `connect`, `close_endpoint`, `put`, `tag_send`, `tag_recv`, `cancel_recvs`) that either
+//! replies before returning or leaves exactly one batch behind for `poll` to reply to.
 
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -27,6 +31,7 @@ use std::time::{Duration, Instant};
 
 use super::runtime::{Cmd, Keep, Reply};
 use super::ucp::{Context, Endpoint, MemHandle, Request, Started, Status, Worker};
+use super::{PutOp, TagOp};
 use crate::error::{Phase, TransferError};
 use crate::pool::KvPool;
 use tandem_ucx_sys as sys;
@@ -174,35 +179,15 @@ impl Progress {
         self.shutdown();
     }
 
+    /// Runs one command to its end or, for data commands, to an issued [`Batch`]: every command
+    /// with a reply either replies here or leaves a batch that [`Progress::poll`] replies to.
     fn handle(&mut self, cmd: Cmd) {
         match cmd {
             Cmd::Map { pool, reply } => {
-                let r = (|| {
-                    // SAFETY: the pool's Arc is stored next to the handle and dropped after it.
-                    let memh =
-                        unsafe { MemHandle::map(&self.ctx, pool.as_ptr(), pool.len_bytes()) }?;
-                    let rkey = memh.pack_rkey()?;
-                    let id = self.id();
-                    self.mems.insert(id, (memh, Some(pool)));
-                    Ok((id, rkey))
-                })();
-                let _ = reply.send(r);
+                let _ = reply.send(self.map_pool(pool));
             }
             Cmd::Alloc { len, reply } => {
-                let r = (|| {
-                    let (memh, addr, got) = MemHandle::allocate(&self.ctx, len)?;
-                    if got < len || !(addr as usize).is_multiple_of(crate::pool::POOL_ALIGN_BYTES) {
-                        return Err(TransferError::invalid(
-                            "ucx_alloc",
-                            format!("got {got} bytes at {addr:p}"),
-                        ));
-                    }
-                    let rkey = memh.pack_rkey()?;
-                    let id = self.id();
-                    self.mems.insert(id, (memh, None));
-                    Ok((id, addr as usize, rkey))
-                })();
-                let _ = reply.send(r);
+                let _ = reply.send(self.allocate(len));
             }
             Cmd::Unmap { mem, guard } => {
                 self.mems.remove(&mem);
@@ -215,129 +200,166 @@ impl Progress {
                 peer_failure,
                 reply,
             } => {
-                let r = (|| {
-                    let mut ep = match Endpoint::connect(&self.worker, &address, peer_failure) {
-                        Err(TransferError::Ucx { status, .. })
-                            if peer_failure && status == sys::UCS_ERR_UNREACHABLE as i32 =>
-                        {
-                            tracing::info!(
-                                "no UCX transport to this peer detects peer failure; the control connection will"
-                            );
-                            Endpoint::connect(&self.worker, &address, false)?
-                        }
-                        r => r?,
-                    };
-                    ep.unpack_rkey(&rkey)?;
-                    let info = ep.info();
-                    let mapped = ep.rkey_ptr(base).map(|p| p as usize);
-                    let id = self.id();
-                    self.eps.insert(id, ep);
-                    Ok((id, info, mapped))
-                })();
-                let _ = reply.send(r);
+                let _ = reply.send(self.connect(&address, &rkey, base, peer_failure));
             }
-            Cmd::Close { ep } => {
-                if let Some(ep) = self.eps.remove(&ep) {
-                    match ep.close(false) {
-                        Ok(Started::Pending(r)) => self.closing.push(r),
-                        Ok(Started::Done) => {}
-                        Err(e) => tracing::debug!(error = %e, "endpoint close"),
-                    }
-                }
-            }
+            Cmd::Close { ep } => self.close_endpoint(ep),
             Cmd::Put {
                 ep,
                 ops,
                 keep,
                 reply,
-            } => {
-                let mut b = Batch {
-                    started: Instant::now(),
-                    pending: Vec::new(),
-                    next: Next::Flush(ep),
-                    error: None,
-                    _keep: keep,
-                    reply: Some(reply),
-                };
-                match self.eps.get(&ep) {
-                    None => b.error = Some(closed_ep()),
-                    Some(e) => {
-                        for op in &ops {
-                            // SAFETY: `keep` holds the source memory until this batch replies;
-                            // `remote` was bounds-checked against the peer pool by the caller.
-                            let r = unsafe { e.put(op.local as *const u8, op.len, op.remote) };
-                            if !b.absorb(r, 0) {
-                                break;
-                            }
-                        }
-                    }
-                }
-                self.batches.push(b);
-            }
+            } => self.put(ep, &ops, keep, reply),
             Cmd::TagSend {
                 ep,
                 ops,
                 keep,
                 reply,
-            } => {
-                let mut b = Batch {
-                    started: Instant::now(),
-                    pending: Vec::new(),
-                    next: Next::Reply,
-                    error: None,
-                    _keep: keep,
-                    reply: Some(reply),
-                };
-                match self.eps.get(&ep) {
-                    None => b.error = Some(closed_ep()),
-                    Some(e) => {
-                        for op in &ops {
-                            // SAFETY: `keep` holds the memory until this batch replies.
-                            let r = unsafe { e.tag_send(op.addr as *const u8, op.len, op.tag) };
-                            if !b.absorb(r, op.tag) {
-                                break;
-                            }
-                        }
-                    }
-                }
-                self.batches.push(b);
-            }
-            Cmd::TagRecv { ops, keep, reply } => {
-                let mut b = Batch {
-                    started: Instant::now(),
-                    pending: Vec::new(),
-                    next: Next::Reply,
-                    error: None,
-                    _keep: keep,
-                    reply: Some(reply),
-                };
-                for op in &ops {
-                    // SAFETY: `keep` holds the memory until this batch replies; the caller owns
-                    // the destination range exclusively until then (a claimed reservation).
-                    let r = unsafe { self.worker.tag_recv(op.addr as *mut u8, op.len, op.tag) };
-                    if !b.absorb(r, op.tag) {
-                        break;
-                    }
-                }
-                self.batches.push(b);
-            }
-            Cmd::CancelRecvs { tag, mask } => {
-                for b in &self.batches {
-                    for p in b
-                        .pending
-                        .iter()
-                        .filter(|p| p.tag != 0 && p.tag & mask == tag & mask)
-                    {
-                        self.worker.cancel(&p.req);
-                    }
-                }
-            }
+            } => self.tag_send(ep, &ops, keep, reply),
+            Cmd::TagRecv { ops, keep, reply } => self.tag_recv(&ops, keep, reply),
+            Cmd::CancelRecvs { tag, mask } => self.cancel_recvs(tag, mask),
             Cmd::DrainUnexpected { tag, mask } => {
                 // Messages still in flight land later: keep draining this prefix for a while.
                 self.drains.push((tag, mask, Instant::now() + DRAIN_FOR));
                 self.drain();
             }
             Cmd::Shutdown => unreachable!("handled by the loop"),
+        }
+    }
+
+    /// Registers a heap pool with UCX and packs its remote key. The pool's Arc is stored next
+    /// to the handle, so the memory outlives the mapping.
+    fn map_pool(&mut self, pool: Arc<KvPool>) -> Result<(u64, Vec<u8>), TransferError> {
+        // SAFETY: the pool's Arc is stored next to the handle and dropped after it.
+        let memh = unsafe { MemHandle::map(&self.ctx, pool.as_ptr(), pool.len_bytes()) }?;
+        let rkey = memh.pack_rkey()?;
+        let id = self.id();
+        self.mems.insert(id, (memh, Some(pool)));
+        Ok((id, rkey))
+    }
+
+    /// Has UCX allocate and map `len` bytes; replies (mem id, address, rkey). The memory is
+    /// at least `len` bytes and aligned to [`crate::pool::POOL_ALIGN_BYTES`], or this fails
+    /// (and the handle, dropped here, frees it).
+    fn allocate(&mut self, len: usize) -> Result<(u64, usize, Vec<u8>), TransferError> {
+        let (memh, addr, got) = MemHandle::allocate(&self.ctx, len)?;
+        if got < len || !(addr as usize).is_multiple_of(crate::pool::POOL_ALIGN_BYTES) {
+            return Err(TransferError::invalid(
+                "ucx_alloc",
+                format!("got {got} bytes at {addr:p}"),
+            ));
+        }
+        let rkey = memh.pack_rkey()?;
+        let id = self.id();
+        self.mems.insert(id, (memh, None));
+        Ok((id, addr as usize, rkey))
+    }
+
+    /// Creates an endpoint to a remote worker and unpacks its pool's key; replies (endpoint
+    /// id, `ucp_ep_print_info` text, local address of `base` if UCX maps the peer's pool).
+    /// When no transport to the peer can detect peer failure, connects without asking for it
+    /// (the TCP control connection then is what notices a dead peer).
+    fn connect(
+        &mut self,
+        address: &[u8],
+        rkey: &[u8],
+        base: u64,
+        peer_failure: bool,
+    ) -> Result<(u64, String, Option<usize>), TransferError> {
+        let mut ep = match Endpoint::connect(&self.worker, address, peer_failure) {
+            Err(TransferError::Ucx { status, .. })
+                if peer_failure && status == sys::UCS_ERR_UNREACHABLE as i32 =>
+            {
+                tracing::info!(
+                    "no UCX transport to this peer detects peer failure; the control connection will"
+                );
+                Endpoint::connect(&self.worker, address, false)?
+            }
+            r => r?,
+        };
+        ep.unpack_rkey(rkey)?;
+        let info = ep.info();
+        let mapped = ep.rkey_ptr(base).map(|p| p as usize);
+        let id = self.id();
+        self.eps.insert(id, ep);
+        Ok((id, info, mapped))
+    }
+
+    /// Forgets endpoint `ep` and starts closing it; a close still in progress is polled from
+    /// `closing` until it completes. Unknown ids are ignored (closing twice is harmless).
+    fn close_endpoint(&mut self, ep: u64) {
+        if let Some(ep) = self.eps.remove(&ep) {
+            match ep.close(false) {
+                Ok(Started::Pending(r)) => self.closing.push(r),
+                Ok(Started::Done) => {}
+                Err(e) => tracing::debug!(error = %e, "endpoint close"),
+            }
+        }
+    }
+
+    /// Issues one chunk's puts on `ep`, to be flushed and replied to as one batch. Issuing
+    /// stops at the first error; the batch still waits for the puts already started.
+    fn put(&mut self, ep: u64, ops: &[PutOp], keep: Keep, reply: Reply<()>) {
+        let mut b = Batch::new(Next::Flush(ep), keep, Some(reply));
+        match self.eps.get(&ep) {
+            None => b.error = Some(closed_ep()),
+            Some(e) => {
+                for op in ops {
+                    // SAFETY: `keep` holds the source memory until this batch replies;
+                    // `remote` was bounds-checked against the peer pool by the caller.
+                    let r = unsafe { e.put(op.local as *const u8, op.len, op.remote) };
+                    if !b.absorb(r, 0) {
+                        break;
+                    }
+                }
+            }
+        }
+        self.batches.push(b);
+    }
+
+    /// Issues one chunk's tagged sends on `ep` as one batch (same stopping rule as [`Self::put`]).
+    fn tag_send(&mut self, ep: u64, ops: &[TagOp], keep: Keep, reply: Reply<()>) {
+        let mut b = Batch::new(Next::Reply, keep, Some(reply));
+        match self.eps.get(&ep) {
+            None => b.error = Some(closed_ep()),
+            Some(e) => {
+                for op in ops {
+                    // SAFETY: `keep` holds the memory until this batch replies.
+                    let r = unsafe { e.tag_send(op.addr as *const u8, op.len, op.tag) };
+                    if !b.absorb(r, op.tag) {
+                        break;
+                    }
+                }
+            }
+        }
+        self.batches.push(b);
+    }
+
+    /// Posts one chunk's tagged receives as one batch; each pending receive keeps its tag so
+    /// [`Self::cancel_recvs`] can find it.
+    fn tag_recv(&mut self, ops: &[TagOp], keep: Keep, reply: Reply<()>) {
+        let mut b = Batch::new(Next::Reply, keep, Some(reply));
+        for op in ops {
+            // SAFETY: `keep` holds the memory until this batch replies; the caller owns
+            // the destination range exclusively until then (a claimed reservation).
+            let r = unsafe { self.worker.tag_recv(op.addr as *mut u8, op.len, op.tag) };
+            if !b.absorb(r, op.tag) {
+                break;
+            }
+        }
+        self.batches.push(b);
+    }
+
+    /// Asks UCX to cancel every pending tagged request whose tag matches `tag` under `mask`;
+    /// they complete (cancelled) through the usual polling, so their batches still reply.
+    fn cancel_recvs(&self, tag: u64, mask: u64) {
+        for b in &self.batches {
+            for p in b
+                .pending
+                .iter()
+                .filter(|p| p.tag != 0 && p.tag & mask == tag & mask)
+            {
+                self.worker.cancel(&p.req);
+            }
         }
     }
 
@@ -352,14 +374,7 @@ impl Progress {
                 let Some(r) = self.worker.drain_unexpected(tag, mask, &mut sink) else {
                     break;
                 };
-                let mut b = Batch {
-                    started: Instant::now(),
-                    pending: Vec::new(),
-                    next: Next::Reply,
-                    error: None,
-                    _keep: Box::new(sink),
-                    reply: None,
-                };
+                let mut b = Batch::new(Next::Reply, Box::new(sink), None);
                 b.absorb(r, 0);
                 if !b.pending.is_empty() {
                     self.batches.push(b);
@@ -422,7 +437,7 @@ impl Progress {
         }
         let eps: Vec<u64> = self.eps.keys().copied().collect();
         for ep in eps {
-            self.handle(Cmd::Close { ep });
+            self.close_endpoint(ep);
         }
         // Whatever tagged data nobody will receive now: take it out of the worker before it goes.
         self.drains = vec![(0, 0, Instant::now() + DRAIN_FOR)];
@@ -447,6 +462,18 @@ impl Progress {
 }
 
 impl Batch {
+    /// An empty batch, started now.
+    fn new(next: Next, keep: Keep, reply: Option<Reply<()>>) -> Self {
+        Self {
+            started: Instant::now(),
+            pending: Vec::new(),
+            next,
+            error: None,
+            _keep: keep,
+            reply,
+        }
+    }
+
     /// Takes an `*_nbx` outcome into the batch; false stops issuing more (an error happened).
     fn absorb(&mut self, r: Result<Started, TransferError>, tag: u64) -> bool {
         match r {
