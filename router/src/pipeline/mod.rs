@@ -29,154 +29,38 @@
 //!   (HTTP/2 flow control reaches the node) instead of buffering without limit.
 
 mod attempt;
+mod events;
 mod probe;
 mod reservation;
+mod task;
 
-use std::pin::Pin;
+pub use events::{FinishReason, GenerationEvent, GenerationFinal, GenerationStream, Usage};
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use futures_util::Stream;
 use tandem_cluster::{Discovery, LoadSignals, Role, UsageStore};
-use tandem_proto::v1 as pb;
 use tandem_telemetry::trace::propagation::{self, RemoteParent};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::admission::{Admission, AdmissionLimits, Permit};
+use crate::admission::{Admission, AdmissionLimits};
 use crate::keys::{ApiKeys, KeyIdentity};
 use crate::canary::{CanarySettings, CanaryState};
 use crate::usage::{CostModel, Ledger};
-use crate::error::{NodeFault, RouterError};
+use crate::error::RouterError;
 use crate::metrics::RouterMetrics;
 use crate::model::ServedModel;
 use crate::nodes::{ChannelSettings, NodePool};
-use crate::request::{GenerateRequest, PreparedRequest, TokenLimits, prepare};
+use crate::request::{GenerateRequest, TokenLimits, prepare};
 use crate::routing::{FreeBlocksDecodePolicy, ShortestQueuePrefillPolicy};
 use crate::stats::{RouterStats, StatsSnapshot, bump};
 
-use attempt::AttemptState;
 
 /// Events buffered between a request's task and its client.
 const EVENT_BUFFER: usize = 16;
-
-/// Why a generation ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FinishReason {
-    /// End of sequence or a stop string.
-    Stop,
-    /// `max_tokens` reached.
-    Length,
-    /// Cancelled on the node.
-    Cancelled,
-}
-
-impl FinishReason {
-    /// From the proto enum (unspecified counts as `Stop`).
-    pub fn from_proto(value: i32) -> Self {
-        match pb::FinishReason::try_from(value) {
-            Ok(pb::FinishReason::Length) => FinishReason::Length,
-            Ok(pb::FinishReason::Cancelled) => FinishReason::Cancelled,
-            _ => FinishReason::Stop,
-        }
-    }
-
-    /// The proto enum.
-    pub fn to_proto(self) -> pb::FinishReason {
-        match self {
-            FinishReason::Stop => pb::FinishReason::Stop,
-            FinishReason::Length => pb::FinishReason::Length,
-            FinishReason::Cancelled => pb::FinishReason::Cancelled,
-        }
-    }
-
-    /// The OpenAI name (`stop`, `length`; a cancel reads as `stop`).
-    pub fn openai(self) -> &'static str {
-        match self {
-            FinishReason::Length => "length",
-            FinishReason::Stop | FinishReason::Cancelled => "stop",
-        }
-    }
-}
-
-/// Token accounting of a finished request.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Usage {
-    /// Prompt tokens.
-    pub prompt_tokens: u32,
-    /// Prompt tokens served from a prefix cache.
-    pub cached_prompt_tokens: u32,
-    /// Generated tokens.
-    pub completion_tokens: u32,
-}
-
-/// The last event of a successful stream.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct GenerationFinal {
-    /// Why it ended.
-    pub finish_reason: FinishReason,
-    /// Token accounting.
-    pub usage: Usage,
-    /// The request id.
-    pub request_id: String,
-}
-
-/// One piece of a generation.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum GenerationEvent {
-    /// New tokens and the text they completed (possibly empty mid-character).
-    Delta {
-        /// Text released by these tokens.
-        text: String,
-        /// The token ids, in order.
-        token_ids: Vec<u32>,
-    },
-    /// The end.
-    Final(GenerationFinal),
-}
-
-/// A generation in progress: a stream of events ending with `Final` or an error. Dropping it
-/// cancels the request on every node.
-#[derive(Debug)]
-pub struct GenerationStream {
-    request_id: String,
-    prompt_tokens: u32,
-    traceparent: Option<String>,
-    first: Option<Result<GenerationEvent, RouterError>>,
-    events: mpsc::Receiver<Result<GenerationEvent, RouterError>>,
-}
-
-impl GenerationStream {
-    /// The request id.
-    pub fn request_id(&self) -> &str {
-        &self.request_id
-    }
-
-    /// Prompt length in tokens.
-    pub fn prompt_tokens(&self) -> u32 {
-        self.prompt_tokens
-    }
-
-    /// The W3C `traceparent` of the request's `router.request` span (for the response), when
-    /// traces are exported.
-    pub fn traceparent(&self) -> Option<&str> {
-        self.traceparent.as_deref()
-    }
-}
-
-impl Stream for GenerationStream {
-    type Item = Result<GenerationEvent, RouterError>;
-
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        if let Some(first) = self.first.take() {
-            return Poll::Ready(Some(first));
-        }
-        self.events.poll_recv(cx)
-    }
-}
 
 /// Router settings other than the model and the control plane.
 #[derive(Clone, Debug)]
@@ -600,7 +484,7 @@ impl Router {
         let request_id = prepared.request_id.clone();
         let prompt_tokens = prepared.prompt_tokens();
         tokio::spawn(
-            run_request(
+            task::run_request(
                 Arc::clone(inner),
                 prepared,
                 permit,
@@ -641,126 +525,4 @@ impl Default for RequestContext {
             key: KeyIdentity::anonymous(),
         }
     }
-}
-
-/// A request's task: attempts until success, a final error, or the client leaving.
-async fn run_request(
-    inner: Arc<Inner>,
-    request: PreparedRequest,
-    permit: Permit,
-    events: mpsc::Sender<Result<GenerationEvent, RouterError>>,
-    started: Instant,
-    span: tracing::Span,
-    key_id: Arc<str>,
-) {
-    let outcome = tokio::select! {
-        biased;
-        _ = events.closed() => Err(RouterError::Cancelled),
-        outcome = drive(&inner, &request, &events, started, span.clone(), key_id) => outcome,
-    };
-    match outcome {
-        Ok(()) => bump(&inner.stats.completed),
-        Err(RouterError::Cancelled) => {
-            bump(&inner.stats.cancelled);
-            span.record("error.type", "cancelled");
-            tracing::info!(request_id = %request.request_id, "client went away; request cancelled");
-        }
-        Err(error) => {
-            bump(&inner.stats.failed);
-            inner.metrics.failed(error.kind());
-            propagation::mark_error(&span, error.kind(), &error);
-            tracing::warn!(request_id = %request.request_id, kind = error.kind(), %error, "request failed");
-            // The client may be gone by now; nothing else to tell.
-            let _ = events.send(Err(error)).await;
-        }
-    }
-    drop(permit);
-}
-
-/// Attempts `request` until it succeeds or fails for good. Each attempt is a `router.attempt`
-/// span; a retry or migration is visible as a second one with its reason.
-async fn drive(
-    inner: &Inner,
-    request: &PreparedRequest,
-    events: &mpsc::Sender<Result<GenerationEvent, RouterError>>,
-    started: Instant,
-    request_span: tracing::Span,
-    key_id: Arc<str>,
-) -> Result<(), RouterError> {
-    let mut state = AttemptState::new(inner, request, events, started, request_span.clone());
-    state.key_id = Some(key_id);
-    let max_attempts = inner.options.max_attempts.max(1);
-    let mut attempts = 0;
-    let mut reason: &'static str = "first";
-    loop {
-        attempts += 1;
-        request_span.record("tandem.attempts", attempts);
-        let attempt_span = tracing::info_span!(
-            "router.attempt",
-            tandem.attempt = attempts,
-            tandem.reason = reason,
-            tandem.resumed_tokens = state.tokens_sent(),
-        );
-        let error = match state.run().instrument(attempt_span.clone()).await {
-            Ok(()) => return Ok(()),
-            Err(error) => error,
-        };
-        if matches!(error, RouterError::Cancelled) {
-            return Err(error);
-        }
-        propagation::mark_error(&attempt_span, error.kind(), &error);
-        drop(attempt_span);
-        let sent = state.tokens_sent();
-        if sent > 0 && error.is_retry_safe() && state.tokens_left() == 0 {
-            // Every token arrived; only the final message was lost.
-            tracing::warn!(request_id = %request.request_id, %error, "final message lost after the last token; finishing the stream here");
-            return finish_without_node(&mut state).await;
-        }
-        if !error.is_retry_safe() || attempts >= max_attempts {
-            return Err(match (sent, error.is_retry_safe()) {
-                (0, true) => RouterError::RetriesExhausted {
-                    attempts,
-                    last: Box::new(error),
-                },
-                (0, false) => error,
-                (tokens_sent, _) => RouterError::Interrupted {
-                    tokens_sent,
-                    cause: Box::new(error),
-                },
-            });
-        }
-        bump(&inner.stats.retries);
-        if sent > 0 {
-            bump(&inner.stats.migrations);
-            reason = "migration";
-            tracing::warn!(request_id = %request.request_id, %error, tokens_sent = sent, "stream lost mid-generation; migrating: re-prefilling prompt + output so far on another pair");
-        } else if matches!(
-            error,
-            RouterError::Node {
-                fault: NodeFault::KvCorrupt,
-                ..
-            }
-        ) {
-            bump(&inner.stats.reprefills);
-            reason = "reprefill";
-            tracing::warn!(request_id = %request.request_id, %error, "KV transfer failed verification; re-prefilling on a fresh reservation");
-        } else {
-            reason = "retry";
-            tracing::warn!(request_id = %request.request_id, %error, attempt = attempts, "attempt failed before any output; retrying on another pair");
-        }
-    }
-}
-
-/// Ends a stream whose tokens all arrived but whose final message was lost.
-async fn finish_without_node(state: &mut AttemptState<'_>) -> Result<(), RouterError> {
-    let done = GenerationFinal {
-        finish_reason: FinishReason::Length,
-        usage: Usage {
-            prompt_tokens: state.request.prompt_tokens(),
-            cached_prompt_tokens: state.cached_prompt_tokens.unwrap_or(0),
-            completion_tokens: state.tokens_sent(),
-        },
-        request_id: state.request.request_id.clone(),
-    };
-    state.send(GenerationEvent::Final(done)).await
 }
