@@ -1,16 +1,25 @@
 //! The per-push task of the stream protocol: begin, plan chunks, checksum them, move them (in
 //! the stream or over UCX), and end with `Done`, or with `Abort`/`AbortAck` after a fence.
+//!
+//! Every chunk takes the same steps: wait for its layers (a receiver event ends the push at any
+//! wait), injected stalls, then one sender per data path: `send_inline` (frame + `writev`),
+//! `copy_mapped` (fused copy and checksum into a mapped peer pool) or `start_moving` (UCX puts
+//! or tagged sends, finished later by `complete_front`). Invariant: when the chunk loop fails,
+//! every chunk whose bytes may still be moving is in its `inflight` queue, and `send_chunks`
+//! fences them all before the receiver is told (`Abort`/`AbortAck`).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
+use tandem_kv_layout::KvLayout;
 use tokio::sync::{mpsc, oneshot};
 
 use super::NetShared;
 use super::conn::{ClientConn, Event, InlineChunk, RouteGuard, SendPath, WriterCmd, get_conn};
 use crate::error::{Phase, TransferError};
-use crate::pool::{KvPool, block_runs};
+use crate::fault::ChunkFaults;
+use crate::pool::{BlockRun, KvPool, block_runs};
 use crate::transport::{PoolRegistration, PushDriver, TransferReport, layers_per_chunk};
 #[cfg(feature = "ucx")]
 use crate::wire::DataMode;
@@ -200,6 +209,9 @@ fn on_event(peer: &str, ev: Option<Event>) -> Stop {
     }
 }
 
+/// Sends every chunk of transfer `id` as its layers become ready, keeping at most
+/// `chunks_in_flight` chunks moving over UCX; returns the payload bytes sent. On `Err`, chunks
+/// may still be moving (left in `inflight`): the caller fences them before telling the receiver.
 #[allow(clippy::too_many_arguments)]
 async fn send_chunks_inner(
     net: &Arc<NetShared>,
@@ -210,127 +222,40 @@ async fn send_chunks_inner(
     events: &mut mpsc::Receiver<Event>,
     inflight: &mut VecDeque<InFlight>,
 ) -> Result<u64, Stop> {
-    let pool = Arc::clone(src.pool());
-    let layout = *pool.layout();
-    let (layers, slab, n) = (
-        layout.num_layers as u32,
-        layout.slab_bytes(),
-        d.req.src_blocks.len(),
-    );
-    let runs = block_runs(&d.req.src_blocks, &d.req.dst_blocks);
-    let per_chunk = layers_per_chunk(slab, n, layers as usize, net.config.max_chunk_bytes);
-    #[cfg(feature = "ucx")]
-    let streaming =
-        (layers as usize * n * slab) as u64 >= net.config.streaming_store_min_transfer_bytes as u64;
-    let remote_blocks = conn.remote_blocks as usize;
+    let plan = ChunkPlan::new(net, src, d, conn);
     let peer = conn.shared.peer.clone();
     let (mut sent, mut seq, mut offset) = (0u32, 0u32, 0u64);
     #[cfg(feature = "ucx")]
-    let mut tag_index = 0u64;
-    while sent < layers {
-        let ready = tokio::select! {
-            biased;
-            ev = events.recv() => return Err(on_event(&peer, ev)),
-            r = d.next_ready(sent) => r.map_err(Stop::Local)?,
+    let mut tag_base = 0u64;
+    while sent < plan.layers {
+        let ready = unless_event(&peer, events, d.next_ready(sent)).await?;
+        let end = ready.min(sent + plan.per_chunk);
+        let bytes = plan.chunk_bytes(sent, end);
+        let chunk = PlannedChunk {
+            transfer_id: id,
+            seq,
+            start: sent,
+            end,
+            bytes,
+            faults: d.req.faults.for_chunk(seq, offset, bytes),
+            #[cfg(feature = "ucx")]
+            tag_base,
         };
-        let end = ready.min(sent + per_chunk);
-        let chunk_bytes = (end - sent) as u64 * (n * slab) as u64;
-        let faults = d.req.faults.for_chunk(seq, offset, chunk_bytes);
-        if let Some(delay) = faults.delay {
-            tokio::select! {
-                biased;
-                ev = events.recv() => return Err(on_event(&peer, ev)),
-                r = d.guard(Phase::Data, async { tokio::time::sleep(delay).await; Ok(()) }) => r.map_err(Stop::Local)?,
-            }
-        }
-        if faults.drop {
-            tokio::select! {
-                biased;
-                ev = events.recv() => return Err(on_event(&peer, ev)),
-                r = d.guard(Phase::Data, std::future::pending::<Result<(), TransferError>>()) => r.map_err(Stop::Local)?,
-            }
-        }
-        let mut ranges = Vec::with_capacity((end - sent) as usize * runs.len());
-        for layer in sent..end {
-            for run in &runs {
-                let s =
-                    layout.slab_offset(pool.num_blocks(), layer as usize, run.src_start as usize);
-                let t = layout.slab_offset(remote_blocks, layer as usize, run.dst_start as usize);
-                ranges.push((s, t, run.len as usize * slab));
-            }
-        }
-        let chunk = |checksums| {
-            Msg::Chunk(Chunk {
-                transfer_id: id,
-                seq,
-                layer_start: sent,
-                layer_end: end,
-                payload_bytes: chunk_bytes,
-                checksums,
-            })
-        };
+        stall_for_faults(d, &peer, events, &chunk.faults).await?;
+        let ranges = plan.ranges(sent, end);
         match &conn.path {
-            SendPath::Inline => {
-                let checksums =
-                    source_checksums(&pool, &d.req.src_blocks, sent, end).map_err(Stop::Local)?;
-                let ranges = ranges.iter().map(|&(s, _, len)| (s, len)).collect();
-                let cmd = WriterCmd::Chunk(InlineChunk {
-                    frame: chunk(checksums),
-                    pool: Arc::clone(&pool),
-                    ranges,
-                    faults,
-                });
-                send(d, conn, cmd, Phase::Data).await.map_err(Stop::Local)?;
-                if faults.cut_at.is_some() {
-                    return Err(Stop::Local(cut_error(&peer)));
-                }
-            }
+            SendPath::Inline => send_inline(d, conn, &plan, &chunk, &ranges).await?,
             #[cfg(feature = "ucx")]
             SendPath::Ucx(ucx) if ucx.mapped() => {
-                // The peer's pool is mapped here: copy and hash in one pass, then commit.
-                let checksums = ucx
-                    .copy_chunk(&pool, ranges, slab, streaming, faults)
-                    .await
-                    .map_err(Stop::Local)?;
-                if faults.cut_at.is_some() {
-                    conn.shared.closed.cancel();
-                    ucx.close();
-                    return Err(Stop::Local(cut_error(&peer)));
-                }
-                send(d, conn, WriterCmd::Frame(chunk(checksums)), Phase::Data)
-                    .await
-                    .map_err(Stop::Local)?;
+                copy_mapped(d, conn, ucx, &plan, &chunk, ranges).await?;
             }
             #[cfg(feature = "ucx")]
             SendPath::Ucx(ucx) => {
-                let checksums =
-                    source_checksums(&pool, &d.req.src_blocks, sent, end).map_err(Stop::Local)?;
-                let moving = ucx
-                    .send_chunk(id, tag_index, &pool, &ranges, faults)
-                    .await
-                    .map_err(Stop::Local)?;
-                tag_index += ranges.len() as u64;
-                let header = match ucx.mode() {
-                    DataMode::Tag => {
-                        send(d, conn, WriterCmd::Frame(chunk(checksums)), Phase::Data)
-                            .await
-                            .map_err(Stop::Local)?;
-                        None
-                    }
-                    _ => Some(chunk(checksums)),
-                };
-                inflight.push_back(InFlight {
-                    header,
-                    done: moving,
-                });
-                if faults.cut_at.is_some() {
-                    conn.shared.closed.cancel();
-                    ucx.close();
-                    return Err(Stop::Local(cut_error(&peer)));
-                }
+                start_moving(d, conn, ucx, &plan, &chunk, &ranges, inflight).await?;
+                tag_base += ranges.len() as u64;
             }
         }
-        offset += chunk_bytes;
+        offset += bytes;
         seq += 1;
         sent = end;
         while inflight.len() >= net.config.chunks_in_flight {
@@ -341,6 +266,242 @@ async fn send_chunks_inner(
         complete_front(net, d, conn, inflight).await?;
     }
     Ok(offset)
+}
+
+/// The loop-invariant facts of one push: what it sends, in chunks of how many layers, and
+/// where each slab lies in both pools.
+struct ChunkPlan {
+    pool: Arc<KvPool>,
+    layout: KvLayout,
+    /// Layers pushed (every layer of the layout).
+    layers: u32,
+    /// Bytes of one (layer, block) slab.
+    slab: usize,
+    /// Blocks pushed.
+    blocks: usize,
+    /// Source and destination block runs (contiguous in both pools).
+    runs: Vec<BlockRun>,
+    /// Most layers in one chunk (under `max_chunk_bytes`).
+    per_chunk: u32,
+    /// Large enough for non-temporal stores when copying into a mapped peer pool.
+    #[cfg(feature = "ucx")]
+    streaming: bool,
+    /// Blocks in the receiver's pool (its slab offsets depend on it).
+    remote_blocks: usize,
+}
+
+impl ChunkPlan {
+    fn new(net: &NetShared, src: &PoolRegistration, d: &PushDriver, conn: &ClientConn) -> Self {
+        let pool = Arc::clone(src.pool());
+        let layout = *pool.layout();
+        let (layers, slab, blocks) = (
+            layout.num_layers as u32,
+            layout.slab_bytes(),
+            d.req.src_blocks.len(),
+        );
+        Self {
+            runs: block_runs(&d.req.src_blocks, &d.req.dst_blocks),
+            per_chunk: layers_per_chunk(slab, blocks, layers as usize, net.config.max_chunk_bytes),
+            #[cfg(feature = "ucx")]
+            streaming: (layers as usize * blocks * slab) as u64
+                >= net.config.streaming_store_min_transfer_bytes as u64,
+            remote_blocks: conn.remote_blocks as usize,
+            pool,
+            layout,
+            layers,
+            slab,
+            blocks,
+        }
+    }
+
+    /// Payload bytes of layers `start..end`.
+    fn chunk_bytes(&self, start: u32, end: u32) -> u64 {
+        (end - start) as u64 * (self.blocks * self.slab) as u64
+    }
+
+    /// `(source offset, destination offset, length)` of every run of layers `start..end`, in
+    /// payload order (layer-major, then run). Offsets lie inside the pools: block ids were
+    /// checked against both pools before the push began.
+    fn ranges(&self, start: u32, end: u32) -> Vec<(usize, usize, usize)> {
+        let mut ranges = Vec::with_capacity((end - start) as usize * self.runs.len());
+        let (layout, local_blocks) = (&self.layout, self.pool.num_blocks());
+        for layer in (start..end).map(|l| l as usize) {
+            for run in &self.runs {
+                let s = layout.slab_offset(local_blocks, layer, run.src_start as usize);
+                let t = layout.slab_offset(self.remote_blocks, layer, run.dst_start as usize);
+                ranges.push((s, t, run.len as usize * self.slab));
+            }
+        }
+        ranges
+    }
+}
+
+/// One chunk of a push: layers `start..end` of every block, and the faults injected into it.
+struct PlannedChunk {
+    transfer_id: u64,
+    seq: u32,
+    start: u32,
+    end: u32,
+    /// Payload bytes.
+    bytes: u64,
+    faults: ChunkFaults,
+    /// Index of its first range among the transfer's ranges (numbers UCX tagged sends).
+    #[cfg(feature = "ucx")]
+    tag_base: u64,
+}
+
+impl PlannedChunk {
+    /// Its `Chunk` frame, carrying the sender's slab checksums.
+    fn frame(&self, checksums: Vec<u64>) -> Msg {
+        Msg::Chunk(Chunk {
+            transfer_id: self.transfer_id,
+            seq: self.seq,
+            layer_start: self.start,
+            layer_end: self.end,
+            payload_bytes: self.bytes,
+            checksums,
+        })
+    }
+}
+
+/// Runs `step` unless the receiver speaks first: mid-transfer, any event from it (checked
+/// first) ends the push, and so does `step` failing.
+async fn unless_event<T>(
+    peer: &str,
+    events: &mut mpsc::Receiver<Event>,
+    step: impl Future<Output = Result<T, TransferError>>,
+) -> Result<T, Stop> {
+    tokio::select! {
+        biased;
+        ev = events.recv() => Err(on_event(peer, ev)),
+        r = step => r.map_err(Stop::Local),
+    }
+}
+
+/// Injected stalls, before any of a chunk's bytes move: a delay sleeps, a drop never sends (the
+/// push then ends at its deadline, on cancel, or at the receiver's abort, which still ends it
+/// at once).
+async fn stall_for_faults(
+    d: &PushDriver,
+    peer: &str,
+    events: &mut mpsc::Receiver<Event>,
+    faults: &ChunkFaults,
+) -> Result<(), Stop> {
+    if let Some(delay) = faults.delay {
+        let sleep = async {
+            tokio::time::sleep(delay).await;
+            Ok(())
+        };
+        unless_event(peer, events, d.guard(Phase::Data, sleep)).await?;
+    }
+    if faults.drop {
+        let never = std::future::pending::<Result<(), TransferError>>();
+        unless_event(peer, events, d.guard(Phase::Data, never)).await?;
+    }
+    Ok(())
+}
+
+/// Inline path: checksums the source slabs, then hands the writer task the `Chunk` frame and
+/// the slab ranges to `writev` from the pool. A cut fault ends the push once the writer has
+/// the (truncated) chunk.
+async fn send_inline(
+    d: &PushDriver,
+    conn: &ClientConn,
+    plan: &ChunkPlan,
+    chunk: &PlannedChunk,
+    ranges: &[(usize, usize, usize)],
+) -> Result<(), Stop> {
+    let checksums = source_checksums(&plan.pool, &d.req.src_blocks, chunk.start, chunk.end)
+        .map_err(Stop::Local)?;
+    let cmd = WriterCmd::Chunk(InlineChunk {
+        frame: chunk.frame(checksums),
+        pool: Arc::clone(&plan.pool),
+        ranges: ranges.iter().map(|&(s, _, len)| (s, len)).collect(),
+        faults: chunk.faults,
+    });
+    send(d, conn, cmd, Phase::Data).await.map_err(Stop::Local)?;
+    if chunk.faults.cut_at.is_some() {
+        return Err(Stop::Local(cut_error(&conn.shared.peer)));
+    }
+    Ok(())
+}
+
+/// Mapped path (the peer's pool is mapped here): copies and hashes the chunk in one pass, then
+/// commits it with its `Chunk` frame. Nothing is left moving when this returns. A cut fault
+/// closes the connection instead of committing.
+#[cfg(feature = "ucx")]
+async fn copy_mapped(
+    d: &PushDriver,
+    conn: &ClientConn,
+    ucx: &crate::ucx::UcxPeer,
+    plan: &ChunkPlan,
+    chunk: &PlannedChunk,
+    ranges: Vec<(usize, usize, usize)>,
+) -> Result<(), Stop> {
+    let checksums = ucx
+        .copy_chunk(&plan.pool, ranges, plan.slab, plan.streaming, chunk.faults)
+        .await
+        .map_err(Stop::Local)?;
+    if chunk.faults.cut_at.is_some() {
+        return Err(cut_connection(conn, ucx));
+    }
+    let frame = WriterCmd::Frame(chunk.frame(checksums));
+    send(d, conn, frame, Phase::Data).await.map_err(Stop::Local)
+}
+
+/// UCX puts or tagged sends: checksums the source, starts the bytes moving and queues the chunk
+/// in `inflight` (unless sending its frame fails). In tag mode the `Chunk` frame goes at once
+/// (the receiver posts its receives on seeing it); after puts it waits until they have landed
+/// (see [`complete_front`]). A cut fault closes the connection.
+#[cfg(feature = "ucx")]
+async fn start_moving(
+    d: &PushDriver,
+    conn: &ClientConn,
+    ucx: &crate::ucx::UcxPeer,
+    plan: &ChunkPlan,
+    chunk: &PlannedChunk,
+    ranges: &[(usize, usize, usize)],
+    inflight: &mut VecDeque<InFlight>,
+) -> Result<(), Stop> {
+    let checksums = source_checksums(&plan.pool, &d.req.src_blocks, chunk.start, chunk.end)
+        .map_err(Stop::Local)?;
+    let moving = ucx
+        .send_chunk(
+            chunk.transfer_id,
+            chunk.tag_base,
+            &plan.pool,
+            ranges,
+            chunk.faults,
+        )
+        .await
+        .map_err(Stop::Local)?;
+    let header = match ucx.mode() {
+        DataMode::Tag => {
+            let frame = WriterCmd::Frame(chunk.frame(checksums));
+            send(d, conn, frame, Phase::Data)
+                .await
+                .map_err(Stop::Local)?;
+            None
+        }
+        _ => Some(chunk.frame(checksums)),
+    };
+    inflight.push_back(InFlight {
+        header,
+        done: moving,
+    });
+    if chunk.faults.cut_at.is_some() {
+        return Err(cut_connection(conn, ucx));
+    }
+    Ok(())
+}
+
+/// A cut fault on the UCX path: the control connection and the endpoint close as a dead
+/// peer's would.
+#[cfg(feature = "ucx")]
+fn cut_connection(conn: &ClientConn, ucx: &crate::ucx::UcxPeer) -> Stop {
+    conn.shared.closed.cancel();
+    ucx.close();
+    Stop::Local(cut_error(&conn.shared.peer))
 }
 
 /// XXH3 of every source slab of layers `start..end`, layer-major (the `Chunk` order).
