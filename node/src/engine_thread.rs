@@ -391,24 +391,25 @@ fn run_loop<D: Driver>(
                 engine.wait_hint(now)
             };
             match wait {
-                None => match {
+                None => {
                     steps_taken += 1;
                     if options.panic_after_steps.is_some_and(|n| steps_taken > n) {
                         panic!("fault injection: engine panic after {steps_taken} steps");
                     }
-                    driver.step(&mut engine)
-                } {
-                    Ok(n) => {
-                        batch = n;
-                        if let Some(h) = &step_seconds {
-                            h.observe(now.elapsed().as_secs_f64());
+                    let stepped = driver.step(&mut engine);
+                    match stepped {
+                        Ok(n) => {
+                            batch = n;
+                            if let Some(h) = &step_seconds {
+                                h.observe(now.elapsed().as_secs_f64());
+                            }
+                        }
+                        Err(e) => {
+                            tracing::error!(error = %e, kind = e.error_type(), "engine step failed; failing its requests");
+                            driver.on_step_error(&mut engine, &e);
                         }
                     }
-                    Err(e) => {
-                        tracing::error!(error = %e, kind = e.error_type(), "engine step failed; failing its requests");
-                        driver.on_step_error(&mut engine, &e);
-                    }
-                },
+                }
                 Some(d) => {
                     publish(&snap_tx, &engine, meter.rate, batch);
                     match runtime.block_on(async { tokio::time::timeout(d, rx.recv()).await }) {
