@@ -51,6 +51,10 @@ pub mod env_names {
     pub const API_KEYS_FILE: &str = "TANDEM_API_KEYS_FILE";
     /// `--cost-file`: the cost of a node-hour per pool.
     pub const COST_FILE: &str = "TANDEM_COST_FILE";
+    /// `--tls-cert`.
+    pub const TLS_CERT: &str = "TANDEM_TLS_CERT";
+    /// `--tls-key`.
+    pub const TLS_KEY: &str = "TANDEM_TLS_KEY";
     /// `--max-tokens-limit`.
     pub const MAX_TOKENS_LIMIT: &str = "TANDEM_MAX_TOKENS_LIMIT";
     /// `--default-max-tokens`.
@@ -180,6 +184,13 @@ pub struct RouterArgs {
     /// [default: 8].
     #[arg(long, env = env::CANARY_MAX_PAIRS)]
     pub canary_max_pairs: Option<usize>,
+    /// A PEM certificate chain: both ingresses (HTTP and gRPC) serve TLS with it and
+    /// `--tls-key`, and nothing in plain text. Give both or neither.
+    #[arg(long, env = env::TLS_CERT, requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The PEM private key of `--tls-cert`.
+    #[arg(long, env = env::TLS_KEY, requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
     /// Trace export (OTLP); the standard OTEL_* variables apply.
     #[command(flatten)]
     #[serde(skip)]
@@ -207,6 +218,8 @@ pub struct RouterConfig {
     pub max_context_tokens: Option<u32>,
     /// How long startup retries an unreachable control plane.
     pub startup_timeout: Duration,
+    /// TLS on both ingresses (loaded and checked).
+    pub tls: Option<crate::tls::TlsIdentity>,
     /// Core settings.
     pub options: RouterOptions,
 }
@@ -236,6 +249,8 @@ impl RouterArgs {
             load_max_age_ms,
             api_keys_file,
             cost_file,
+            tls_cert,
+            tls_key,
             stream_idle_timeout_ms,
             canary_interval_secs,
             canary_timeout_ms,
@@ -372,6 +387,20 @@ impl RouterArgs {
             model_name: args.model_name,
             max_context_tokens: args.max_context_tokens,
             startup_timeout: Duration::from_secs(args.startup_timeout_secs.unwrap_or(30)),
+            tls: match (&args.tls_cert, &args.tls_key) {
+                (Some(cert), Some(key)) => Some(crate::tls::TlsIdentity::load(&crate::tls::TlsFiles {
+                    cert: cert.clone(),
+                    key: key.clone(),
+                })?),
+                (None, None) => None,
+                (Some(_), None) | (None, Some(_)) => {
+                    return Err(RouterError::Config {
+                        field: if args.tls_cert.is_some() { "tls-key" } else { "tls-cert" },
+                        value: String::new(),
+                        reason: "TLS needs both --tls-cert and --tls-key".into(),
+                    });
+                }
+            },
             options,
         })
     }

@@ -283,6 +283,14 @@ pub enum RouterError {
         /// Why it is invalid.
         reason: String,
     },
+    /// A TLS file could not be used (startup).
+    #[error("TLS: {}: {message}", path.display())]
+    Tls {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What is wrong with it.
+        message: String,
+    },
     /// The control plane failed (startup: discovery watch, load subscription).
     #[error("control plane: {0}")]
     Cluster(#[from] ClusterError),
@@ -383,6 +391,7 @@ impl RouterError {
             RouterError::ModelRead { .. } => "model_read",
             RouterError::Tokenizer(_) => "tokenizer",
             RouterError::Config { .. } => "config",
+            RouterError::Tls { .. } => "tls",
             RouterError::Cluster(_) => "cluster",
             RouterError::Serve { .. } => "serve",
         }

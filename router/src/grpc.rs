@@ -191,6 +191,7 @@ impl Inference for InferenceService {
 pub async fn serve(
     listener: TcpListener,
     router: Router,
+    tls: Option<&crate::tls::TlsIdentity>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), RouterError> {
     let serve_error = |message: String| RouterError::Serve {
@@ -231,7 +232,13 @@ pub async fn serve(
             }
         }
     });
-    let result = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = builder
+            .tls_config(tls.grpc_config())
+            .map_err(|e| serve_error(format!("TLS: {e}")))?;
+    }
+    let result = builder
         .add_service(health_service)
         .add_service(reflection)
         .add_service(reflection_v1alpha)

@@ -35,6 +35,7 @@ pub mod request;
 pub mod routing;
 pub mod server;
 pub mod stats;
+pub mod tls;
 pub mod usage;
 
 pub use admission::{Admission, AdmissionLimits};
@@ -48,5 +49,5 @@ pub use pipeline::{
     RouterOptions, Usage,
 };
 pub use request::{Field, GenerateRequest, Priority, PromptInput, Sampling, TokenLimits};
-pub use server::{run, run_blocking, serve};
+pub use server::{run, run_blocking, serve, serve_tls};
 pub use stats::StatsSnapshot;

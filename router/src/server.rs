@@ -19,6 +19,7 @@ use crate::config::{RouterArgs, RouterConfig};
 use crate::error::RouterError;
 use crate::model::ServedModel;
 use crate::pipeline::Router;
+use crate::tls::TlsIdentity;
 
 /// Serves the gRPC ingress on `grpc` and the HTTP ingress on `http` until `shutdown`
 /// resolves or either server fails.
@@ -28,9 +29,25 @@ pub async fn serve(
     http: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RouterError> {
+    serve_tls(router, grpc, http, None, shutdown).await
+}
+
+/// [`serve`], with both ingresses behind TLS when `tls` is given (never plain text then).
+pub async fn serve_tls(
+    router: Router,
+    grpc: TcpListener,
+    http: TcpListener,
+    tls: Option<TlsIdentity>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), RouterError> {
     let token = CancellationToken::new();
-    let grpc_server = crate::grpc::serve(grpc, router.clone(), token.clone().cancelled_owned());
-    let http_server = crate::http::serve(http, router, token.clone().cancelled_owned());
+    let grpc_server = crate::grpc::serve(
+        grpc,
+        router.clone(),
+        tls.as_ref(),
+        token.clone().cancelled_owned(),
+    );
+    let http_server = crate::http::serve(http, router, tls.clone(), token.clone().cancelled_owned());
     let trigger = {
         let token = token.clone();
         async move {
@@ -87,12 +104,13 @@ pub async fn run(
         context_tokens = router.model().context_tokens,
         grpc = %local(&grpc),
         http = %local(&http),
+        tls = config.tls.is_some(),
         "router serving"
     );
     // Machine-readable lines for scripts (`tandem up` waits for them).
     println!("grpc {}", local(&grpc));
     println!("http {}", local(&http));
-    let result = serve(router.clone(), grpc, http, shutdown).await;
+    let result = serve_tls(router.clone(), grpc, http, config.tls.clone(), shutdown).await;
     // What this router counted and had not written yet goes to the ledger before it exits.
     if let Err(e) = router.flush_usage().await {
         tracing::warn!(error = %e, "could not write the last usage to the ledger");

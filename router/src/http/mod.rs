@@ -81,18 +81,82 @@ fn body_bytes(
 
 /// Serves the HTTP ingress on `listener` until `shutdown` resolves (in-flight responses are
 /// allowed to finish).
+/// With `tls`, every connection is a TLS one (HTTP/1.1 or h2 by ALPN); a failed handshake
+/// costs only its connection.
 pub async fn serve(
     listener: TcpListener,
     router: Router,
+    tls: Option<crate::tls::TlsIdentity>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RouterError> {
-    axum::serve(listener, app(router))
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(|e| RouterError::Serve {
-            server: "http",
-            message: e.to_string(),
-        })
+    match tls {
+        None => axum::serve(listener, app(router))
+            .with_graceful_shutdown(shutdown)
+            .await
+            .map_err(|e| RouterError::Serve {
+                server: "http",
+                message: e.to_string(),
+            }),
+        Some(tls) => {
+            serve_tls(listener, app(router), tls.server_config(), shutdown).await;
+            Ok(())
+        }
+    }
+}
+
+/// Longest a client may take to finish its TLS handshake.
+const TLS_HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The HTTPS accept loop: TLS handshake per connection, then hyper (HTTP/1.1 or h2) over
+/// `app`. On shutdown it stops accepting and lets open connections finish their responses.
+async fn serve_tls(
+    listener: TcpListener,
+    app: AxumRouter,
+    config: std::sync::Arc<tokio_rustls::rustls::ServerConfig>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) {
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    let acceptor = tokio_rustls::TlsAcceptor::from(config);
+    let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    tokio::pin!(shutdown);
+    loop {
+        let (tcp, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(c) => c,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!(error = %e, "accepting an HTTPS connection failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let (acceptor, app, builder) = (acceptor.clone(), app.clone(), builder.clone());
+        let watcher = graceful.watcher();
+        tokio::spawn(async move {
+            let stream = match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                Ok(Ok(stream)) => stream,
+                Ok(Err(e)) => {
+                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                    return;
+                }
+                Err(_) => {
+                    tracing::debug!(%peer, "TLS handshake timed out");
+                    return;
+                }
+            };
+            let service = hyper_util::service::TowerToHyperService::new(app);
+            let connection = builder
+                .serve_connection_with_upgrades(TokioIo::new(stream), service)
+                .into_owned();
+            if let Err(e) = watcher.watch(connection).await {
+                tracing::debug!(%peer, error = %e, "HTTPS connection ended with an error");
+            }
+        });
+    }
+    graceful.shutdown().await;
 }
 
 async fn metrics_text(State(router): State<Router>) -> Response {
