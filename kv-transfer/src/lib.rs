@@ -12,6 +12,8 @@
 //! - [`pool`]: [`KvPool`] memory and block runs; [`checksum`]: slab checksums (XXH3-64, AVX2/AVX-512).
 //! - [`wire`]: rkyv descriptors and framing (checked access on everything received).
 //! - [`tcp`]: [`TcpKvTransport`] (tokio) and the stream protocol UCX reuses for control.
+//! - `datapath`: the traits `tcp` calls for bytes that leave the stream; `ucx` implements them,
+//!   so the dependency runs `ucx` → `tcp` → `datapath`, never `tcp` → `ucx`.
 //! - `ucx` (feature `ucx`, default): [`UcxKvTransport`] over our `tandem-ucx-sys` bindings.
 //! - [`inproc`]: the in-process transport, [`InProcKvTransport`].
 //! - [`fault`]: fault injection (feature `fault-injection`, never on by default).
@@ -32,6 +34,7 @@
 pub mod bench;
 pub mod checksum;
 pub mod config;
+mod datapath;
 pub mod error;
 pub mod fault;
 pub mod inbound;

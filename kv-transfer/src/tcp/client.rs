@@ -1,10 +1,11 @@
 //! The per-push task of the stream protocol: begin, plan chunks, checksum them, move them (in
-//! the stream or over UCX), and end with `Done`, or with `Abort`/`AbortAck` after a fence.
+//! the stream or over the connection's data path), and end with `Done`, or with
+//! `Abort`/`AbortAck` after a fence.
 //!
 //! Every chunk takes the same steps: wait for its layers (a receiver event ends the push at any
 //! wait), injected stalls, then one sender per data path: `send_inline` (frame + `writev`),
-//! `copy_mapped` (fused copy and checksum into a mapped peer pool) or `start_moving` (UCX puts
-//! or tagged sends, finished later by `complete_front`). Invariant: when the chunk loop fails,
+//! `copy_mapped` (fused copy and checksum into a mapped peer pool) or `start_moving` (puts or
+//! tagged sends, finished later by `complete_front`). Invariant: when the chunk loop fails,
 //! every chunk whose bytes may still be moving is in its `inflight` queue, and `send_chunks`
 //! fences them all before the receiver is told (`Abort`/`AbortAck`).
 
@@ -17,13 +18,12 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::NetShared;
 use super::conn::{ClientConn, Event, InlineChunk, RouteGuard, SendPath, WriterCmd, get_conn};
+use crate::datapath::PeerDataPath;
 use crate::error::{Phase, TransferError};
 use crate::fault::ChunkFaults;
 use crate::pool::{BlockRun, KvPool, block_runs};
 use crate::transport::{PoolRegistration, PushDriver, TransferReport, layers_per_chunk};
-#[cfg(feature = "ucx")]
-use crate::wire::DataMode;
-use crate::wire::{Abort, Begin, Chunk, Msg, WireError};
+use crate::wire::{Abort, Begin, Chunk, DataMode, Msg, WireError};
 
 /// Why the chunk loop stopped early.
 enum Stop {
@@ -168,7 +168,7 @@ async fn next_event(
         .await
 }
 
-/// A chunk whose bytes are still moving over UCX.
+/// A chunk whose bytes are still moving over the data path.
 struct InFlight {
     /// Sent once the bytes have landed (one-sided puts); `None` when already sent.
     header: Option<Msg>,
@@ -210,8 +210,9 @@ fn on_event(peer: &str, ev: Option<Event>) -> Stop {
 }
 
 /// Sends every chunk of transfer `id` as its layers become ready, keeping at most
-/// `chunks_in_flight` chunks moving over UCX; returns the payload bytes sent. On `Err`, chunks
-/// may still be moving (left in `inflight`): the caller fences them before telling the receiver.
+/// `chunks_in_flight` chunks moving over the data path; returns the payload bytes sent. On
+/// `Err`, chunks may still be moving (left in `inflight`): the caller fences them before telling
+/// the receiver.
 #[allow(clippy::too_many_arguments)]
 async fn send_chunks_inner(
     net: &Arc<NetShared>,
@@ -225,8 +226,7 @@ async fn send_chunks_inner(
     let plan = ChunkPlan::new(net, src, d, conn);
     let peer = conn.shared.peer.clone();
     let (mut sent, mut seq, mut offset) = (0u32, 0u32, 0u64);
-    #[cfg(feature = "ucx")]
-    let mut tag_base = 0u64;
+    let mut first_range = 0u64;
     while sent < plan.layers {
         let ready = unless_event(&peer, events, d.next_ready(sent)).await?;
         let end = ready.min(sent + plan.per_chunk);
@@ -238,21 +238,18 @@ async fn send_chunks_inner(
             end,
             bytes,
             faults: d.req.faults.for_chunk(seq, offset, bytes),
-            #[cfg(feature = "ucx")]
-            tag_base,
+            first_range,
         };
         stall_for_faults(d, &peer, events, &chunk.faults).await?;
         let ranges = plan.ranges(sent, end);
         match &conn.path {
             SendPath::Inline => send_inline(d, conn, &plan, &chunk, &ranges).await?,
-            #[cfg(feature = "ucx")]
-            SendPath::Ucx(ucx) if ucx.mapped() => {
-                copy_mapped(d, conn, ucx, &plan, &chunk, ranges).await?;
+            SendPath::DataPath(path) if path.mapped() => {
+                copy_mapped(d, conn, path.as_ref(), &plan, &chunk, ranges).await?;
             }
-            #[cfg(feature = "ucx")]
-            SendPath::Ucx(ucx) => {
-                start_moving(d, conn, ucx, &plan, &chunk, &ranges, inflight).await?;
-                tag_base += ranges.len() as u64;
+            SendPath::DataPath(path) => {
+                start_moving(d, conn, path.as_ref(), &plan, &chunk, &ranges, inflight).await?;
+                first_range += ranges.len() as u64;
             }
         }
         offset += bytes;
@@ -284,7 +281,6 @@ struct ChunkPlan {
     /// Most layers in one chunk (under `max_chunk_bytes`).
     per_chunk: u32,
     /// Large enough for non-temporal stores when copying into a mapped peer pool.
-    #[cfg(feature = "ucx")]
     streaming: bool,
     /// Blocks in the receiver's pool (its slab offsets depend on it).
     remote_blocks: usize,
@@ -302,7 +298,6 @@ impl ChunkPlan {
         Self {
             runs: block_runs(&d.req.src_blocks, &d.req.dst_blocks),
             per_chunk: layers_per_chunk(slab, blocks, layers as usize, net.config.max_chunk_bytes),
-            #[cfg(feature = "ucx")]
             streaming: (layers as usize * blocks * slab) as u64
                 >= net.config.streaming_store_min_transfer_bytes as u64,
             remote_blocks: conn.remote_blocks as usize,
@@ -345,9 +340,8 @@ struct PlannedChunk {
     /// Payload bytes.
     bytes: u64,
     faults: ChunkFaults,
-    /// Index of its first range among the transfer's ranges (numbers UCX tagged sends).
-    #[cfg(feature = "ucx")]
-    tag_base: u64,
+    /// Index of its first range among the transfer's ranges (numbers tagged sends).
+    first_range: u64,
 }
 
 impl PlannedChunk {
@@ -429,35 +423,33 @@ async fn send_inline(
 /// Mapped path (the peer's pool is mapped here): copies and hashes the chunk in one pass, then
 /// commits it with its `Chunk` frame. Nothing is left moving when this returns. A cut fault
 /// closes the connection instead of committing.
-#[cfg(feature = "ucx")]
 async fn copy_mapped(
     d: &PushDriver,
     conn: &ClientConn,
-    ucx: &crate::ucx::UcxPeer,
+    path: &dyn PeerDataPath,
     plan: &ChunkPlan,
     chunk: &PlannedChunk,
     ranges: Vec<(usize, usize, usize)>,
 ) -> Result<(), Stop> {
-    let checksums = ucx
+    let checksums = path
         .copy_chunk(&plan.pool, ranges, plan.slab, plan.streaming, chunk.faults)
         .await
         .map_err(Stop::Local)?;
     if chunk.faults.cut_at.is_some() {
-        return Err(cut_connection(conn, ucx));
+        return Err(cut_connection(conn, path));
     }
     let frame = WriterCmd::Frame(chunk.frame(checksums));
     send(d, conn, frame, Phase::Data).await.map_err(Stop::Local)
 }
 
-/// UCX puts or tagged sends: checksums the source, starts the bytes moving and queues the chunk
+/// Puts or tagged sends: checksums the source, starts the bytes moving and queues the chunk
 /// in `inflight` (unless sending its frame fails). In tag mode the `Chunk` frame goes at once
 /// (the receiver posts its receives on seeing it); after puts it waits until they have landed
 /// (see [`complete_front`]). A cut fault closes the connection.
-#[cfg(feature = "ucx")]
 async fn start_moving(
     d: &PushDriver,
     conn: &ClientConn,
-    ucx: &crate::ucx::UcxPeer,
+    path: &dyn PeerDataPath,
     plan: &ChunkPlan,
     chunk: &PlannedChunk,
     ranges: &[(usize, usize, usize)],
@@ -465,17 +457,17 @@ async fn start_moving(
 ) -> Result<(), Stop> {
     let checksums = source_checksums(&plan.pool, &d.req.src_blocks, chunk.start, chunk.end)
         .map_err(Stop::Local)?;
-    let moving = ucx
+    let moving = path
         .send_chunk(
             chunk.transfer_id,
-            chunk.tag_base,
+            chunk.first_range,
             &plan.pool,
             ranges,
             chunk.faults,
         )
         .await
         .map_err(Stop::Local)?;
-    let header = match ucx.mode() {
+    let header = match path.mode() {
         DataMode::Tag => {
             let frame = WriterCmd::Frame(chunk.frame(checksums));
             send(d, conn, frame, Phase::Data)
@@ -490,17 +482,16 @@ async fn start_moving(
         done: moving,
     });
     if chunk.faults.cut_at.is_some() {
-        return Err(cut_connection(conn, ucx));
+        return Err(cut_connection(conn, path));
     }
     Ok(())
 }
 
-/// A cut fault on the UCX path: the control connection and the endpoint close as a dead
-/// peer's would.
-#[cfg(feature = "ucx")]
-fn cut_connection(conn: &ClientConn, ucx: &crate::ucx::UcxPeer) -> Stop {
+/// A cut fault on the data path: the control connection and the path close as a dead peer's
+/// would.
+fn cut_connection(conn: &ClientConn, path: &dyn PeerDataPath) -> Stop {
     conn.shared.closed.cancel();
-    ucx.close();
+    path.close();
     Stop::Local(cut_error(&conn.shared.peer))
 }
 

@@ -19,14 +19,15 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::NetShared;
+use crate::datapath::{self, PeerDataPath};
 use crate::error::{Phase, TransferError};
 use crate::fault::ChunkFaults;
 use crate::metrics::{Live, LiveGuard};
 use crate::pool::KvPool;
 use crate::transport::PoolRegistration;
 use crate::wire::{
-    ArchivedMsg, DataMode, FrameReader, Hello, HelloReply, Msg, PROTOCOL_VERSION, ReadError,
-    WireError, WireLayout, encode_frame, frame_bytes, to_owned, write_frame,
+    ArchivedMsg, DataMode, FrameReader, Hello, HelloReply, Msg, ReadError, WireError, encode_frame,
+    frame_bytes, to_owned, write_frame,
 };
 
 /// Most `iovec`s handed to one `writev` (Linux allows 1024).
@@ -52,32 +53,24 @@ pub(crate) struct InlineChunk {
 pub(crate) enum SendPath {
     /// In the TCP stream.
     Inline,
-    /// Over UCX (the stream carries control frames only).
-    #[cfg(feature = "ucx")]
-    Ucx(crate::ucx::UcxPeer),
+    /// Over the transport's data path (the stream carries control frames only).
+    DataPath(Box<dyn PeerDataPath>),
 }
 
 impl SendPath {
     pub(super) fn mode(&self) -> DataMode {
         match self {
             SendPath::Inline => DataMode::Inline,
-            #[cfg(feature = "ucx")]
-            SendPath::Ucx(p) => p.mode(),
+            SendPath::DataPath(p) => p.mode(),
         }
     }
 
-    /// How bytes travel, for reports and logs: `inline`, `rma` (UCX puts), `rma-mapped`
-    /// (writes through UCX's mapping of the peer pool) or `tag`.
+    /// How bytes travel, for reports and logs: `inline`, or the data path's label (`rma`,
+    /// `rma-mapped` or `tag`: see [`PeerDataPath::label`]).
     pub(super) fn label(&self) -> &'static str {
         match self {
             SendPath::Inline => "inline",
-            #[cfg(feature = "ucx")]
-            SendPath::Ucx(p) if p.mapped() => "rma-mapped",
-            #[cfg(feature = "ucx")]
-            SendPath::Ucx(p) => match p.mode() {
-                DataMode::Tag => "tag",
-                _ => "rma",
-            },
+            SendPath::DataPath(p) => p.label(),
         }
     }
 }
@@ -150,7 +143,7 @@ pub(super) async fn get_conn(
     let c = Arc::new(connect(net, peer, src).await?);
     conns.insert(key.clone(), Arc::clone(&c));
     // Evict the connection from the cache as soon as it closes, so a dead peer's connection
-    // (and its gauge unit, UCX endpoint and tasks) goes once its last push lets go of it.
+    // (and its gauge unit, data-path endpoint and tasks) goes once its last push lets go of it.
     let (weak_net, shared) = (Arc::downgrade(net), Arc::clone(&c.shared));
     tokio::spawn(async move {
         shared.closed.cancelled().await;
@@ -172,10 +165,7 @@ async fn connect(
     peer: &str,
     src: &PoolRegistration,
 ) -> Result<ClientConn, TransferError> {
-    #[cfg(feature = "ucx")]
-    let wants_ucx = net.ucx.is_some();
-    #[cfg(not(feature = "ucx"))]
-    let wants_ucx = false;
+    let data_path = net.data_path.as_deref();
     let layout = *src.pool().layout();
     let handshake = async {
         let stream = TcpStream::connect(peer)
@@ -193,12 +183,7 @@ async fn connect(
         };
         let (rd, mut wr) = stream.into_split();
         let mut reader = FrameReader::new(rd);
-        let hello = Msg::Hello(Hello {
-            protocol_version: PROTOCOL_VERSION,
-            layout: WireLayout::from(&layout),
-            layout_fingerprint: layout.fingerprint(),
-            wants_ucx,
-        });
+        let hello = Msg::Hello(Hello::new(&layout, data_path.is_some()));
         let mut buf = AlignedVec::new();
         write_frame(&mut wr, &hello, &mut buf)
             .await
@@ -224,29 +209,13 @@ async fn connect(
                 phase: Phase::Connect,
                 deadline: timeout,
             })??;
-    let (remote_blocks, ucx, conn_id) = match reply {
-        HelloReply::Accepted {
-            pool_blocks,
-            ucx,
-            conn_id,
-        } => (pool_blocks, ucx, conn_id),
-        HelloReply::Refused(e) => return Err(e.into_error(peer, Phase::Connect)),
+    let remote_blocks = match &reply {
+        HelloReply::Accepted { pool_blocks, .. } => *pool_blocks,
+        HelloReply::Refused(e) => return Err(e.clone().into_error(peer, Phase::Connect)),
     };
-    #[cfg(not(feature = "ucx"))]
-    let _ = (conn_id, same_host);
-    let path = match (ucx, wants_ucx) {
-        (None, false) => SendPath::Inline,
-        #[cfg(feature = "ucx")]
-        (Some(remote), true) => {
-            let rt = net.ucx.as_ref().expect("wants_ucx implies a runtime");
-            SendPath::Ucx(rt.connect(peer, &remote, conn_id, same_host).await?)
-        }
-        _ => {
-            return Err(TransferError::protocol(
-                "ucx_offer",
-                "receiver answered a different data path",
-            ));
-        }
+    let path = match datapath::open(data_path, peer, &reply, same_host).await? {
+        None => SendPath::Inline,
+        Some(p) => SendPath::DataPath(p),
     };
     let shared = Arc::new(ConnShared {
         peer: peer.to_string(),

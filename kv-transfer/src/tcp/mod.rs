@@ -9,8 +9,13 @@
 //! ```
 //!
 //! One connection per (peer, layout) is opened on first use and shared by every push to that
-//! peer; transfers interleave on it at chunk granularity. With UCX, the same connection carries
-//! only control frames and block bytes go over UCX (one-sided puts, or tagged sends over tcp).
+//! peer; transfers interleave on it at chunk granularity. With a data path (UCX), the same
+//! connection carries only control frames and block bytes go over that path (one-sided puts, or
+//! tagged sends over tcp).
+//!
+//! This module calls a data path only through the traits of `crate::datapath`, set in
+//! `NetShared::data_path` by the transport that owns one; it never names the UCX module, which
+//! builds on this one (the dependency runs one way).
 //!
 //! # Costs (TCP data path)
 //! Sender: one xxh3 pass over each source slab, then `writev` of the frame and the slab ranges
@@ -29,6 +34,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::TransferConfig;
+use crate::datapath::DataPath;
 use crate::error::TransferError;
 use crate::inbound::InboundRegistry;
 use crate::metrics::TransferMetrics;
@@ -44,8 +50,8 @@ pub(crate) struct NetShared {
     pub config: TransferConfig,
     pub metrics: Arc<TransferMetrics>,
     pub conns: tokio::sync::Mutex<HashMap<(String, u64), Arc<ClientConn>>>,
-    #[cfg(feature = "ucx")]
-    pub ucx: Option<crate::ucx::UcxNet>,
+    /// Where block bytes go besides the stream (UCX), when this transport has such a path.
+    pub data_path: Option<Arc<dyn DataPath>>,
 }
 
 impl NetShared {
@@ -55,8 +61,7 @@ impl NetShared {
             config,
             metrics: TransferMetrics::new(),
             conns: tokio::sync::Mutex::new(HashMap::new()),
-            #[cfg(feature = "ucx")]
-            ucx: None,
+            data_path: None,
         })
     }
 

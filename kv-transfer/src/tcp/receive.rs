@@ -1,14 +1,15 @@
 //! Landing a chunk on the receiving side: read inline bytes straight into the destination slabs,
-//! post UCX tagged receives on them, or (one-sided puts) find them already there; then verify.
-//! A chunk of a transfer that is ending is consumed into scratch memory, never into its blocks.
+//! post the data path's tagged receives on them, or (one-sided puts) find them already there;
+//! then verify. A chunk of a transfer that is ending is consumed into scratch memory, never into
+//! its blocks.
 
 use std::sync::Arc;
 
 use tokio::io::AsyncReadExt;
 use tokio::net::tcp::OwnedReadHalf;
-use tokio::sync::oneshot;
 
 use super::server::{End, Landing, LandingDone, ServerConn};
+use crate::datapath::Completion;
 use crate::error::TransferError;
 use crate::inbound::InboundSession;
 use crate::wire::{DataMode, Done, FrameReader, Msg};
@@ -27,7 +28,7 @@ impl ServerConn {
         let mode = self.mode.unwrap_or(DataMode::Inline);
         let live = self.sessions.get_mut(&id).filter(|a| !a.session.aborting());
         let Some(active) = live else {
-            // Ended or aborting: consume its bytes so the stream (or UCX) stays in step.
+            // Ended or aborting: consume its bytes so the stream (or data path) stays in step.
             return self
                 .discard(reader, id, mode, layer_start, layer_end, payload_bytes)
                 .await;
@@ -112,58 +113,43 @@ impl ServerConn {
         }
     }
 
-    #[cfg(feature = "ucx")]
+    /// Posts receives on the data path for one chunk's destination ranges (tag mode), numbered
+    /// on from the transfer's `tag_index` in payload order, as the sender numbers its sends.
+    /// With `discard` (a transfer being drained) they land in a throwaway buffer, never in the
+    /// transfer's blocks.
     fn post_tag_recvs(
         &mut self,
         id: u64,
         layer_start: u32,
         layer_end: u32,
         discard: bool,
-    ) -> Result<oneshot::Receiver<Result<(), TransferError>>, End> {
-        let rt = self
+    ) -> Result<Completion, End> {
+        let path = self
             .net
-            .ucx
-            .as_ref()
-            .ok_or_else(|| End::Protocol(TransferError::protocol("tag", "no UCX")))?;
+            .data_path
+            .as_deref()
+            .ok_or_else(|| End::Protocol(TransferError::protocol("tag", "no data path")))?;
         let active = self.sessions.get_mut(&id).expect("caller checked");
         let pool = Arc::clone(active.session.pool());
-        let mut ops = Vec::new();
+        let first_range = active.tag_index;
+        let mut ranges = Vec::new();
         for layer in layer_start..layer_end {
             for run in active.session.runs() {
                 let (off, len) = active.session.dst_run_range(layer, run);
                 let ptr = pool.range_ptr(off, len).map_err(End::Protocol)?;
-                let tag = crate::ucx::tag_for(self.conn_id, id, active.tag_index);
                 active.tag_index += 1;
-                ops.push(crate::ucx::TagOp {
-                    addr: ptr as usize,
-                    len,
-                    tag,
-                });
+                ranges.push((ptr as usize, len));
             }
         }
         if !discard {
-            return Ok(rt.tag_recv(ops, Box::new(pool)));
+            return Ok(path.post_recvs(self.conn_id, id, first_range, ranges, Box::new(pool)));
         }
         // Draining an aborted transfer: receive into a throwaway buffer, never into its blocks.
-        let mut sink = vec![0u8; ops.iter().map(|o| o.len).max().unwrap_or(0)];
-        for op in &mut ops {
-            op.addr = sink.as_mut_ptr() as usize;
+        let mut sink = vec![0u8; ranges.iter().map(|&(_, len)| len).max().unwrap_or(0)];
+        for range in &mut ranges {
+            range.0 = sink.as_mut_ptr() as usize;
         }
-        Ok(rt.tag_recv(ops, Box::new(sink)))
-    }
-
-    #[cfg(not(feature = "ucx"))]
-    fn post_tag_recvs(
-        &mut self,
-        _: u64,
-        _: u32,
-        _: u32,
-        _: bool,
-    ) -> Result<oneshot::Receiver<Result<(), TransferError>>, End> {
-        Err(End::Protocol(TransferError::protocol(
-            "tag",
-            "built without UCX",
-        )))
+        Ok(path.post_recvs(self.conn_id, id, first_range, ranges, Box::new(sink)))
     }
 
     /// Queues hashing of a chunk whose bytes have landed (off this task; see [`LandingDone`]).

@@ -1,7 +1,7 @@
 //! The receiving side of the stream protocol: accept loop, per-connection task, landing bytes.
 //!
 //! Each connection task owns the read half and runs one `select!` over: the next frame (the
-//! reader is cancel-safe), the oldest UCX tagged receive still landing, and its kill token. The
+//! reader is cancel-safe), the oldest tagged receive still landing, and its kill token. The
 //! write half belongs to a writer task fed by a bounded channel, which is also how the
 //! [`InboundRegistry`] reaches the connection to abort a transfer (expiry, cancel, bad checksum).
 //!
@@ -16,10 +16,11 @@ use std::sync::Arc;
 use rkyv::util::AlignedVec;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 
 use super::NetShared;
+use crate::datapath::{self, Completion, Offer};
 use crate::error::{FailureKind, Phase, TransferError};
 use crate::inbound::{AbortHook, InboundRegistry, InboundSession};
 use crate::metrics::Live;
@@ -52,7 +53,7 @@ pub(crate) async fn serve(
                 }
             },
         };
-        conn_id = (conn_id % 0xFFFF) + 1; // 16 bits, never 0: part of UCX tags
+        conn_id = (conn_id % 0xFFFF) + 1; // 16 bits, never 0: part of the data path's tags
         let (net, registry, kill) = (Arc::clone(&net), registry.clone(), shutdown.child_token());
         tokio::spawn(async move {
             let _permit = permit;
@@ -83,11 +84,13 @@ impl AbortHook for ServerHook {
     }
 }
 
+/// Checks a sender's `Hello` (protocol version, layout) and answers its data-path request:
+/// `Ok` carries the offer to send back (`None`: bytes stay in the stream).
 fn check_hello(
     net: &NetShared,
     registry: &InboundRegistry,
     hello: &Hello,
-) -> Result<Option<crate::wire::UcxRemote>, TransferError> {
+) -> Result<Option<Offer>, TransferError> {
     if hello.protocol_version != PROTOCOL_VERSION {
         return Err(TransferError::protocol(
             "protocol_version",
@@ -103,18 +106,7 @@ fn check_hello(
             remote: hello.layout_fingerprint,
         });
     }
-    if !hello.wants_ucx {
-        return Ok(None);
-    }
-    #[cfg(feature = "ucx")]
-    if let (Some(rt), Some(mapped)) = (&net.ucx, registry.registration().ucx()) {
-        return Ok(Some(rt.remote_info(mapped)));
-    }
-    let _ = net;
-    Err(TransferError::invalid(
-        "wants_ucx",
-        "this receiver serves TCP only",
-    ))
+    datapath::answer_hello(net.data_path.as_deref(), registry.registration(), hello)
 }
 
 async fn handle(
@@ -137,12 +129,8 @@ async fn handle(
         _ => return tracing::debug!(peer, "connection closed before a valid hello"),
     };
     let mut buf = AlignedVec::new();
-    let reply = match check_hello(&net, &registry, &hello) {
-        Ok(ucx) => HelloReply::Accepted {
-            conn_id,
-            pool_blocks: registry.registration().pool().num_blocks() as u32,
-            ucx,
-        },
+    let offer = match check_hello(&net, &registry, &hello) {
+        Ok(offer) => offer,
         Err(e) => {
             tracing::warn!(peer, error = %e, "refusing connection");
             net.metrics.failed(&e);
@@ -155,6 +143,9 @@ async fn handle(
             return;
         }
     };
+    let data_path_allowed = offer.is_some();
+    let pool_blocks = registry.registration().pool().num_blocks() as u32;
+    let reply = HelloReply::accepted(conn_id, pool_blocks, offer);
     if write_frame(&mut wr, &Msg::HelloReply(reply), &mut buf)
         .await
         .is_err()
@@ -172,7 +163,7 @@ async fn handle(
         registry,
         peer,
         conn_id,
-        ucx_allowed: hello.wants_ucx,
+        data_path_allowed,
         mode: None,
         hook,
         out,
@@ -203,8 +194,7 @@ async fn writer_task(mut wr: OwnedWriteHalf, mut rx: mpsc::Receiver<Msg>, kill: 
 /// A claimed transfer on this connection.
 pub(super) struct Active {
     pub(super) session: InboundSession,
-    /// UCX tag index of the next range (tag mode).
-    #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
+    /// Index of the next range posted on the data path (tag mode), in the sender's numbering.
     pub(super) tag_index: u64,
 }
 
@@ -222,8 +212,8 @@ pub(super) struct Landing {
 
 /// What a [`Landing`] waits for.
 pub(super) enum LandingDone {
-    /// UCX tagged receives into the destination slabs (hashed once they complete).
-    Received(oneshot::Receiver<Result<(), TransferError>>),
+    /// Tagged receives into the destination slabs (hashed once they complete).
+    Received(Completion),
     /// Bytes already landed; their checksums computed on a blocking thread, so the connection
     /// keeps reading the next chunk meanwhile.
     Hashed(tokio::task::JoinHandle<Result<Vec<u64>, TransferError>>),
@@ -299,9 +289,10 @@ pub(super) struct ServerConn {
     pub(super) net: Arc<NetShared>,
     pub(super) registry: InboundRegistry,
     pub(super) peer: String,
-    #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
     pub(super) conn_id: u32,
-    pub(super) ucx_allowed: bool,
+    /// This connection's sender asked for the data path and was offered it: only then may its
+    /// transfers use `Rma` or `Tag`.
+    pub(super) data_path_allowed: bool,
     /// The data mode of this connection's transfers (fixed by its first `Begin`).
     pub(super) mode: Option<DataMode>,
     pub(super) hook: Arc<dyn AbortHook>,
@@ -383,7 +374,7 @@ impl ServerConn {
         let id = b.transfer_id;
         let mode_ok = match b.mode {
             DataMode::Inline => true,
-            DataMode::Rma | DataMode::Tag => self.ucx_allowed,
+            DataMode::Rma | DataMode::Tag => self.data_path_allowed,
         } && self.mode.is_none_or(|m| m == b.mode);
         if !mode_ok || self.sessions.contains_key(&id) {
             return Err(End::Protocol(TransferError::protocol(
@@ -437,18 +428,8 @@ impl ServerConn {
         {
             return;
         }
-        #[cfg(feature = "ucx")]
-        if let Some(rt) = &self.net.ucx {
-            match id {
-                Some(id) => rt.cancel_tag_recvs(
-                    crate::ucx::tag_for(self.conn_id, id, 0),
-                    crate::ucx::TRANSFER_TAG_MASK,
-                ),
-                None => rt.cancel_tag_recvs(
-                    crate::ucx::tag_for(self.conn_id, 0, 0),
-                    crate::ucx::CONN_TAG_MASK,
-                ),
-            }
+        if let Some(path) = &self.net.data_path {
+            path.cancel_recvs(self.conn_id, id);
         }
         let fence = self.net.config.fence_timeout;
         let mut keep = VecDeque::new();
@@ -471,9 +452,8 @@ impl ServerConn {
     async fn teardown(mut self, end: End) {
         self.kill.cancel();
         self.release_landings(None).await;
-        #[cfg(feature = "ucx")]
-        if let (Some(DataMode::Tag), Some(rt)) = (self.mode, &self.net.ucx) {
-            rt.drain_unexpected(self.conn_id);
+        if let (Some(DataMode::Tag), Some(path)) = (self.mode, &self.net.data_path) {
+            path.drain_unexpected(self.conn_id);
         }
         let peer = self.peer.clone();
         let reason = |end: &End| match end {

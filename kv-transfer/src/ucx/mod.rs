@@ -27,6 +27,11 @@
 //! an error, and closing such an endpoint answers "Connection reset by remote peer", which is
 //! expected: endpoints are force-closed then and the status is not an error. The TCP control
 //! connection's end is what tells the receiver its sender is gone.
+//!
+//! # Place in the crate
+//! `UcxNet` and `UcxPeer` implement `DataPath` and `PeerDataPath` (`crate::datapath`): that is
+//! all the stream protocol in `tcp` sees of UCX. This module builds on `tcp` (its
+//! `NetShared` carries the control frames); `tcp` never names this module.
 
 mod peer;
 mod runtime;
@@ -38,10 +43,10 @@ use std::sync::atomic::AtomicBool;
 
 use tandem_kv_layout::KvLayout;
 use tokio::net::TcpListener;
-use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{TransferConfig, UcxConfig, UcxDataMode};
+use crate::datapath::{BoxFuture, Completion, DataPath, PeerDataPath};
 use crate::error::TransferError;
 use crate::inbound::InboundRegistry;
 use crate::metrics::{Live, LiveGuard, TransferMetrics};
@@ -53,9 +58,8 @@ use crate::transport::{
 };
 use crate::wire::{DataMode, UcxRemote};
 
-pub(crate) use peer::UcxPeer;
-pub(crate) use runtime::UcxRuntime;
-use runtime::{Cmd, Keep};
+use peer::UcxPeer;
+use runtime::{Cmd, Keep, UcxRuntime};
 
 /// Mask selecting the connection and transfer bits of a tag.
 pub(crate) const TRANSFER_TAG_MASK: u64 = 0xFFFF_FFFF_F000_0000;
@@ -114,83 +118,102 @@ pub(crate) fn shm_allowed(tls: Option<&str>) -> bool {
     }
 }
 
-/// UCX state of a network transport.
+/// UCX state of a network transport: the data path its TCP connections call through.
 pub(crate) struct UcxNet {
     rt: UcxRuntime,
     data_mode: UcxDataMode,
     shm_allowed: bool,
 }
 
-impl UcxNet {
-    /// Opens the UCX side of a connection to a receiver; `same_host` when the control
-    /// connection runs between two addresses of this host.
-    pub async fn connect(
-        &self,
-        peer: &str,
-        remote: &UcxRemote,
-        conn_id: u32,
-        same_host: bool,
-    ) -> Result<UcxPeer, TransferError> {
-        // Shared memory (what UCX picks on one host) cannot detect peer failure in UCX 1.13 and
-        // refuses endpoints that ask for it; elsewhere, ask for it.
-        let peer_failure = !(same_host && self.shm_allowed);
-        let rx = self.rt.request(|reply| Cmd::Connect {
-            address: remote.worker_address.clone(),
-            rkey: remote.rkey.clone(),
-            base: remote.base_addr,
-            peer_failure,
-            reply,
-        });
-        let (ep, info, mapped) = rx.await.map_err(|_| TransferError::Shutdown)??;
-        let mode = match self.data_mode {
-            UcxDataMode::Rma => DataMode::Rma,
-            UcxDataMode::Tag => DataMode::Tag,
-            UcxDataMode::Auto if rma_is_native(&info) => DataMode::Rma,
-            UcxDataMode::Auto => DataMode::Tag,
-        };
-        // Writing through the mapping is the one-sided put UCX itself does on shared memory
-        // (a memcpy into the mapped segment); doing it here lets the copy and the checksum share
-        // one pass over the source.
-        let mapped = mapped.filter(|_| mode == DataMode::Rma);
-        tracing::info!(peer, ?mode, mapped = mapped.is_some(), lanes = %info.trim(), "UCX endpoint ready");
-        Ok(UcxPeer {
-            rt: self.rt.clone(),
-            ep,
-            mode,
-            conn_id,
-            remote_base: remote.base_addr,
-            remote_len: remote.len_bytes,
-            closed: AtomicBool::new(false),
-            mapped,
-        })
-    }
-
-    /// What a receiver hands a UCX sender for its registered pool.
-    pub fn remote_info(&self, mapped: &MappedPool) -> UcxRemote {
-        UcxRemote {
+impl DataPath for UcxNet {
+    /// The worker address, remote key and extent of `registration`'s pool, when it was mapped
+    /// by this transport.
+    fn offer(&self, registration: &PoolRegistration) -> Option<UcxRemote> {
+        let mapped = registration.ucx()?;
+        Some(UcxRemote {
             worker_address: self.rt.worker_address().to_vec(),
             rkey: mapped.rkey.clone(),
             base_addr: mapped.base,
             len_bytes: mapped.len,
-        }
+        })
     }
 
-    /// Posts tagged receives (into memory `keep` holds alive).
-    pub fn tag_recv(
+    /// Creates the endpoint and picks the data mode ([`UcxDataMode::Auto`]: RMA only over a
+    /// native RMA lane); a mapping of the peer pool is used only in RMA mode.
+    fn connect<'a>(
+        &'a self,
+        peer: &'a str,
+        remote: &'a UcxRemote,
+        conn_id: u32,
+        same_host: bool,
+    ) -> BoxFuture<'a, Result<Box<dyn PeerDataPath>, TransferError>> {
+        Box::pin(async move {
+            // Shared memory (what UCX picks on one host) cannot detect peer failure in UCX 1.13
+            // and refuses endpoints that ask for it; elsewhere, ask for it.
+            let peer_failure = !(same_host && self.shm_allowed);
+            let rx = self.rt.request(|reply| Cmd::Connect {
+                address: remote.worker_address.clone(),
+                rkey: remote.rkey.clone(),
+                base: remote.base_addr,
+                peer_failure,
+                reply,
+            });
+            let (ep, info, mapped) = rx.await.map_err(|_| TransferError::Shutdown)??;
+            let mode = match self.data_mode {
+                UcxDataMode::Rma => DataMode::Rma,
+                UcxDataMode::Tag => DataMode::Tag,
+                UcxDataMode::Auto if rma_is_native(&info) => DataMode::Rma,
+                UcxDataMode::Auto => DataMode::Tag,
+            };
+            // Writing through the mapping is the one-sided put UCX itself does on shared memory
+            // (a memcpy into the mapped segment); doing it here lets the copy and the checksum
+            // share one pass over the source.
+            let mapped = mapped.filter(|_| mode == DataMode::Rma);
+            tracing::info!(peer, ?mode, mapped = mapped.is_some(), lanes = %info.trim(), "UCX endpoint ready");
+            let peer: Box<dyn PeerDataPath> = Box::new(UcxPeer {
+                rt: self.rt.clone(),
+                ep,
+                mode,
+                conn_id,
+                remote_base: remote.base_addr,
+                remote_len: remote.len_bytes,
+                closed: AtomicBool::new(false),
+                mapped,
+            });
+            Ok(peer)
+        })
+    }
+
+    /// Tagged receives, range `first_range + k` under [`tag_for`]`(conn_id, transfer_id, ..)`.
+    fn post_recvs(
         &self,
-        ops: Vec<TagOp>,
+        conn_id: u32,
+        transfer_id: u64,
+        first_range: u64,
+        ranges: Vec<(usize, usize)>,
         keep: Keep,
-    ) -> oneshot::Receiver<Result<(), TransferError>> {
+    ) -> Completion {
+        let ops = ranges
+            .iter()
+            .enumerate()
+            .map(|(k, &(addr, len))| TagOp {
+                addr,
+                len,
+                tag: tag_for(conn_id, transfer_id, first_range + k as u64),
+            })
+            .collect();
         self.rt.request(|reply| Cmd::TagRecv { ops, keep, reply })
     }
 
-    /// Cancels pending receives whose tag matches `tag` under `mask`.
-    pub fn cancel_tag_recvs(&self, tag: u64, mask: u64) {
+    fn cancel_recvs(&self, conn_id: u32, transfer_id: Option<u64>) {
+        let (tag, mask) = match transfer_id {
+            Some(id) => (tag_for(conn_id, id, 0), TRANSFER_TAG_MASK),
+            None => (tag_for(conn_id, 0, 0), CONN_TAG_MASK),
+        };
         let _ = self.rt.send(Cmd::CancelRecvs { tag, mask });
     }
 
-    /// Discards tagged messages of a closed connection that arrived with no receive posted.
-    pub fn drain_unexpected(&self, conn_id: u32) {
+    fn drain_unexpected(&self, conn_id: u32) {
         let _ = self.rt.send(Cmd::DrainUnexpected {
             tag: tag_for(conn_id, 0, 0),
             mask: CONN_TAG_MASK,
@@ -225,6 +248,8 @@ impl MappedPool {
 /// Moves KV blocks over UCX (see the module docs).
 pub struct UcxKvTransport {
     shared: Arc<NetShared>,
+    /// The same UCX state as `shared.data_path`, typed (registration needs its runtime).
+    net: Arc<UcxNet>,
 }
 
 impl UcxKvTransport {
@@ -233,13 +258,15 @@ impl UcxKvTransport {
         let mut shared = NetShared::new(config)?;
         let rt = UcxRuntime::start(ucx.tls.clone())?;
         let tls = ucx.tls.clone().or_else(|| std::env::var("UCX_TLS").ok());
-        shared.ucx = Some(UcxNet {
+        let net = Arc::new(UcxNet {
             rt,
             data_mode: ucx.data_mode,
             shm_allowed: shm_allowed(tls.as_deref()),
         });
+        shared.data_path = Some(Arc::clone(&net) as Arc<dyn DataPath>);
         Ok(Self {
             shared: Arc::new(shared),
+            net,
         })
     }
 
@@ -264,10 +291,6 @@ impl UcxKvTransport {
         }
         self.shared.serve(listener, registry, shutdown).await
     }
-
-    fn net(&self) -> &UcxNet {
-        self.shared.ucx.as_ref().expect("set in new")
-    }
 }
 
 impl KvTransport for UcxKvTransport {
@@ -282,13 +305,13 @@ impl KvTransport for UcxKvTransport {
 
     fn register(&self, pool: Arc<KvPool>) -> Result<PoolRegistration, TransferError> {
         let (tx, rx) = std::sync::mpsc::channel();
-        self.net().rt.send(Cmd::Map {
+        self.net.rt.send(Cmd::Map {
             pool: Arc::clone(&pool),
             reply: tx,
         })?;
         let (mem, rkey) = rx.recv().map_err(|_| TransferError::Shutdown)??;
         let mapped = MappedPool {
-            rt: self.net().rt.clone(),
+            rt: self.net.rt.clone(),
             mem,
             rkey,
             base: pool.as_ptr() as u64,
@@ -305,9 +328,9 @@ impl KvTransport for UcxKvTransport {
     ) -> Result<PoolRegistration, TransferError> {
         let len = layout.pool_bytes(num_blocks);
         let (tx, rx) = std::sync::mpsc::channel();
-        self.net().rt.send(Cmd::Alloc { len, reply: tx })?;
+        self.net.rt.send(Cmd::Alloc { len, reply: tx })?;
         let (mem, addr, rkey) = rx.recv().map_err(|_| TransferError::Shutdown)??;
-        let rt = self.net().rt.clone();
+        let rt = self.net.rt.clone();
         let release = Box::new(move || {
             let _ = rt.send(Cmd::Unmap { mem, guard: None });
         });
@@ -317,7 +340,7 @@ impl KvTransport for UcxKvTransport {
             KvPool::from_external(layout, num_blocks, addr as *mut u8, release)
         }?);
         let mapped = MappedPool {
-            rt: self.net().rt.clone(),
+            rt: self.net.rt.clone(),
             mem,
             rkey,
             base: addr as u64,

@@ -1,15 +1,14 @@
 //! [`UcxPeer`]: the sending side's UCX state for one connection, and how a chunk's bytes leave:
 //! through a mapping of the peer's pool (fused copy + checksum), as `ucp_put_nbx` puts, or as
-//! tagged sends.
+//! tagged sends. The stream protocol reaches it as a [`PeerDataPath`].
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use tokio::sync::oneshot;
-
 use super::runtime::{Cmd, Keep, UcxRuntime};
 use super::{PutOp, TagOp, tag_for};
 use crate::checksum::copy_slabs_with_checksums;
+use crate::datapath::{BoxFuture, Completion, PeerDataPath};
 use crate::error::TransferError;
 use crate::fault::ChunkFaults;
 use crate::pool::KvPool;
@@ -28,24 +27,60 @@ pub(crate) struct UcxPeer {
     pub(super) mapped: Option<usize>,
 }
 
-impl UcxPeer {
-    /// RMA or tag.
-    pub fn mode(&self) -> DataMode {
+impl PeerDataPath for UcxPeer {
+    fn mode(&self) -> DataMode {
         self.mode
     }
 
-    /// True when the peer's pool is mapped here (chunks go through [`UcxPeer::copy_chunk`]).
-    pub fn mapped(&self) -> bool {
+    fn label(&self) -> &'static str {
+        if self.mapped.is_some() {
+            "rma-mapped"
+        } else if self.mode == DataMode::Tag {
+            "tag"
+        } else {
+            "rma"
+        }
+    }
+
+    fn mapped(&self) -> bool {
         self.mapped.is_some()
     }
 
+    fn copy_chunk<'a>(
+        &'a self,
+        pool: &'a Arc<KvPool>,
+        ranges: Vec<(usize, usize, usize)>,
+        slab_bytes: usize,
+        streaming: bool,
+        faults: ChunkFaults,
+    ) -> BoxFuture<'a, Result<Vec<u64>, TransferError>> {
+        Box::pin(self.copy_into_mapping(pool, ranges, slab_bytes, streaming, faults))
+    }
+
+    fn send_chunk<'a>(
+        &'a self,
+        transfer_id: u64,
+        first_range: u64,
+        pool: &'a Arc<KvPool>,
+        ranges: &'a [(usize, usize, usize)],
+        faults: ChunkFaults,
+    ) -> BoxFuture<'a, Result<Completion, TransferError>> {
+        Box::pin(self.start_chunk(transfer_id, first_range, pool, ranges, faults))
+    }
+
+    fn close(&self) {
+        self.close_endpoint();
+    }
+}
+
+impl UcxPeer {
     /// Copies one chunk's ranges `(src offset, dst offset, len)` into the peer's mapped pool,
     /// hashing each slab in the same pass (non-temporal stores when `streaming`: see
     /// [`crate::TransferConfig::streaming_store_min_transfer_bytes`]); returns the slab checksums
     /// in payload order. Runs on
     /// a blocking thread and always completes (it is not cancelled midway: the mapping must
     /// outlive every write, and the caller holds the endpoint until this returns).
-    pub async fn copy_chunk(
+    async fn copy_into_mapping(
         &self,
         pool: &Arc<KvPool>,
         ranges: Vec<(usize, usize, usize)>,
@@ -82,23 +117,24 @@ impl UcxPeer {
         Ok(sums)
     }
 
-    /// Closes the endpoint now (used by the cut fault); later operations fail.
-    pub fn close(&self) {
+    /// Closes the endpoint now (a cut fault, or the connection going); later operations fail.
+    fn close_endpoint(&self) {
         if !self.closed.swap(true, Ordering::Relaxed) {
             let _ = self.rt.send(Cmd::Close { ep: self.ep });
         }
     }
 
     /// Starts moving one chunk's ranges `(src offset, dst offset, len)`; the receiver resolves
-    /// once every byte has landed (puts: flushed) and UCX no longer touches the source.
-    pub async fn send_chunk(
+    /// once every byte has landed (puts: flushed) and UCX no longer touches the source. Range
+    /// `k` of a tagged chunk goes under [`tag_for`]`(conn_id, transfer_id, first_range + k)`.
+    async fn start_chunk(
         &self,
         transfer_id: u64,
-        tag_base: u64,
+        first_range: u64,
         pool: &Arc<KvPool>,
         ranges: &[(usize, usize, usize)],
         faults: ChunkFaults,
-    ) -> Result<oneshot::Receiver<Result<(), TransferError>>, TransferError> {
+    ) -> Result<Completion, TransferError> {
         let base = pool.as_ptr() as usize;
         let limit = faults.cut_at.unwrap_or(u64::MAX);
         let mut offset = 0u64;
@@ -171,7 +207,7 @@ impl UcxPeer {
                     .map(|(k, &(s, _, len, _))| TagOp {
                         addr: base + s,
                         len,
-                        tag: tag_for(self.conn_id, transfer_id, tag_base + k as u64),
+                        tag: tag_for(self.conn_id, transfer_id, first_range + k as u64),
                     })
                     .collect();
                 let target = faults.corrupt_at.and_then(|at| {
@@ -245,6 +281,6 @@ fn copy_slabs(
 
 impl Drop for UcxPeer {
     fn drop(&mut self) {
-        self.close();
+        self.close_endpoint();
     }
 }

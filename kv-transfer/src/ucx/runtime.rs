@@ -1,7 +1,6 @@
 //! The handle side of a UCX progress thread: the commands it takes and [`UcxRuntime`], the
 //! cloneable handle that sends them (the thread itself is in `worker`).
 
-use std::any::Any;
 use std::sync::Arc;
 use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
 use std::thread::JoinHandle;
@@ -13,8 +12,7 @@ use crate::error::TransferError;
 use crate::metrics::LiveGuard;
 use crate::pool::KvPool;
 
-/// Something kept alive until a batch completes (the memory its requests point into).
-pub(crate) type Keep = Box<dyn Any + Send>;
+pub(crate) use crate::datapath::Keep;
 
 pub(crate) type Reply<T> = oneshot::Sender<Result<T, TransferError>>;
 /// A reply from a blocking caller (registration happens outside any runtime's async context).

@@ -125,6 +125,31 @@ pub enum HelloReply {
     Refused(WireError),
 }
 
+impl Hello {
+    /// The sender's first frame for `layout`; `wants_data_path` asks for block bytes to travel
+    /// over the receiver's UCX worker rather than this stream.
+    pub(crate) fn new(layout: &KvLayout, wants_data_path: bool) -> Self {
+        Self {
+            protocol_version: PROTOCOL_VERSION,
+            layout: WireLayout::from(layout),
+            layout_fingerprint: layout.fingerprint(),
+            wants_ucx: wants_data_path,
+        }
+    }
+}
+
+impl HelloReply {
+    /// Accepts a connection as `conn_id` into a pool of `pool_blocks` blocks, with the data
+    /// path's `offer` when the sender asked for one.
+    pub(crate) fn accepted(conn_id: u32, pool_blocks: u32, offer: Option<UcxRemote>) -> Self {
+        HelloReply::Accepted {
+            conn_id,
+            pool_blocks,
+            ucx: offer,
+        }
+    }
+}
+
 /// How a transfer's block bytes travel.
 #[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DataMode {
