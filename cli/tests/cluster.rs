@@ -114,7 +114,7 @@ async fn one_prefill_one_decode_cluster_serves_exactly_the_engine_output_and_deg
 
     // The reference, computed while the nodes load.
     let tok =
-        Tokenizer::from_gguf(&tandem_engine::loader::gguf::open(&model()).unwrap().0).unwrap();
+        tandem_engine::loader::gguf::tokenizer_of(&model()).unwrap();
     let chat = tok
         .apply_chat_template(
             &[ChatMessage {
@@ -384,7 +384,7 @@ async fn sixty_four_concurrent_streams_through_one_prefill_and_two_decode_nodes_
     c.node("prefill", "p0", &[]);
     c.router(&["--max-in-flight", "64"]);
     let tok =
-        Tokenizer::from_gguf(&tandem_engine::loader::gguf::open(&model()).unwrap().0).unwrap();
+        tandem_engine::loader::gguf::tokenizer_of(&model()).unwrap();
     let texts: Vec<String> = (0..64)
         .map(|i| {
             format!(

@@ -135,12 +135,7 @@ fn the_simulation_of_1p1d_with_measured_steps_is_within_20_percent_of_the_real_c
         "Sailor", "Keeper", "Pilot", "Fisher", "Diver", "Rower", "Captain", "Stoker", "Cook",
         "Miller", "Weaver",
     ];
-    let tok = tandem_engine::tokenizer::Tokenizer::from_gguf(
-        &tandem_engine::loader::gguf::open(&common::model())
-            .unwrap()
-            .0,
-    )
-    .unwrap();
+    let tok = tandem_engine::loader::gguf::tokenizer_of(&common::model()).unwrap();
     let prompt_len = tok.encode(&format!("{}: {text}", words[1])).len();
     let (grpc, http) = (free_addr(), free_addr());
     let mut up = Up::start_with(&grpc, &http, &["--no-sample"]);

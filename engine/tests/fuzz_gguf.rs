@@ -66,9 +66,16 @@ fn corrupted_gguf_headers_are_refused_with_typed_errors_and_never_panic() {
         }
         std::fs::write(&path, &bytes).unwrap();
         let result = gguf::open(&path).map_err(|e| e.to_string()).and_then(|(content, _)| {
-            ModelConfig::from_gguf(&content, &path).map_err(|e| e.to_string())?;
-            Tokenizer::from_gguf(&content).map_err(|e| e.to_string())
+            ModelConfig::from_gguf(&content, &path).map_err(|e| e.to_string())
         });
+        // The tokenizer's own metadata reader (the router's) meets the same bytes.
+        let tokenizer = tandem_engine::tokenizer::GgufMetadata::read(&path)
+            .map_err(|e| e.to_string())
+            .and_then(|meta| Tokenizer::from_gguf(&meta).map_err(|e| e.to_string()));
+        if let Err(e) = &tokenizer {
+            assert!(!e.is_empty(), "seed {seed}, case {case}: an empty error");
+        }
+        let result = result.and(tokenizer);
         match result {
             Ok(_) => opened += 1,
             Err(e) => {

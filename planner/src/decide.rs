@@ -371,10 +371,12 @@ mod tests {
     }
 
     /// (case, prefill obs, decode obs, expected (pool, from, to) changes)
+    type Case = (&'static str, PoolObservation, PoolObservation, Vec<(&'static str, usize, usize)>);
+
     #[test]
     fn table_of_single_rounds() {
         let t = Instant::now();
-        let cases: Vec<(&str, PoolObservation, PoolObservation, Vec<(&str, usize, usize)>)> = vec![
+        let cases: Vec<Case> = vec![
             ("idle at min: nothing", prefill(1, &[0], 0.0), decode(1, &[10]), vec![]),
             (
                 "3,000 pending tokens at 1,000 tok/s and a 1 s window: 3 prefill nodes",

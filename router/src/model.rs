@@ -1,5 +1,6 @@
 //! The model the router serves, as far as the router needs it: its name, tokenizer and
-//! context length. Read from the same GGUF file the nodes load (metadata only: the tensor
+//! context length. Read from the same GGUF file the nodes load, with the tokenizer crate's own
+//! GGUF metadata reader (the router links no inference library; the tensor
 //! data is never read, so this costs ~0.2 s and a few MB whatever the model size).
 //!
 //! Where the file is: `--model` (env `TANDEM_MODEL`), else the default model in the cache
@@ -11,8 +12,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use candle_core::quantized::gguf_file;
-use tandem_tokenizer::Tokenizer;
+use tandem_tokenizer::{GgufMetadata, Tokenizer};
 
 use crate::config::env_names;
 use crate::error::RouterError;
@@ -64,10 +64,11 @@ impl ServedModel {
             path: path.to_path_buf(),
             message,
         };
-        let mut file = std::fs::File::open(path).map_err(|e| read_error(e.to_string()))?;
-        let content = gguf_file::Content::read(&mut file).map_err(|e| read_error(e.to_string()))?;
-        let tokenizer = Tokenizer::from_gguf(&content)?;
-        let context_tokens = context_length(&content).unwrap_or(FALLBACK_CONTEXT_TOKENS);
+        let meta = GgufMetadata::read(path).map_err(|e| read_error(e.to_string()))?;
+        let tokenizer = Tokenizer::from_gguf(&meta)?;
+        let context_tokens = meta.context_length().map_or(FALLBACK_CONTEXT_TOKENS, |n| {
+            n.min(u64::from(u32::MAX)) as u32
+        });
         let name = match name {
             Some(name) => name.to_string(),
             None => path
@@ -83,20 +84,6 @@ impl ServedModel {
             context_tokens,
         })
     }
-}
-
-/// `{general.architecture}.context_length` from GGUF metadata.
-fn context_length(content: &gguf_file::Content) -> Option<u32> {
-    let arch = content
-        .metadata
-        .get("general.architecture")?
-        .to_string()
-        .ok()?;
-    let value = content.metadata.get(&format!("{arch}.context_length"))?;
-    value
-        .to_u32()
-        .ok()
-        .or_else(|| value.to_u64().ok().map(|v| v.min(u32::MAX as u64) as u32))
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@
 //! `add_space_prefix` are not read: `encode` never adds a BOS, and llama.cpp applies the space
 //! prefix only to SentencePiece vocabularies. Cost: one pass over the ~49k tokens and merges.
 
-use candle_core::quantized::gguf_file::{Content, Value};
+use crate::gguf_meta::{GgufMetadata as Content, Value};
 
 use super::added::AddedToken;
 use super::error::{BadMergeReason, TokenizerError};
@@ -92,7 +92,8 @@ fn pre_tokenizer(name: Option<&str>) -> Result<(PreTokenizer, bool), TokenizerEr
 }
 
 impl Tokenizer {
-    /// Load the tokenizer embedded in a GGUF file's metadata.
+    /// Load the tokenizer embedded in a GGUF file's metadata (read with
+    /// [`GgufMetadata::read`](crate::GgufMetadata::read)).
     ///
     /// # Errors
     /// A missing or malformed `tokenizer.ggml.*` key, a model other than `gpt2`, an unknown
@@ -172,8 +173,6 @@ impl Tokenizer {
 mod tests {
     use std::collections::HashMap;
 
-    use candle_core::quantized::gguf_file::VersionedMagic;
-
     use super::super::byte_level::byte_to_char;
     use super::*;
 
@@ -201,10 +200,9 @@ mod tests {
 
     fn load(metadata: HashMap<String, Value>) -> Result<Tokenizer, TokenizerError> {
         let content = Content {
-            magic: VersionedMagic::GgufV3,
+            version: 3,
+            tensor_count: 0,
             metadata,
-            tensor_infos: HashMap::new(),
-            tensor_data_offset: 0,
         };
         Tokenizer::from_gguf(&content)
     }

@@ -30,6 +30,7 @@ mod byte_level;
 mod chat;
 mod error;
 mod gguf;
+pub mod gguf_meta;
 mod hf_json;
 mod pretokenize;
 mod stream;
@@ -38,6 +39,7 @@ use std::collections::HashMap;
 
 pub use chat::ChatMessage;
 pub use error::{BadMergeReason, TokenizerError};
+pub use gguf_meta::{GgufError, GgufMetadata};
 pub use stream::DecodeStream;
 
 use added::{AddedToken, AddedTokens, Segment};

@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::Instant;
 
-use candle_core::quantized::gguf_file::Content;
+use tandem_tokenizer::GgufMetadata;
 use tandem_tokenizer::{ChatMessage, Tokenizer};
 
 const DEFAULT_MODEL: &str = "/root/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -36,8 +36,7 @@ fn tokenizer() -> &'static Tokenizer {
     static TOKENIZER: OnceLock<Tokenizer> = OnceLock::new();
     TOKENIZER.get_or_init(|| {
         let path = model_path();
-        let mut file = std::fs::File::open(&path).expect("open model");
-        let content = Content::read(&mut file).expect("read GGUF metadata");
+        let content = GgufMetadata::read(&path).expect("read GGUF metadata");
         Tokenizer::from_gguf(&content).expect("tokenizer from GGUF")
     })
 }

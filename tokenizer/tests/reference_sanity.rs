@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use candle_core::quantized::gguf_file::Content;
+use tandem_tokenizer::GgufMetadata;
 use tandem_tokenizer::{ChatMessage, Tokenizer};
 
 const DEFAULT_MODEL: &str = "/root/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -37,8 +37,7 @@ struct ReferenceOutput {
 #[test]
 fn reference_forward_pass_answers_the_france_prompt_with_paris() {
     let model = model_path();
-    let mut file = std::fs::File::open(&model).expect("open model");
-    let content = Content::read(&mut file).expect("read GGUF metadata");
+    let content = GgufMetadata::read(&model).expect("read GGUF metadata");
     let tokenizer = Tokenizer::from_gguf(&content).expect("tokenizer from GGUF");
     let prompt = tokenizer
         .apply_chat_template(

@@ -66,12 +66,22 @@ impl Reader<'_> {
     }
 }
 
+/// The tokenizer embedded in the GGUF at `path` (its metadata read once more, with the
+/// tokenizer crate's own reader: the one the router uses too).
+pub fn tokenizer_of(path: &Path) -> Result<Tokenizer, EngineError> {
+    let meta = crate::tokenizer::GgufMetadata::read(path).map_err(|e| EngineError::ModelFormat {
+        path: path.into(),
+        reason: e.to_string(),
+    })?;
+    Ok(Tokenizer::from_gguf(&meta)?)
+}
+
 /// Loads a Llama-family GGUF: config, tokenizer and weights in `dtype`.
 pub fn load(path: &Path, dtype: WeightDtype) -> Result<LoadedModel, EngineError> {
     let content_hash = hash_file(path)?;
     let (content, file) = open(path)?;
     let config = ModelConfig::from_gguf(&content, path)?;
-    let tokenizer = Tokenizer::from_gguf(&content)?;
+    let tokenizer = tokenizer_of(path)?;
     let mut r = Reader { content: &content, file, path };
 
     let (h, inter, vocab) = (config.hidden_size, config.intermediate_size, config.vocab_size);
