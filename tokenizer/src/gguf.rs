@@ -97,7 +97,8 @@ impl Tokenizer {
     ///
     /// # Errors
     /// A missing or malformed `tokenizer.ggml.*` key, a model other than `gpt2`, an unknown
-    /// pre-tokenizer name, a merge naming unknown tokens, or a missing byte token.
+    /// pre-tokenizer name, or a merge naming unknown tokens. (A byte with no token of its own
+    /// is not an error: `encode` drops it, see the crate docs.)
     pub fn from_gguf(content: &Content) -> Result<Tokenizer, TokenizerError> {
         let model = string(get(content, KEY_MODEL)?, KEY_MODEL)?;
         if model != "gpt2" {
