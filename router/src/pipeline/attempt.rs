@@ -3,7 +3,7 @@
 //!
 //! ```text
 //!  pick decode ─▶ Reserve ─RESOURCE_EXHAUSTED/unreachable─▶ next decode node (each once)
-//!       │ KvTarget (ReservationGuard armed)
+//!       │ Reservation (armed: target, dispatch count, release duty in one owner)
 //!  pick prefill ─▶ Prefill stream ─▶ FirstToken
 //!       │                              │
 //!       │                   Decode(reservation, first token) stream
@@ -29,13 +29,12 @@ use std::time::Instant;
 
 use tandem_cluster::{Role, UsageTotals};
 use tandem_proto::v1 as pb;
-use tandem_proto::v1::decode_client::DecodeClient;
 use tandem_proto::v1::prefill_client::PrefillClient;
 use tandem_telemetry::trace::propagation;
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
-use super::reservation::ReservationGuard;
+use super::reservation::Reservation;
 
 mod forward;
 mod reserve;
@@ -233,38 +232,22 @@ impl<'a> AttemptState<'a> {
         };
 
         // 1. Reserve KV blocks on a decode node, trying each node at most once.
-        let (decode_dispatch, decode_client, target) = self
+        let reservation = self
             .reserve(demand, prompt_ids.len() as u32, sampling.max_tokens)
             .await?;
-        let decode_node = decode_dispatch.node().node_id();
-        let guard = ReservationGuard::new(
-            decode_client.clone(),
-            decode_node.clone(),
-            target.reservation_id,
-            target.epoch,
-            self.inner.options.rpc_timeout,
-            Arc::clone(&self.inner.stats),
-        );
         // 2. Prefill: the prompt, its first token, the KV pushed into the reservation.
         let prefill = self
-            .start_prefill(demand, &prompt_ids, &sampling, &target)
+            .start_prefill(demand, &prompt_ids, &sampling, reservation.target())
             .await?;
         // 3. Decode from the pushed KV; the node waits for every block to arrive and verify.
         let cached_prompt_tokens = *self
             .cached_prompt_tokens
             .get_or_insert(prefill.first.cached_prompt_tokens);
         let decode = self
-            .start_decode(
-                decode_client,
-                &decode_node,
-                &target,
-                prompt_ids,
-                sampling,
-                &prefill.first,
-            )
+            .start_decode(&reservation, prompt_ids, sampling, &prefill.first)
             .await?;
         // 4. Drive both streams to the end.
-        self.forward(prefill, decode, guard, tokens_before, cached_prompt_tokens)
+        self.forward(prefill, decode, reservation, tokens_before, cached_prompt_tokens)
             .await
     }
 
@@ -345,13 +328,13 @@ impl<'a> AttemptState<'a> {
     /// Starts the Decode call for the reservation with the prefill's first token.
     async fn start_decode(
         &mut self,
-        mut client: DecodeClient<tonic::transport::Channel>,
-        node_id: &str,
-        target: &pb::KvTarget,
+        reservation: &Reservation,
         prompt_ids: Vec<u32>,
         sampling: pb::SamplingParams,
         first: &pb::FirstToken,
     ) -> Result<DecodeCall, RouterError> {
+        let (node_id, target) = (reservation.node_id(), reservation.target());
+        let mut client = reservation.client();
         let span = tracing::info_span!(
             "router.decode",
             otel.kind = "client",

@@ -1,52 +1,81 @@
-//! [`ReservationGuard`]: a decode reservation that is released unless a Decode call finished
-//! with it (RAII, DESIGN.md "A request's path" step 6).
+//! [`Reservation`]: the one owner, on the router's side, of KV blocks reserved on a decode node
+//! for one attempt (DESIGN.md "A request's path" step 6).
 //!
-//! Dropping an armed guard sends `Release` from a spawned task (a drop cannot await), with the
-//! RPC timeout. `Release` is idempotent and carries the reservation's epoch, so releasing a
-//! reservation that a cancelled Decode call had already claimed and freed is harmless: the
-//! node answers `released: false`, and blocks reused under a newer epoch are never touched.
-//! The guard is therefore kept armed on every path except a completed Decode stream: prefill
-//! failures, retries, client disconnects and panics all release.
+//! It holds together what used to be three separate records of the same reservation: the node's
+//! answer (the [`pb::KvTarget`]: id, epoch, blocks, KV address), the node's dispatch count (the
+//! in-flight request and blocks the router's load estimate charges to that node), and the duty
+//! to release the blocks if no Decode call finishes with them.
+//!
+//! ```text
+//!  reserve() ─▶ Reservation (armed) ─▶ Prefill (target) ─▶ Decode (id, epoch) ─▶ Final: disarm
+//!                   │ dropped armed (a failure, a retry, a client gone, a panic)
+//!                   ▼
+//!             Release(id, epoch) from a spawned task, and the dispatch count goes with it
+//! ```
+//!
+//! `Release` is idempotent and carries the reservation's epoch, so releasing a reservation that a
+//! cancelled Decode call had already claimed and freed is harmless: the node answers
+//! `released: false`, and blocks reused under a newer epoch are never touched. The reservation
+//! is therefore kept armed on every path except a completed Decode stream. Dropping it without a
+//! runtime (process exit) leaves the blocks to the node's own expiry.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use tandem_proto::v1 as pb;
 use tandem_proto::v1::ReleaseRequest;
 use tandem_proto::v1::decode_client::DecodeClient;
 use tonic::transport::Channel;
 
+use crate::nodes::Dispatch;
 use crate::stats::{RouterStats, bump};
 
-/// A reservation to release on drop unless disarmed.
+/// KV blocks reserved on a decode node for one attempt; released on drop unless disarmed.
 #[derive(Debug)]
-pub(super) struct ReservationGuard {
+pub(super) struct Reservation {
+    target: pb::KvTarget,
     client: DecodeClient<Channel>,
     node_id: String,
-    reservation_id: u64,
-    epoch: u64,
+    /// Counts the request (and its blocks) on the node while the reservation lives.
+    _dispatch: Dispatch,
     rpc_timeout: Duration,
     stats: Arc<RouterStats>,
     armed: bool,
 }
 
-impl ReservationGuard {
+impl Reservation {
+    /// Takes ownership of a granted reservation.
     pub(super) fn new(
+        dispatch: Dispatch,
         client: DecodeClient<Channel>,
-        node_id: String,
-        reservation_id: u64,
-        epoch: u64,
+        target: pb::KvTarget,
         rpc_timeout: Duration,
         stats: Arc<RouterStats>,
     ) -> Self {
         Self {
+            node_id: dispatch.node().node_id(),
+            target,
             client,
-            node_id,
-            reservation_id,
-            epoch,
+            _dispatch: dispatch,
             rpc_timeout,
             stats,
             armed: true,
         }
+    }
+
+    /// Where the prefill node pushes the KV, and what the Decode call presents.
+    pub(super) fn target(&self) -> &pb::KvTarget {
+        &self.target
+    }
+
+    /// The decode node holding the blocks.
+    pub(super) fn node_id(&self) -> &str {
+        &self.node_id
+    }
+
+    /// A client of the decode node (the channel is shared).
+    pub(super) fn client(&self) -> DecodeClient<Channel> {
+        self.client.clone()
     }
 
     /// The Decode stream finished: the node freed the blocks itself.
@@ -55,7 +84,7 @@ impl ReservationGuard {
     }
 }
 
-impl Drop for ReservationGuard {
+impl Drop for Reservation {
     fn drop(&mut self) {
         if !self.armed {
             return;
@@ -67,12 +96,12 @@ impl Drop for ReservationGuard {
         bump(&self.stats.releases);
         let mut client = self.client.clone();
         let mut request = tonic::Request::new(ReleaseRequest {
-            reservation_id: self.reservation_id,
-            epoch: self.epoch,
+            reservation_id: self.target.reservation_id,
+            epoch: self.target.epoch,
         });
         request.set_timeout(self.rpc_timeout);
         let node_id = std::mem::take(&mut self.node_id);
-        let reservation_id = self.reservation_id;
+        let reservation_id = self.target.reservation_id;
         runtime.spawn(async move {
             match client.release(request).await {
                 Ok(reply) => tracing::debug!(

@@ -2,7 +2,7 @@
 //! one message at a time (see the parent module's diagram).
 //!
 //! Invariants: the prefill stream is read until its push is acknowledged (dropping it earlier
-//! would cancel the push); the reservation guard is disarmed only by the decode node's final
+//! would cancel the push); the reservation is disarmed only by the decode node's final
 //! message (the node freed the blocks); once the stream is producing, a decode node silent for
 //! the idle timeout is a failure of that node (the request moves on).
 
@@ -12,7 +12,7 @@ use tandem_telemetry::trace::propagation;
 
 use super::{AttemptState, DecodeCall, PrefillCall};
 use crate::error::{NodeFault, RouterError, Step};
-use crate::pipeline::reservation::ReservationGuard;
+use crate::pipeline::reservation::Reservation;
 use crate::pipeline::{FinishReason, GenerationEvent, GenerationFinal, Usage};
 
 /// The state of [`AttemptState::forward`] between messages.
@@ -22,7 +22,7 @@ struct Forwarding {
     /// The prefill call's dispatch count and span, until its push is acknowledged.
     prefill_open: Option<(crate::nodes::Dispatch, tracing::Span)>,
     decode_span: tracing::Span,
-    guard: ReservationGuard,
+    reservation: Reservation,
     /// Tokens the client had before this attempt (a migration continues from them).
     tokens_before: u32,
     tokens_here: u32,
@@ -49,7 +49,7 @@ impl AttemptState<'_> {
         &mut self,
         prefill: PrefillCall,
         decode: DecodeCall,
-        guard: ReservationGuard,
+        reservation: Reservation,
         tokens_before: u32,
         cached_prompt_tokens: u32,
     ) -> Result<(), RouterError> {
@@ -70,7 +70,7 @@ impl AttemptState<'_> {
             decode_node,
             prefill_open: Some((dispatch, prefill_span)),
             decode_span,
-            guard,
+            reservation,
             tokens_before,
             tokens_here: 0,
             cached_prompt_tokens,
@@ -156,7 +156,7 @@ impl AttemptState<'_> {
     }
 
     /// One message of the decode stream: tokens go to the client (re-arming the stall timer),
-    /// the final message ends the attempt (the node freed the blocks: the guard is disarmed),
+    /// the final message ends the attempt (the node freed the blocks: the reservation is disarmed),
     /// an error marks the node failed (and, for KV it refused, the prefill node that sent it).
     async fn on_decode(
         &mut self,
@@ -190,7 +190,7 @@ impl AttemptState<'_> {
             Ok(Some(pb::DecodeResponse {
                 event: Some(pb::decode_response::Event::Final(done)),
             })) => {
-                f.guard.disarm();
+                f.reservation.disarm();
                 self.node_seconds.1 += done.node_seconds;
                 let completion_tokens = done
                     .usage

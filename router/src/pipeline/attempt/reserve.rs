@@ -12,6 +12,7 @@ use tracing::Instrument;
 
 use super::{AttemptState, call_metadata};
 use crate::error::{RouterError, Step};
+use crate::pipeline::reservation::Reservation;
 use crate::routing::Demand;
 use crate::stats::bump;
 
@@ -22,14 +23,7 @@ impl AttemptState<'_> {
         demand: Demand,
         prompt_tokens: u32,
         max_new_tokens: u32,
-    ) -> Result<
-        (
-            crate::nodes::Dispatch,
-            DecodeClient<tonic::transport::Channel>,
-            pb::KvTarget,
-        ),
-        RouterError,
-    > {
+    ) -> Result<Reservation, RouterError> {
         let inner = self.inner;
         let request = self.request;
         // Nodes whose Decode failed for this request are avoided while others exist.
@@ -100,7 +94,13 @@ impl AttemptState<'_> {
                         });
                         continue;
                     };
-                    return Ok((dispatch, client, target));
+                    return Ok(Reservation::new(
+                        dispatch,
+                        client,
+                        target,
+                        inner.options.rpc_timeout,
+                        std::sync::Arc::clone(&inner.stats),
+                    ));
                 }
                 Err(status) => {
                     let error = RouterError::node(Role::Decode, &node_id, Step::Reserve, &status);
