@@ -149,6 +149,14 @@ pub enum ClusterError {
         /// The node id asked for.
         node_id: String,
     },
+    /// A TLS certificate, key or CA file cannot be used.
+    #[error("TLS: {}: {reason}", path.display())]
+    TlsFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
 }
 
 impl ClusterError {
@@ -171,6 +179,7 @@ impl ClusterError {
             | ClusterError::Serde { .. }
             | ClusterError::RegistrationClosed { .. }
             | ClusterError::UnknownNode { .. }
+            | ClusterError::TlsFile { .. }
             | ClusterError::ScaleRefused { .. } => false,
         }
     }
@@ -192,6 +201,7 @@ impl ClusterError {
             ClusterError::RegistrationClosed { .. } => "registration_closed",
             ClusterError::UnknownNode { .. } => "unknown_node",
             ClusterError::ScaleRefused { .. } => "scale_refused",
+            ClusterError::TlsFile { .. } => "tls_file",
         }
     }
 

@@ -30,6 +30,7 @@ pub mod load;
 pub mod node;
 pub mod scale;
 pub mod testing;
+pub mod tls;
 pub mod usage;
 
 pub use discovery::{

@@ -114,6 +114,7 @@ impl DecodeNode {
             });
         }
         let listen = &args.node.listen;
+        let tls = tandem_node::tls::server_tls(listen)?;
         let grpc_listener = lifecycle::bind("gRPC", listen.grpc_addr).await?;
         let kv_listener = lifecycle::bind("KV transfer", listen.kv_addr).await?;
         let local = |l: &tokio::net::TcpListener, what, addr| {
@@ -201,7 +202,7 @@ impl DecodeNode {
             metrics.clone(),
         );
         let routes = tonic::service::Routes::new(DecodeServer::new(service));
-        let server = match server::spawn(grpc_listener, routes, "tandem.v1.Decode").await {
+        let server = match server::spawn(grpc_listener, routes, "tandem.v1.Decode", tls).await {
             Ok(s) => s,
             Err(e) => {
                 background.cancel();
@@ -218,7 +219,11 @@ impl DecodeNode {
                 return Err(e);
             }
         };
-        let grpc_url = format!("http://{}", listen.advertised(grpc_addr));
+        let grpc_url = format!(
+            "{}://{}",
+            tandem_node::tls::scheme(listen),
+            listen.advertised(grpc_addr)
+        );
         let info = NodeInfo::new(&node_id, Role::Decode, &grpc_url, layout, num_blocks as u64)
             .with_kv_transfer_addr(kv_address.to_string())
             .with_metrics_url(&metrics_url)

@@ -89,6 +89,20 @@ pub struct ListenArgs {
     /// in etcd as `metrics_url` for service discovery).
     #[arg(long, env = TANDEM_METRICS_ADDR, default_value = "127.0.0.1:0")]
     pub metrics_addr: SocketAddr,
+
+    /// A PEM certificate chain: the gRPC service is served over TLS only, with it and
+    /// `--tls-key`, and registered as `https://` (routers then need `--node-tls-ca`).
+    #[arg(long, env = TANDEM_TLS_CERT, requires = "tls_key")]
+    pub tls_cert: Option<std::path::PathBuf>,
+
+    /// The PEM private key of `--tls-cert`.
+    #[arg(long, env = TANDEM_TLS_KEY, requires = "tls_cert")]
+    pub tls_key: Option<std::path::PathBuf>,
+
+    /// With `--tls-cert`: serve only clients presenting a certificate this PEM CA signed
+    /// (mutual TLS: routers give theirs with `--node-tls-cert`/`--node-tls-key`).
+    #[arg(long, env = TANDEM_TLS_CLIENT_CA, requires = "tls_cert")]
+    pub tls_client_ca: Option<std::path::PathBuf>,
 }
 
 /// Everything a node takes besides its role's own flags.

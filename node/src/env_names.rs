@@ -30,6 +30,12 @@ pub const TANDEM_KV_ADDR: &str = "TANDEM_KV_ADDR";
 pub const TANDEM_ADVERTISE_HOST: &str = "TANDEM_ADVERTISE_HOST";
 /// `--kv-transport`: ucx, tcp or auto.
 pub const TANDEM_KV_TRANSPORT: &str = "TANDEM_KV_TRANSPORT";
+/// `--tls-cert`: the node's PEM certificate chain (gRPC over TLS).
+pub const TANDEM_TLS_CERT: &str = "TANDEM_TLS_CERT";
+/// `--tls-key`: its PEM private key.
+pub const TANDEM_TLS_KEY: &str = "TANDEM_TLS_KEY";
+/// `--tls-client-ca`: the PEM CA client certificates must chain to (mutual TLS).
+pub const TANDEM_TLS_CLIENT_CA: &str = "TANDEM_TLS_CLIENT_CA";
 /// `--metrics-addr`: where `/metrics` binds.
 pub const TANDEM_METRICS_ADDR: &str = "TANDEM_METRICS_ADDR";
 /// `--drain-timeout-secs`: bound on finishing in-flight work at shutdown.

@@ -43,6 +43,7 @@ pub mod metrics;
 pub mod model;
 pub mod server;
 pub mod status;
+pub mod tls;
 pub mod transport;
 
 pub use config::{ClusterArgs, ListenArgs, NodeArgs, TransportChoice};

@@ -1,6 +1,7 @@
 //! The gRPC server every node runs: the role's service plus `grpc.health.v1.Health`
 //! (tonic-health) and server reflection v1 (tonic-reflection), on a listener bound beforehand
-//! (port 0 works), until a stop token fires.
+//! (port 0 works), until a stop token fires; over TLS (mutual with a client CA) when the node
+//! has `--tls-cert` ([`crate::tls`]).
 //!
 //! Health: the role's service and the overall (`""`) status are SERVING from start until the
 //! node begins draining, then NOT_SERVING, so load balancers and `grpc_health_probe` stop
@@ -33,6 +34,7 @@ pub async fn spawn(
     listener: TcpListener,
     routes: Routes,
     service_name: &'static str,
+    tls: Option<tonic::transport::ServerTlsConfig>,
 ) -> Result<GrpcServer, NodeError> {
     let (health, health_service) = tonic_health::server::health_reporter();
     health
@@ -51,10 +53,18 @@ pub async fn spawn(
             reason: e.to_string(),
         })?;
     let routes = routes.add_service(health_service).add_service(reflection);
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = builder.tls_config(tls).map_err(|e| NodeError::InvalidConfig {
+            flag: "--tls-cert",
+            value: String::new(),
+            reason: e.to_string(),
+        })?;
+    }
     let stop = CancellationToken::new();
     let signal = stop.clone();
     let task = tokio::spawn(async move {
-        tonic::transport::Server::builder()
+        builder
             .add_routes(routes)
             .serve_with_incoming_shutdown(TcpIncoming::from(listener), signal.cancelled_owned())
             .await

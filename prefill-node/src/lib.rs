@@ -106,6 +106,7 @@ impl PrefillNode {
         if matches!(coordination, Coordination::FromArgs) {
             args.node.validate_control_plane()?;
         }
+        let tls = tandem_node::tls::server_tls(&args.node.listen)?;
         let listener = lifecycle::bind("gRPC", args.node.listen.grpc_addr).await?;
         let grpc_addr = listener.local_addr().map_err(|source| NodeError::Bind {
             what: "gRPC",
@@ -190,7 +191,7 @@ impl PrefillNode {
             node_id.clone(),
         );
         let routes = tonic::service::Routes::new(PrefillServer::new(service));
-        let server = match server::spawn(listener, routes, "tandem.v1.Prefill").await {
+        let server = match server::spawn(listener, routes, "tandem.v1.Prefill", tls).await {
             Ok(s) => s,
             Err(e) => {
                 engine.shutdown().await;
@@ -206,7 +207,11 @@ impl PrefillNode {
                     return Err(e);
                 }
             };
-        let grpc_url = format!("http://{}", args.node.listen.advertised(grpc_addr));
+        let grpc_url = format!(
+            "{}://{}",
+            tandem_node::tls::scheme(&args.node.listen),
+            args.node.listen.advertised(grpc_addr)
+        );
         let info = NodeInfo::new(
             &node_id,
             Role::Prefill,

@@ -55,6 +55,12 @@ pub mod env_names {
     pub const TLS_CERT: &str = "TANDEM_TLS_CERT";
     /// `--tls-key`.
     pub const TLS_KEY: &str = "TANDEM_TLS_KEY";
+    /// `--node-tls-ca`.
+    pub const NODE_TLS_CA: &str = "TANDEM_NODE_TLS_CA";
+    /// `--node-tls-cert`.
+    pub const NODE_TLS_CERT: &str = "TANDEM_NODE_TLS_CERT";
+    /// `--node-tls-key`.
+    pub const NODE_TLS_KEY: &str = "TANDEM_NODE_TLS_KEY";
     /// `--max-tokens-limit`.
     pub const MAX_TOKENS_LIMIT: &str = "TANDEM_MAX_TOKENS_LIMIT";
     /// `--default-max-tokens`.
@@ -191,6 +197,17 @@ pub struct RouterArgs {
     /// The PEM private key of `--tls-cert`.
     #[arg(long, env = env::TLS_KEY, requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
+    /// The PEM CA that signed the nodes' certificates: nodes registered as `https://` (started
+    /// with `--tls-cert`) are reached over TLS and verified with it. Without it they are refused.
+    #[arg(long, env = env::NODE_TLS_CA)]
+    pub node_tls_ca: Option<PathBuf>,
+    /// The router's own PEM certificate chain for nodes that require client certificates
+    /// (mutual TLS: nodes started with `--tls-client-ca`).
+    #[arg(long, env = env::NODE_TLS_CERT, requires = "node_tls_key", requires = "node_tls_ca")]
+    pub node_tls_cert: Option<PathBuf>,
+    /// The PEM private key of `--node-tls-cert`.
+    #[arg(long, env = env::NODE_TLS_KEY, requires = "node_tls_cert")]
+    pub node_tls_key: Option<PathBuf>,
     /// Trace export (OTLP); the standard OTEL_* variables apply.
     #[command(flatten)]
     #[serde(skip)]
@@ -220,6 +237,8 @@ pub struct RouterConfig {
     pub startup_timeout: Duration,
     /// TLS on both ingresses (loaded and checked).
     pub tls: Option<crate::tls::TlsIdentity>,
+    /// TLS towards `https://` nodes (loaded and checked).
+    pub node_tls: Option<tonic::transport::ClientTlsConfig>,
     /// Core settings.
     pub options: RouterOptions,
 }
@@ -251,6 +270,9 @@ impl RouterArgs {
             cost_file,
             tls_cert,
             tls_key,
+            node_tls_ca,
+            node_tls_cert,
+            node_tls_key,
             stream_idle_timeout_ms,
             canary_interval_secs,
             canary_timeout_ms,
@@ -401,6 +423,10 @@ impl RouterArgs {
                     });
                 }
             },
+            node_tls: crate::tls::node_client_config(
+                args.node_tls_ca.as_deref(),
+                args.node_tls_cert.as_deref().zip(args.node_tls_key.as_deref()),
+            )?,
             options,
         })
     }

@@ -53,17 +53,33 @@ pub struct ChannelSettings {
 /// other byte stream where a test needs it (the deterministic simulation's network).
 pub trait NodeConnector: Send + Sync + std::fmt::Debug + 'static {
     /// A channel to `endpoint` (configured: timeouts, keep-alive) that connects on first use
-    /// and reconnects after a failure.
-    fn connect_lazy(&self, endpoint: Endpoint) -> Channel;
+    /// and reconnects after a failure; `Err` says why the node cannot be reached this way.
+    fn connect_lazy(&self, endpoint: Endpoint) -> Result<Channel, String>;
 }
 
-/// Node connections over TCP.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct TcpConnector;
+/// Node connections over TCP; to nodes registered as `https://`, over TLS with `tls` (the CA
+/// that signed the nodes' certificates and, for mutual TLS, the router's own certificate).
+#[derive(Clone, Debug, Default)]
+pub struct TcpConnector {
+    /// TLS towards `https://` nodes (`None`: such nodes are refused, never trusted blindly).
+    pub tls: Option<tonic::transport::ClientTlsConfig>,
+}
 
 impl NodeConnector for TcpConnector {
-    fn connect_lazy(&self, endpoint: Endpoint) -> Channel {
-        endpoint.connect_lazy()
+    fn connect_lazy(&self, endpoint: Endpoint) -> Result<Channel, String> {
+        if endpoint.uri().scheme_str() != Some("https") {
+            return Ok(endpoint.connect_lazy());
+        }
+        let Some(tls) = &self.tls else {
+            return Err(
+                "the node serves gRPC over TLS (https) but this router has no --node-tls-ca"
+                    .into(),
+            );
+        };
+        endpoint
+            .tls_config(tls.clone())
+            .map(|e| e.connect_lazy())
+            .map_err(|e| format!("TLS: {e}"))
     }
 }
 
@@ -134,7 +150,7 @@ impl NodeEntry {
             .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
             .keep_alive_timeout(KEEPALIVE_TIMEOUT)
             .keep_alive_while_idle(true);
-        let channel = self.settings.connector.connect_lazy(endpoint);
+        let channel = self.settings.connector.connect_lazy(endpoint).map_err(bad)?;
         *slot = Some(channel.clone());
         Ok(channel)
     }

@@ -142,12 +142,16 @@ async fn start_with_retries(
             .await?;
             let usage: Arc<dyn tandem_cluster::UsageStore> = Arc::new(etcd.usage_store());
             let discovery: Arc<dyn Discovery> = Arc::new(etcd);
-            Router::start(
+            let connector = Arc::new(crate::nodes::TcpConnector {
+                tls: config.node_tls.clone(),
+            });
+            Router::start_with_connector(
                 model.clone(),
                 config.options.clone(),
                 discovery,
                 signals,
                 usage,
+                connector,
             )
             .await
         };

@@ -13,8 +13,6 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_rustls::rustls;
 
 use crate::error::RouterError;
@@ -33,6 +31,17 @@ impl std::fmt::Debug for TlsIdentity {
     }
 }
 
+/// A TLS file the cluster crate refused, as the router reports it.
+fn tls_error(e: tandem_cluster::ClusterError) -> RouterError {
+    match e {
+        tandem_cluster::ClusterError::TlsFile { path, reason } => RouterError::Tls {
+            path,
+            message: reason,
+        },
+        other => RouterError::Cluster(other),
+    }
+}
+
 /// Where the PEM files are.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TlsFiles {
@@ -42,38 +51,16 @@ pub struct TlsFiles {
     pub key: PathBuf,
 }
 
-fn bad(path: &Path, what: impl std::fmt::Display) -> RouterError {
-    RouterError::Tls {
-        path: path.to_path_buf(),
-        message: what.to_string(),
-    }
-}
-
 impl TlsIdentity {
     /// Reads and checks both files: the chain must hold a certificate, the key must parse
     /// and match it.
     pub fn load(files: &TlsFiles) -> Result<TlsIdentity, RouterError> {
-        let read = |p: &Path| std::fs::read(p).map_err(|e| bad(p, e));
-        let (cert_pem, key_pem) = (read(&files.cert)?, read(&files.key)?);
-        let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&cert_pem)
-            .collect::<Result<_, _>>()
-            .map_err(|e| bad(&files.cert, format!("not a PEM certificate chain: {e}")))?;
-        if chain.is_empty() {
-            return Err(bad(&files.cert, "holds no certificate"));
-        }
-        let key = PrivateKeyDer::from_pem_slice(&key_pem)
-            .map_err(|e| bad(&files.key, format!("not a PEM private key: {e}")))?;
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut config = rustls::ServerConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .map_err(|e| bad(&files.cert, e))?
-            .with_no_client_auth()
-            .with_single_cert(chain, key)
-            .map_err(|e| bad(&files.key, format!("does not fit the certificate: {e}")))?;
+        let id = tandem_cluster::tls::read_identity(&files.cert, &files.key).map_err(tls_error)?;
+        let mut config = (*id.server_config).clone();
         config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         Ok(TlsIdentity {
-            cert_pem,
-            key_pem,
+            cert_pem: id.cert_pem,
+            key_pem: id.key_pem,
             server_config: Arc::new(config),
         })
     }
@@ -90,4 +77,26 @@ impl TlsIdentity {
             &self.key_pem,
         ))
     }
+}
+
+/// The client TLS configuration towards `https://` nodes: `ca` verifies them; `identity`
+/// (certificate chain, key), for nodes that require client certificates.
+pub fn node_client_config(
+    ca: Option<&Path>,
+    identity: Option<(&Path, &Path)>,
+) -> Result<Option<tonic::transport::ClientTlsConfig>, RouterError> {
+    let Some(ca) = ca else {
+        return Ok(None);
+    };
+    let pem = tandem_cluster::tls::read_ca(ca).map_err(tls_error)?;
+    let mut config = tonic::transport::ClientTlsConfig::new()
+        .ca_certificate(tonic::transport::Certificate::from_pem(pem));
+    if let Some((cert, key)) = identity {
+        let id = tandem_cluster::tls::read_identity(cert, key).map_err(tls_error)?;
+        config = config.identity(tonic::transport::Identity::from_pem(
+            id.cert_pem,
+            id.key_pem,
+        ));
+    }
+    Ok(Some(config))
 }

@@ -7,8 +7,12 @@ mod common;
 
 use std::sync::Arc;
 
-use common::fakes::{expected_output, start_decode, start_prefill};
-use common::{MemoryCluster, collect, grpc_request, http_request_bytes, options, prompt_tokens};
+use common::fakes::{
+    expected_output, start_decode, start_decode_with, start_prefill, start_prefill_with,
+};
+use common::{
+    MemoryCluster, collect, grpc_request, http_request_bytes, model, options, prompt_tokens,
+};
 use tandem_proto::v1::inference_client::InferenceClient;
 use tandem_router::RouterError;
 use tandem_router::tls::{TlsFiles, TlsIdentity};
@@ -22,6 +26,9 @@ struct Pki {
     ca_pem: String,
     cert_pem: String,
     key_pem: String,
+    /// A client certificate the same CA signed (the router's, for mutual TLS).
+    client_cert_pem: String,
+    client_key_pem: String,
 }
 
 fn make_pki(name: &str) -> Pki {
@@ -33,14 +40,22 @@ fn make_pki(name: &str) -> Pki {
     let ca_cert = ca.self_signed(&ca_key).unwrap();
     let issuer = rcgen::Issuer::new(ca, ca_key);
     let key = rcgen::KeyPair::generate().unwrap();
-    let leaf = rcgen::CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])
+    let leaf =
+        rcgen::CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])
+            .unwrap()
+            .signed_by(&key, &issuer)
+            .unwrap();
+    let client_key = rcgen::KeyPair::generate().unwrap();
+    let client = rcgen::CertificateParams::new(vec!["router".to_string()])
         .unwrap()
-        .signed_by(&key, &issuer)
+        .signed_by(&client_key, &issuer)
         .unwrap();
     Pki {
         ca_pem: ca_cert.pem(),
         cert_pem: leaf.pem(),
         key_pem: key.serialize_pem(),
+        client_cert_pem: client.pem(),
+        client_key_pem: client_key.serialize_pem(),
     }
 }
 
@@ -141,10 +156,16 @@ async fn both_ingresses_serve_tls_only_to_clients_that_trust_the_ca() {
     for addr in [http_addr, grpc_addr] {
         let mut tcp = TcpStream::connect(addr).await.unwrap();
         let _ = tcp
-            .write_all(&http_request_bytes("POST", "/v1/completions", Some(body), None))
+            .write_all(&http_request_bytes(
+                "POST",
+                "/v1/completions",
+                Some(body),
+                None,
+            ))
             .await;
         let mut raw = Vec::new();
-        let _ = tokio::time::timeout(std::time::Duration::from_secs(5), tcp.read_to_end(&mut raw)).await;
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(5), tcp.read_to_end(&mut raw))
+            .await;
         assert!(
             !String::from_utf8_lossy(&raw).contains("HTTP/1.1 200"),
             "plain text was served on {addr}"
@@ -154,7 +175,10 @@ async fn both_ingresses_serve_tls_only_to_clients_that_trust_the_ca() {
     // A client that trusts another CA refuses the server's certificate.
     let other = make_pki("other");
     let refused = https_post(http_addr, &other.ca_pem, "/v1/completions", body).await;
-    assert!(refused.is_err(), "a certificate from an untrusted CA was accepted");
+    assert!(
+        refused.is_err(),
+        "a certificate from an untrusted CA was accepted"
+    );
 
     stop.cancel();
     server.await.unwrap().unwrap();
@@ -173,21 +197,151 @@ fn bad_tls_files_are_refused_at_startup_naming_the_file() {
             matches!(&err, RouterError::Tls { path, .. } if path == file),
             "{err:?}"
         );
-        assert!(err.to_string().contains(&file.display().to_string()), "{err}");
+        assert!(
+            err.to_string().contains(&file.display().to_string()),
+            "{err}"
+        );
     };
     // Missing file.
     let missing = dir.join("nope.pem");
-    expect_tls_error(&TlsFiles { cert: missing.clone(), key: good.key.clone() }, &missing);
+    expect_tls_error(
+        &TlsFiles {
+            cert: missing.clone(),
+            key: good.key.clone(),
+        },
+        &missing,
+    );
     // Not PEM.
     let junk = dir.join("junk.pem");
     std::fs::write(&junk, "not a certificate").unwrap();
-    expect_tls_error(&TlsFiles { cert: junk.clone(), key: good.key.clone() }, &junk);
-    expect_tls_error(&TlsFiles { cert: good.cert.clone(), key: junk.clone() }, &junk);
+    expect_tls_error(
+        &TlsFiles {
+            cert: junk.clone(),
+            key: good.key.clone(),
+        },
+        &junk,
+    );
+    expect_tls_error(
+        &TlsFiles {
+            cert: good.cert.clone(),
+            key: junk.clone(),
+        },
+        &junk,
+    );
     // A key that is not the certificate's.
     let other = make_pki("other");
     let other_key = dir.join("other-key.pem");
     std::fs::write(&other_key, &other.key_pem).unwrap();
-    expect_tls_error(&TlsFiles { cert: good.cert.clone(), key: other_key.clone() }, &other_key);
+    expect_tls_error(
+        &TlsFiles {
+            cert: good.cert.clone(),
+            key: other_key.clone(),
+        },
+        &other_key,
+    );
     assert!(TlsIdentity::load(&good).is_ok());
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Nodes that serve gRPC over TLS and require client certificates (`--tls-cert`,
+/// `--tls-client-ca`): a router with the CA and its own certificate (`--node-tls-ca`,
+/// `--node-tls-cert`, `--node-tls-key`) serves through them; one without its certificate is
+/// refused by the nodes (a clear error, no hang); one without the CA refuses `https://` nodes,
+/// naming the flag.
+#[tokio::test]
+async fn the_router_reaches_nodes_over_mutual_tls_and_nothing_less() {
+    use futures_util::StreamExt;
+    use tandem_router::{
+        GenerateRequest, GenerationEvent, PromptInput, Router, Sampling, TcpConnector,
+    };
+
+    let pki = make_pki("nodes");
+    let dir = std::env::temp_dir().join(format!("tandem-mtls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let write = |name: &str, pem: &str| {
+        let p = dir.join(name);
+        std::fs::write(&p, pem).unwrap();
+        p
+    };
+    let (ca, client_cert, client_key) = (
+        write("ca.pem", &pki.ca_pem),
+        write("router.pem", &pki.client_cert_pem),
+        write("router-key.pem", &pki.client_key_pem),
+    );
+    let server_tls = || {
+        tonic::transport::ServerTlsConfig::new()
+            .identity(tonic::transport::Identity::from_pem(
+                &pki.cert_pem,
+                &pki.key_pem,
+            ))
+            .client_ca_root(tonic::transport::Certificate::from_pem(&pki.ca_pem))
+    };
+    let mut cluster = MemoryCluster::new();
+    let p = start_prefill_with("p0", Some(server_tls())).await;
+    let d = start_decode_with("d0", Some(server_tls())).await;
+    assert!(p.info().grpc_addr.starts_with("https://"));
+    cluster.register(p.info()).await;
+    cluster.register(d.info()).await;
+
+    let router_with = |tls: Option<tonic::transport::ClientTlsConfig>| {
+        let cluster = &cluster;
+        async move {
+            Router::start_with_connector(
+                model(),
+                options(),
+                Arc::new(cluster.discovery.clone()),
+                Arc::new(cluster.loads.clone()),
+                Arc::new(tandem_cluster::MemoryUsageStore::default()),
+                Arc::new(TcpConnector { tls }),
+            )
+            .await
+            .unwrap()
+        }
+    };
+    let generate = |router: Router| async move {
+        let request = GenerateRequest {
+            model: String::new(),
+            input: PromptInput::Text("The sky is".into()),
+            sampling: Sampling {
+                max_tokens: Some(4),
+                ..Default::default()
+            },
+            priority: Default::default(),
+            request_id: None,
+        };
+        let mut stream = router.generate(request).await?;
+        let mut ids = Vec::new();
+        while let Some(event) = stream.next().await {
+            if let GenerationEvent::Delta { token_ids, .. } = event? {
+                ids.extend(token_ids);
+            }
+        }
+        Ok::<_, RouterError>(ids)
+    };
+
+    // Mutual TLS: served.
+    let full = tandem_router::tls::node_client_config(Some(&ca), Some((&client_cert, &client_key)))
+        .unwrap();
+    let ids = generate(router_with(full).await)
+        .await
+        .expect("served over mutual TLS");
+    assert_eq!(ids, expected_output(prompt_tokens("The sky is"), 4).0);
+
+    // The CA but no client certificate: the nodes refuse the handshake.
+    let ca_only = tandem_router::tls::node_client_config(Some(&ca), None).unwrap();
+    let err = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        generate(router_with(ca_only).await),
+    )
+    .await
+    .expect("a refused handshake ends the request, it does not hang")
+    .unwrap_err();
+    assert!(!err.is_client_error(), "{err}");
+
+    // No CA at all: `https://` nodes are refused, naming the flag.
+    let err = generate(router_with(None).await).await.unwrap_err();
+    assert!(format!("{err:?}").contains("--node-tls-ca"), "{err:?}");
+
+    let _ = std::fs::remove_dir_all(&dir);
+    drop((p, d));
 }

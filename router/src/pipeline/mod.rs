@@ -162,7 +162,7 @@ impl Router {
         signals: Arc<dyn LoadSignals>,
         usage: Arc<dyn UsageStore>,
     ) -> Result<Self, RouterError> {
-        let tcp = Arc::new(crate::nodes::TcpConnector);
+        let tcp = Arc::new(crate::nodes::TcpConnector::default());
         Self::start_with_connector(model, options, discovery, signals, usage, tcp).await
     }
 

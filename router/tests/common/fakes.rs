@@ -324,6 +324,25 @@ impl Prefill for PrefillService {
     }
 }
 
+/// A tonic server builder, over TLS when `tls` is given.
+fn server(tls: Option<tonic::transport::ServerTlsConfig>) -> tonic::transport::Server {
+    let builder = tonic::transport::Server::builder();
+    match tls {
+        Some(tls) => builder.tls_config(tls).expect("the test's TLS configuration"),
+        None => builder,
+    }
+}
+
+/// `http://127.0.0.1:PORT`, or `https://localhost:PORT` for a TLS node (its certificate names
+/// localhost).
+fn with_scheme(addr: String, tls: bool) -> String {
+    if tls {
+        addr.replace("http://127.0.0.1", "https://localhost")
+    } else {
+        addr
+    }
+}
+
 async fn bind() -> (TcpListener, String) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind port 0");
     let addr = format!("http://{}", listener.local_addr().unwrap());
@@ -332,7 +351,17 @@ async fn bind() -> (TcpListener, String) {
 
 /// Starts a fake decode node.
 pub async fn start_decode(node_id: &str) -> FakeNode<DecodeBehaviour> {
+    start_decode_with(node_id, None).await
+}
+
+/// Starts a fake decode node, serving gRPC over TLS with `tls` when given (registered as
+/// `https://localhost:PORT`).
+pub async fn start_decode_with(
+    node_id: &str,
+    tls: Option<tonic::transport::ServerTlsConfig>,
+) -> FakeNode<DecodeBehaviour> {
     let (listener, grpc_addr) = bind().await;
+    let grpc_addr = with_scheme(grpc_addr, tls.is_some());
     let behaviour = Arc::new(DecodeBehaviour {
         hold_after_batches: AtomicI64::new(-1),
         fail_after_batches: AtomicI64::new(-1),
@@ -345,7 +374,7 @@ pub async fn start_decode(node_id: &str) -> FakeNode<DecodeBehaviour> {
     };
     let token = stop.clone();
     tokio::spawn(async move {
-        tonic::transport::Server::builder()
+        server(tls)
             .add_service(DecodeServer::new(service))
             .serve_with_incoming_shutdown(TcpListenerStream::new(listener), token.cancelled_owned())
             .await
@@ -362,7 +391,16 @@ pub async fn start_decode(node_id: &str) -> FakeNode<DecodeBehaviour> {
 
 /// Starts a fake prefill node.
 pub async fn start_prefill(node_id: &str) -> FakeNode<PrefillBehaviour> {
+    start_prefill_with(node_id, None).await
+}
+
+/// Starts a fake prefill node, over TLS with `tls` when given.
+pub async fn start_prefill_with(
+    node_id: &str,
+    tls: Option<tonic::transport::ServerTlsConfig>,
+) -> FakeNode<PrefillBehaviour> {
     let (listener, grpc_addr) = bind().await;
+    let grpc_addr = with_scheme(grpc_addr, tls.is_some());
     let behaviour = Arc::new(PrefillBehaviour::default());
     let stop = CancellationToken::new();
     let service = PrefillService {
@@ -370,7 +408,7 @@ pub async fn start_prefill(node_id: &str) -> FakeNode<PrefillBehaviour> {
     };
     let token = stop.clone();
     tokio::spawn(async move {
-        tonic::transport::Server::builder()
+        server(tls)
             .add_service(PrefillServer::new(service))
             .serve_with_incoming_shutdown(TcpListenerStream::new(listener), token.cancelled_owned())
             .await

@@ -14,13 +14,13 @@ use tonic::transport::{Channel, Endpoint, Uri};
 pub struct SimConnector;
 
 impl tandem_router::NodeConnector for SimConnector {
-    fn connect_lazy(&self, endpoint: Endpoint) -> Channel {
-        endpoint.connect_with_connector_lazy(tower::service_fn(|uri: Uri| async move {
+    fn connect_lazy(&self, endpoint: Endpoint) -> Result<Channel, String> {
+        Ok(endpoint.connect_with_connector_lazy(tower::service_fn(|uri: Uri| async move {
             let host = uri.host().unwrap_or_default().to_string();
             let port = uri.port_u16().unwrap_or(80);
             let stream = turmoil::net::TcpStream::connect((host.as_str(), port)).await?;
             Ok::<_, std::io::Error>(TokioIo::new(stream))
-        }))
+        })))
     }
 }
 
