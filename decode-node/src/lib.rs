@@ -68,7 +68,9 @@ pub struct DecodeArgs {
 
     /// A KV push that has begun but lands nothing for this long (a lost chunk, a sender hung
     /// mid-push) is ended and its request prefilled again, instead of holding its blocks until
-    /// the reservation's TTL; in ms, 0 = off.
+    /// the reservation's TTL; in ms, 0 = off. Pushes stream layer by layer as the prefill node
+    /// computes them: raise it where one layer of a prompt can take longer (large models on
+    /// CPU).
     #[arg(long, env = TANDEM_KV_STALL_TIMEOUT_MS, default_value_t = 5_000)]
     pub kv_stall_timeout_ms: u64,
 

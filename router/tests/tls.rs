@@ -283,14 +283,16 @@ async fn the_router_reaches_nodes_over_mutual_tls_and_nothing_less() {
     cluster.register(p.info()).await;
     cluster.register(d.info()).await;
 
+    // Clones share the cluster's registry and load bus (nodes registered later are seen).
+    let (discovery, loads) = (cluster.discovery.clone(), cluster.loads.clone());
     let router_with = |tls: Option<tonic::transport::ClientTlsConfig>| {
-        let cluster = &cluster;
+        let (discovery, loads) = (discovery.clone(), loads.clone());
         async move {
             Router::start_with_connector(
                 model(),
                 options(),
-                Arc::new(cluster.discovery.clone()),
-                Arc::new(cluster.loads.clone()),
+                Arc::new(discovery),
+                Arc::new(loads),
                 Arc::new(tandem_cluster::MemoryUsageStore::default()),
                 Arc::new(TcpConnector { tls }),
             )
@@ -342,6 +344,16 @@ async fn the_router_reaches_nodes_over_mutual_tls_and_nothing_less() {
     let err = generate(router_with(None).await).await.unwrap_err();
     assert!(format!("{err:?}").contains("--node-tls-ca"), "{err:?}");
 
+    // Plain-text nodes beside them: a router without the CA serves through those, passing over
+    // the https:// ones it cannot reach.
+    let (p1, d1) = (start_prefill("p1").await, start_decode("d1").await);
+    cluster.register(p1.info()).await;
+    cluster.register(d1.info()).await;
+    let ids = generate(router_with(None).await)
+        .await
+        .expect("served by the plain nodes");
+    assert_eq!(ids, expected_output(prompt_tokens("The sky is"), 4).0);
+
     let _ = std::fs::remove_dir_all(&dir);
-    drop((p, d));
+    drop((p, d, p1, d1));
 }

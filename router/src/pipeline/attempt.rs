@@ -282,7 +282,12 @@ impl<'a> AttemptState<'a> {
             tandem.kv.blocks = tracing::field::Empty,
             tandem.kv.transfer_us = tracing::field::Empty,
         );
-        let mut client = PrefillClient::new(dispatch.node().channel()?);
+        let channel = dispatch.node().channel().inspect_err(|_| {
+            // Unreachable as registered (a bad address, TLS the router cannot speak): the next
+            // attempt avoids it.
+            self.failed_prefill.insert(node_id.clone());
+        })?;
+        let mut client = PrefillClient::new(channel);
         let request = pb::PrefillRequest {
             request_id: self.request.request_id.clone(),
             prompt_token_ids: prompt_ids.to_vec(),

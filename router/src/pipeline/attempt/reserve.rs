@@ -60,7 +60,17 @@ impl AttemptState<'_> {
             };
             let node_id = dispatch.node().node_id();
             asked.insert(node_id.clone());
-            let mut client = DecodeClient::new(dispatch.node().channel()?);
+            let channel = match dispatch.node().channel() {
+                Ok(channel) => channel,
+                Err(e) => {
+                    // Unreachable as registered (a bad address, TLS the router cannot speak):
+                    // this attempt asks the next node.
+                    tracing::warn!(request_id = %request.request_id, error = %e, "decode node unreachable as registered");
+                    last_error = Some(e);
+                    continue;
+                }
+            };
+            let mut client = DecodeClient::new(channel);
             let span = tracing::info_span!(
                 "router.reserve",
                 otel.kind = "client",
