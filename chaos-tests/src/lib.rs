@@ -28,6 +28,7 @@
 mod catalogue;
 mod cluster;
 mod error;
+mod probe;
 mod report;
 mod run;
 mod workload;

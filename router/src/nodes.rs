@@ -68,6 +68,10 @@ pub struct TcpConnector {
 impl NodeConnector for TcpConnector {
     fn connect_lazy(&self, endpoint: Endpoint) -> Result<Channel, String> {
         if endpoint.uri().scheme_str() != Some("https") {
+            if self.tls.is_some() {
+                // Channels are made once per node: this says it once for each plain node.
+                tracing::warn!(node = %endpoint.uri(), "node TLS is configured but this node registered plain http; reaching it without TLS");
+            }
             return Ok(endpoint.connect_lazy());
         }
         let Some(tls) = &self.tls else {

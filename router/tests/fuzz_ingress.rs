@@ -12,27 +12,10 @@
 
 mod common;
 
-use common::model;
+use common::{Rng, model};
 use tandem_router::TokenLimits;
 use tandem_router::http::openai::{RequestBody, parse_body};
 use tandem_router::request::prepare;
-
-/// splitmix64: enough randomness for mutations, reproducible from one seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
 
 const SEEDS: &[(&str, bool)] = &[
     (

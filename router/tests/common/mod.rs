@@ -442,3 +442,33 @@ pub async fn generate(
 pub fn prompt_tokens(prompt: &str) -> usize {
     model().tokenizer.encode(prompt).len()
 }
+
+/// splitmix64: the test's only randomness (fuzz mutations, simulation plans), reproducible from
+/// one seed.
+pub struct Rng(pub u64);
+
+impl Rng {
+    /// The next 64 random bits.
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// A number in `0..n` (`0` when `n` is 0).
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+
+    /// A duration between `lo_ms` and `hi_ms` milliseconds, both included.
+    pub fn ms(&mut self, lo_ms: u64, hi_ms: u64) -> Duration {
+        Duration::from_millis(lo_ms + self.below((hi_ms - lo_ms + 1) as usize) as u64)
+    }
+
+    /// One of `of`.
+    pub fn pick<'a>(&mut self, of: &[&'a str]) -> &'a str {
+        of[self.below(of.len())]
+    }
+}

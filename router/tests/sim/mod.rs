@@ -38,10 +38,10 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use tandem_cluster::{MemoryDiscovery, MemoryLoadSignals, MemoryUsageStore};
 use tandem_router::{
-    AdmissionLimits, ApiKeys, GenerateRequest, GenerationEvent, PromptInput, Router, RouterOptions,
-    Sampling, ServedModel, TokenLimits,
+    GenerateRequest, GenerationEvent, PromptInput, Router, RouterOptions, Sampling, ServedModel,
 };
 
+use crate::common::Rng;
 use nodes::{World, next_token};
 
 /// Prefill and decode hosts.
@@ -52,31 +52,6 @@ pub const DECODE: [&str; 3] = ["decode-0", "decode-1", "decode-2"];
 const REQUESTS: usize = 48;
 /// A request still open this long after it started is hanging (a violation).
 const REQUEST_LIMIT: Duration = Duration::from_secs(60);
-
-/// SplitMix64: the plan's only source of randomness.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-
-    fn ms(&mut self, lo: u64, hi: u64) -> Duration {
-        Duration::from_millis(lo + self.below(hi - lo + 1))
-    }
-
-    fn pick<'a>(&mut self, of: &[&'a str]) -> &'a str {
-        of[self.below(of.len() as u64) as usize]
-    }
-}
 
 /// One injected fault.
 #[derive(Clone, Debug)]
@@ -157,25 +132,14 @@ struct Outcome {
     hung: bool,
 }
 
+/// The suite's router settings with the simulation's shorter timeouts (and a fourth attempt).
 fn options() -> RouterOptions {
     RouterOptions {
-        tokens: TokenLimits {
-            max_tokens_limit: 64,
-            default_max_tokens: 8,
-        },
-        admission: AdmissionLimits {
-            max_in_flight: 64,
-            max_queued: 64,
-            queue_timeout: Duration::from_secs(10),
-        },
-        api_keys: ApiKeys::default(),
         max_attempts: 4,
         rpc_timeout: Duration::from_millis(500),
         connect_timeout: Duration::from_millis(300),
-        max_report_age: Duration::from_secs(1),
         stream_idle_timeout: Duration::from_secs(1),
-        canary: tandem_router::canary::CanarySettings::disabled(),
-        cost: Default::default(),
+        ..crate::common::options()
     }
 }
 
@@ -264,7 +228,7 @@ pub fn run_seed(seed: u64, model: ServedModel) -> Report {
     let workload: Vec<(Duration, usize, u32)> = (0..REQUESTS)
         .map(|i| {
             let start = Duration::from_millis(300 + 60 * i as u64);
-            (start, 4 + rng.below(200) as usize, 8 + rng.below(40) as u32)
+            (start, 4 + rng.below(200), 8 + rng.below(40) as u32)
         })
         .collect();
 
