@@ -136,18 +136,42 @@ impl Cluster {
         self.spawn(id, a);
     }
 
-    /// Starts the router.
+    /// Starts the router on ports the kernel picks and waits for the addresses it prints
+    /// (`grpc ADDR` / `http ADDR`), so no other process can take a port between choosing and
+    /// binding it.
     pub fn router(&mut self, extra: &[&str]) {
         let mut a = vec!["router".to_string()];
         a.extend(self.common_args());
         a.extend([
             "--grpc-addr".into(),
-            self.grpc.to_string(),
+            "127.0.0.1:0".into(),
             "--http-addr".into(),
-            self.http.to_string(),
+            "127.0.0.1:0".into(),
         ]);
         a.extend(extra.iter().map(|s| s.to_string()));
         self.spawn("router", a);
+        let deadline = Instant::now() + WAIT;
+        let me = self.procs.len() - 1;
+        loop {
+            let text = self.procs[me].log_text();
+            let addr = |name: &str| {
+                text.lines()
+                    .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+            };
+            if let (Some(grpc), Some(http)) = (addr("grpc"), addr("http")) {
+                (self.grpc, self.http) = (grpc, http);
+                return;
+            }
+            if let Ok(Some(status)) = self.procs[me].child.try_wait() {
+                panic!("router exited ({status}) before serving:\n{}", self.logs());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "router did not bind within {WAIT:?}:\n{}",
+                self.logs()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     pub fn proc(&mut self, name: &str) -> &mut Proc {
