@@ -189,6 +189,15 @@ impl ClusterKeys {
         format!("{}usage/", self.cluster_prefix())
     }
 
+    /// `/tandem/{cluster}/ratelimit/{key_id}`: one API key's shared rate-limit buckets.
+    pub fn rate_limit_key(&self, key_id: &str) -> Result<String, ClusterError> {
+        Ok(format!(
+            "{}ratelimit/{}",
+            self.cluster_prefix(),
+            encode_segment("key id", key_id)?
+        ))
+    }
+
     /// `/tandem/{cluster}/usage/{key_id}`.
     pub fn usage_key(&self, key_id: &str) -> Result<String, ClusterError> {
         Ok(format!(

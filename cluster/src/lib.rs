@@ -28,10 +28,13 @@ pub mod error;
 pub mod keys;
 pub mod load;
 pub mod node;
+pub mod ratelimit;
 pub mod scale;
 pub mod testing;
 pub mod tls;
 pub mod usage;
+
+mod cas;
 
 pub use discovery::{
     Discovery, EtcdConfig, EtcdDiscovery, MemoryDiscovery, Registration, RegistrationState,
@@ -47,5 +50,9 @@ pub use node::{ClusterLayout, NodeInfo, NodeState, NodeView, Role};
 pub use scale::{
     Election, EtcdElection, EtcdScaleStore, Leadership, MemoryElection, MemoryScaleStore, PoolBounds,
     ScaleLimits, ScaleStore, ScaleTargets,
+};
+pub use ratelimit::{
+    Ask, EtcdRateLimitStore, Grant, KeyLimits, LimitKind, LimitRecord, MemoryRateLimitStore,
+    RateLimitStore, SlotHold,
 };
 pub use usage::{EtcdUsageStore, MemoryUsageStore, UsageStore, UsageTotals};

@@ -19,9 +19,10 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use etcd_client::{Client, Compare, CompareOp, GetOptions, Txn, TxnOp};
+use etcd_client::{Client, GetOptions};
 use serde::{Deserialize, Serialize};
 
+use crate::cas::{decode, update_json};
 use crate::discovery::etcd::timed;
 use crate::error::ClusterError;
 use crate::keys::{ClusterKeys, decode_segment};
@@ -70,9 +71,6 @@ pub trait UsageStore: Send + Sync + std::fmt::Debug {
     async fn list(&self) -> Result<BTreeMap<String, UsageTotals>, ClusterError>;
 }
 
-/// CAS attempts before an addition gives up (it is retried at the next flush).
-const MAX_CAS_ATTEMPTS: u32 = 16;
-
 /// The ledger in etcd (see the module docs).
 #[derive(Clone)]
 pub struct EtcdUsageStore {
@@ -99,52 +97,18 @@ impl EtcdUsageStore {
     }
 }
 
-fn decode(key: &str, value: &[u8]) -> Result<UsageTotals, ClusterError> {
-    serde_json::from_slice(value).map_err(|source| ClusterError::Serde {
-        op: "decode",
-        at: key.to_string(),
-        source,
-    })
-}
-
-fn encode(key: &str, totals: &UsageTotals) -> Result<Vec<u8>, ClusterError> {
-    serde_json::to_vec(totals).map_err(|source| ClusterError::Serde {
-        op: "encode",
-        at: key.to_string(),
-        source,
-    })
-}
-
 #[async_trait]
 impl UsageStore for EtcdUsageStore {
+    /// An addition that meets too many concurrent writers fails (it is retried at the next
+    /// flush).
     async fn add(&self, key_id: &str, delta: &UsageTotals) -> Result<UsageTotals, ClusterError> {
         let key = self.keys.usage_key(key_id)?;
-        let mut kv = self.client.kv_client();
-        for _ in 0..MAX_CAS_ATTEMPTS {
-            let got = timed("usage get", self.timeout, kv.get(key.clone(), None)).await?;
-            let (mut totals, compare) = match got.kvs().first() {
-                Some(found) => (
-                    decode(&key, found.value())?,
-                    Compare::mod_revision(key.clone(), CompareOp::Equal, found.mod_revision()),
-                ),
-                None => (
-                    UsageTotals::default(),
-                    Compare::create_revision(key.clone(), CompareOp::Equal, 0),
-                ),
-            };
+        update_json(&self.client, &key, self.timeout, "usage txn", |current| {
+            let mut totals: UsageTotals = current.unwrap_or_default();
             totals.add(delta);
-            let txn = Txn::new()
-                .when([compare])
-                .and_then([TxnOp::put(key.clone(), encode(&key, &totals)?, None)]);
-            let done = timed("usage txn", self.timeout, kv.txn(txn)).await?;
-            if done.succeeded() {
-                return Ok(totals);
-            }
-        }
-        Err(ClusterError::EtcdConflict {
-            op: "usage txn",
-            attempts: MAX_CAS_ATTEMPTS,
+            totals
         })
+        .await
     }
 
     async fn list(&self) -> Result<BTreeMap<String, UsageTotals>, ClusterError> {

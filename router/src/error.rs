@@ -22,9 +22,10 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use tandem_cluster::{ClusterError, Role};
+use tandem_cluster::{ClusterError, LimitKind, Role};
 use tandem_tokenizer::TokenizerError;
 
+use crate::ratelimit::RateLimitStatus;
 use crate::request::Field;
 
 /// Status metadata key in which nodes say whether a retry on another pair may succeed
@@ -168,6 +169,18 @@ pub enum RouterError {
         /// The queue limit.
         max_queued: usize,
     },
+    /// The caller's API key is over one of its limits (see `ratelimit`).
+    #[error("rate limit reached for key `{key_id}`: {}", rate_limit_message(*limit, *retry_after, status))]
+    RateLimited {
+        /// The key id.
+        key_id: String,
+        /// The limit met.
+        limit: LimitKind,
+        /// When a retry may pass (`None`: never, the request is larger than the limit).
+        retry_after: Option<Duration>,
+        /// The key's limits and what is left of them (the `x-ratelimit-*` headers).
+        status: RateLimitStatus,
+    },
     /// The request waited in the admission queue for longer than allowed.
     #[error("overloaded: waited {waited:?} in the admission queue; retry later")]
     QueueTimeout {
@@ -304,6 +317,31 @@ pub enum RouterError {
     },
 }
 
+fn rate_limit_message(
+    limit: LimitKind,
+    retry_after: Option<Duration>,
+    status: &RateLimitStatus,
+) -> String {
+    let what = match limit {
+        LimitKind::Requests => format!(
+            "{} requests per second",
+            status.limits.requests_per_second.unwrap_or(0.0)
+        ),
+        LimitKind::Tokens => format!(
+            "{} tokens per minute (prompt + output)",
+            status.limits.tokens_per_minute.unwrap_or(0)
+        ),
+        LimitKind::Concurrency => format!(
+            "{} concurrent requests",
+            status.limits.max_concurrent_requests.unwrap_or(0)
+        ),
+    };
+    match retry_after {
+        Some(after) => format!("limit {what}; retry after {:.1} s", after.as_secs_f64()),
+        None => format!("limit {what}; this request alone exceeds it and can never pass"),
+    }
+}
+
 impl RouterError {
     /// Builds an [`RouterError::InvalidArgument`].
     pub fn invalid(field: Field, reason: impl Into<String>) -> Self {
@@ -365,6 +403,7 @@ impl RouterError {
                 | RouterError::MalformedBody { .. }
                 | RouterError::BodyTooLarge { .. }
                 | RouterError::ModelNotFound { .. }
+                | RouterError::RateLimited { .. }
         )
     }
 
@@ -376,6 +415,7 @@ impl RouterError {
             RouterError::MalformedBody { .. } => "malformed_body",
             RouterError::BodyTooLarge { .. } => "body_too_large",
             RouterError::ModelNotFound { .. } => "model_not_found",
+            RouterError::RateLimited { .. } => "rate_limited",
             RouterError::Overloaded { .. } => "overloaded",
             RouterError::QueueTimeout { .. } => "queue_timeout",
             RouterError::NoNodes { .. } => "no_nodes",

@@ -35,6 +35,12 @@ pub fn to_status(error: &RouterError) -> Status {
         }
         RouterError::MalformedBody { .. } => tonic::Code::InvalidArgument,
         RouterError::BodyTooLarge { .. } => tonic::Code::ResourceExhausted,
+        RouterError::RateLimited {
+            key_id,
+            limit,
+            retry_after,
+            ..
+        } => return rate_limited(message, key_id, *limit, *retry_after),
         RouterError::ModelNotFound { .. } => tonic::Code::NotFound,
         RouterError::Overloaded { .. }
         | RouterError::QueueTimeout { .. }
@@ -47,6 +53,36 @@ pub fn to_status(error: &RouterError) -> Status {
         _ => tonic::Code::Internal,
     };
     Status::new(code, message)
+}
+
+/// RESOURCE_EXHAUSTED with the google.rpc details a client's retry logic reads: `RetryInfo`
+/// (when a retry may pass; absent when the request alone is over the limit) and
+/// `QuotaFailure` (which key, which limit); `retry-after` / `retry-after-ms` metadata too.
+fn rate_limited(
+    message: String,
+    key_id: &str,
+    limit: tandem_cluster::LimitKind,
+    retry_after: Option<std::time::Duration>,
+) -> Status {
+    use tonic_types::{ErrorDetails, StatusExt};
+    let mut details = ErrorDetails::new();
+    details.add_quota_failure_violation(
+        format!("api_key:{key_id}"),
+        format!("{} limit reached", limit.as_str()),
+    );
+    let mut metadata = tonic::metadata::MetadataMap::new();
+    if let Some(after) = retry_after {
+        details.set_retry_info(Some(after));
+        let secs = (after.as_secs() + u64::from(after.subsec_nanos() > 0)).max(1);
+        metadata.insert("retry-after", secs.into());
+        metadata.insert("retry-after-ms", (after.as_millis().max(1) as u64).into());
+    }
+    Status::with_error_details_and_metadata(
+        tonic::Code::ResourceExhausted,
+        message,
+        details,
+        metadata,
+    )
 }
 
 /// `tandem.v1.Inference` over a [`Router`].
@@ -159,6 +195,7 @@ impl Inference for InferenceService {
         let traceparent = stream
             .traceparent()
             .and_then(|t| tonic::metadata::MetadataValue::try_from(t).ok());
+        let rate_limit = stream.rate_limit();
         // Dropping this stream (the client cancelled) drops the GenerationStream, which
         // cancels the request on the nodes.
         let responses = stream.map(|item| item.map(to_response).map_err(|e| to_status(&e)));
@@ -166,6 +203,11 @@ impl Inference for InferenceService {
         // The trace id goes back to the caller in the response metadata.
         if let Some(value) = traceparent {
             response.metadata_mut().insert(TRACEPARENT, value);
+        }
+        for (name, value) in rate_limit.iter().flat_map(|s| s.headers()) {
+            if let Ok(v) = tonic::metadata::MetadataValue::try_from(value) {
+                response.metadata_mut().insert(name, v);
+            }
         }
         Ok(response)
     }

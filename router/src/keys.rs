@@ -12,26 +12,36 @@
 //!   id = "team-search"          # the name usage is reported under
 //!   sha256 = "9f86d081884c..."  # hex SHA-256 of the secret (or: key = "sk-...")
 //!   admin = false               # admin keys may read /v1/usage of every key
+//!   requests_per_second = 5     # limits, each optional, held across every router
+//!   tokens_per_minute = 20000   #   (prompt + output tokens)
+//!   max_concurrent_requests = 4 #   (see `ratelimit`)
 //!   ```
+//!
+//! The file is read again on SIGHUP and when it changes ([`ApiKeys::reload`]); a file that
+//! does not parse leaves the keys loaded before in place (the error names the line).
 //!
 //! Only hashes are kept in memory. A presented key is hashed and compared against every
 //! entry in constant time (no early exit, so timing reveals nothing about near misses).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
+use tandem_cluster::KeyLimits;
 
 use crate::error::RouterError;
 
 /// Who is calling.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct KeyIdentity {
     /// The key's id (`anonymous` when authentication is off).
     pub id: Arc<str>,
     /// Whether the key may read every key's usage.
     pub admin: bool,
+    /// The key's limits (none set: unlimited).
+    pub limits: KeyLimits,
 }
 
 impl KeyIdentity {
@@ -40,6 +50,7 @@ impl KeyIdentity {
         KeyIdentity {
             id: Arc::from(ANONYMOUS),
             admin: true,
+            limits: KeyLimits::default(),
         }
     }
 }
@@ -52,12 +63,17 @@ struct Entry {
     id: Arc<str>,
     sha256: [u8; 32],
     admin: bool,
+    limits: KeyLimits,
 }
 
 /// The accepted API keys; empty means no authentication.
 #[derive(Clone, Debug, Default)]
 pub struct ApiKeys {
     entries: Vec<Entry>,
+    /// How many leading entries are operator keys (the rest came from `file`).
+    operator: usize,
+    /// The key file, read again by [`ApiKeys::reload`].
+    file: Option<PathBuf>,
 }
 
 #[derive(Deserialize)]
@@ -75,6 +91,9 @@ struct FileEntry {
     sha256: Option<String>,
     #[serde(default)]
     admin: bool,
+    requests_per_second: Option<f64>,
+    tokens_per_minute: Option<u64>,
+    max_concurrent_requests: Option<u32>,
 }
 
 fn sha256(secret: &str) -> [u8; 32] {
@@ -98,10 +117,38 @@ impl ApiKeys {
                         id: Arc::from(format!("key-{}", &hex(&h)[..8])),
                         sha256: h,
                         admin: true,
+                        limits: KeyLimits::default(),
                     }
                 })
-                .collect(),
+                .collect::<Vec<_>>(),
+            operator: 0,
+            file: None,
         }
+        .counted()
+    }
+
+    fn counted(mut self) -> Self {
+        self.operator = self.entries.len();
+        self
+    }
+
+    /// The key file these keys were read from, if any.
+    pub fn file(&self) -> Option<&Path> {
+        self.file.as_deref()
+    }
+
+    /// The same operator keys with the key file read again. Errors (the file's keys stay as
+    /// they were) name the file and, for syntax errors, the line.
+    pub fn reload(&self) -> Result<Self, RouterError> {
+        let Some(file) = &self.file else {
+            return Ok(self.clone());
+        };
+        let operator = ApiKeys {
+            entries: self.entries[..self.operator].to_vec(),
+            operator: self.operator,
+            file: None,
+        };
+        operator.with_file(file)
     }
 
     /// Adds the keys of a key file (see the module docs). Errors name the file and the entry.
@@ -121,6 +168,22 @@ impl ApiKeys {
             if self.entries.iter().any(|x| *x.id == *e.id) {
                 return Err(at("id is used twice"));
             }
+            let limits = KeyLimits {
+                requests_per_second: e.requests_per_second,
+                tokens_per_minute: e.tokens_per_minute,
+                max_concurrent_requests: e.max_concurrent_requests,
+            };
+            if limits
+                .requests_per_second
+                .is_some_and(|r| !(r.is_finite() && r > 0.0))
+            {
+                return Err(at("requests_per_second must be a positive number"));
+            }
+            if limits.tokens_per_minute == Some(0) || limits.max_concurrent_requests == Some(0) {
+                return Err(at(
+                    "tokens_per_minute and max_concurrent_requests must be positive (omit a limit for none)",
+                ));
+            }
             let h = match (&e.key, &e.sha256) {
                 (Some(k), None) if !k.is_empty() => sha256(k),
                 (None, Some(h)) => {
@@ -139,8 +202,10 @@ impl ApiKeys {
                 id: Arc::from(e.id.as_str()),
                 sha256: h,
                 admin: e.admin,
+                limits,
             });
         }
+        self.file = Some(path.to_path_buf());
         Ok(self)
     }
 
@@ -175,7 +240,12 @@ impl ApiKeys {
         // Compare with every entry in full, whatever matches, so timing reveals nothing.
         let mut found: Option<&Entry> = None;
         for e in &self.entries {
-            let eq = e.sha256.iter().zip(&h).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0;
+            let eq = e
+                .sha256
+                .iter()
+                .zip(&h)
+                .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+                == 0;
             if eq && found.is_none() {
                 found = Some(e);
             }
@@ -184,8 +254,67 @@ impl ApiKeys {
             .map(|e| KeyIdentity {
                 id: Arc::clone(&e.id),
                 admin: e.admin,
+                limits: e.limits,
             })
             .ok_or(RouterError::Unauthenticated)
+    }
+}
+
+/// How often the key file's modification time is checked.
+pub const KEY_FILE_POLL: Duration = Duration::from_secs(1);
+
+/// Reloads the router's key file on SIGHUP and when its modification time or size changes,
+/// until the router is gone. A failed reload is logged (file, line, what is wrong) and
+/// counted; the keys before stay in place.
+pub async fn watch_file(router: crate::pipeline::WeakRouter) {
+    let stamp = |path: &Path| {
+        std::fs::metadata(path)
+            .ok()
+            .map(|m| (m.modified().ok(), m.len()))
+    };
+    let Some(path) = router
+        .upgrade()
+        .and_then(|r| r.api_keys().file().map(Path::to_path_buf))
+    else {
+        return;
+    };
+    let mut seen = stamp(&path);
+    #[cfg(unix)]
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+    let mut tick = tokio::time::interval(KEY_FILE_POLL);
+    loop {
+        if router.upgrade().is_none() {
+            return;
+        }
+        #[cfg(unix)]
+        let hangup = async {
+            match hup.as_mut() {
+                Some(s) => s.recv().await,
+                None => std::future::pending().await,
+            }
+        };
+        #[cfg(not(unix))]
+        let hangup = std::future::pending::<Option<()>>();
+        let why = tokio::select! {
+            _ = hangup => "SIGHUP",
+            _ = tick.tick() => {
+                let now = stamp(&path);
+                if now == seen {
+                    continue;
+                }
+                seen = now;
+                "the file changed"
+            }
+        };
+        let Some(router) = router.upgrade() else {
+            return;
+        };
+        match router.reload_api_keys() {
+            Ok(n) => tracing::info!(file = %path.display(), keys = n, why, "API key file reloaded"),
+            Err(error) => {
+                tracing::error!(file = %path.display(), why, %error, "API key file not reloaded; the keys loaded before stay in place")
+            }
+        }
     }
 }
 
@@ -215,7 +344,10 @@ mod tests {
             keys.check(Some("Bearer sk-c")),
             Err(RouterError::Unauthenticated)
         ));
-        assert!(matches!(keys.check(None), Err(RouterError::Unauthenticated)));
+        assert!(matches!(
+            keys.check(None),
+            Err(RouterError::Unauthenticated)
+        ));
         assert!(keys.knows("team-a") && !keys.knows("team-z"));
         assert!(!format!("{keys:?}").contains("sk-a"), "no secret in memory");
         std::fs::remove_dir_all(&dir).unwrap();
@@ -228,8 +360,23 @@ mod tests {
         for (text, needle) in [
             ("[[key]]\nid = \"a\"\n", "exactly one of"),
             ("[[key]]\nid = \"a\"\nsha256 = \"zz\"\n", "64 hex"),
-            ("[[key]]\nid = \"a\"\nkey = \"x\"\n[[key]]\nid = \"a\"\nkey = \"y\"\n", "used twice"),
-            ("[[key]]\nid = \"a\"\nkey = \"x\"\nrole = \"boss\"\n", "unknown field"),
+            (
+                "[[key]]\nid = \"a\"\nkey = \"x\"\n[[key]]\nid = \"a\"\nkey = \"y\"\n",
+                "used twice",
+            ),
+            (
+                "[[key]]\nid = \"a\"\nkey = \"x\"\nrole = \"boss\"\n",
+                "unknown field",
+            ),
+            (
+                "[[key]]\nid = \"a\"\nkey = \"x\"\nrequests_per_second = -1\n",
+                "positive number",
+            ),
+            (
+                "[[key]]\nid = \"a\"\nkey = \"x\"\nmax_concurrent_requests = 0\n",
+                "must be positive",
+            ),
+            ("[[key]\nid = \"a\"\n", "line 1"),
         ] {
             let f = dir.join("k.toml");
             std::fs::write(&f, text).unwrap();
@@ -245,11 +392,48 @@ mod tests {
     }
 
     #[test]
+    fn limits_come_with_the_key_and_a_reload_keeps_operator_keys() {
+        let dir = std::env::temp_dir().join(format!("tandem-keys-limits-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("keys.toml");
+        std::fs::write(
+            &f,
+            "[[key]]\nid = \"a\"\nkey = \"sk-a\"\nrequests_per_second = 2.5\ntokens_per_minute = 100\n",
+        )
+        .unwrap();
+        let keys = ApiKeys::new(["sk-op".to_string()]).with_file(&f).unwrap();
+        let a = keys.check(Some("sk-a")).unwrap();
+        assert_eq!(
+            a.limits,
+            KeyLimits {
+                requests_per_second: Some(2.5),
+                tokens_per_minute: Some(100),
+                max_concurrent_requests: None,
+            }
+        );
+        assert!(keys.check(Some("sk-op")).unwrap().limits.is_unlimited());
+        std::fs::write(&f, "[[key]]\nid = \"b\"\nkey = \"sk-b\"\n").unwrap();
+        let reloaded = keys.reload().unwrap();
+        assert!(reloaded.check(Some("sk-b")).is_ok());
+        assert!(
+            reloaded.check(Some("sk-a")).is_err(),
+            "a key removed from the file is gone"
+        );
+        assert!(reloaded.check(Some("sk-op")).is_ok(), "operator keys stay");
+        std::fs::write(&f, "[[key]\n").unwrap();
+        assert!(keys.reload().is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn operator_keys_get_ids_from_their_hash_and_no_keys_means_anonymous() {
         let keys = ApiKeys::new(["sk-test".to_string()]);
         let id = keys.check(Some("Bearer sk-test")).unwrap();
         assert!(id.id.starts_with("key-") && id.id.len() == 12 && id.admin);
-        assert_eq!(ApiKeys::default().check(None).unwrap(), KeyIdentity::anonymous());
+        assert_eq!(
+            ApiKeys::default().check(None).unwrap(),
+            KeyIdentity::anonymous()
+        );
     }
 
     #[test]

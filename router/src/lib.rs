@@ -31,6 +31,7 @@ pub mod metrics;
 pub mod model;
 pub mod nodes;
 pub mod pipeline;
+pub mod ratelimit;
 pub mod request;
 pub mod routing;
 pub mod server;
@@ -43,10 +44,11 @@ pub use keys::{ApiKeys, KeyIdentity};
 pub use config::{RouterArgs, RouterConfig};
 pub use error::{NodeFault, RouterError, Step};
 pub use model::ServedModel;
+pub use ratelimit::{KeyPermit, RateLimitStatus, RateLimiter};
 pub use nodes::{NodeConnector, TcpConnector};
 pub use pipeline::{
     FinishReason, GenerationEvent, GenerationFinal, GenerationStream, RequestContext, Router,
-    RouterOptions, Usage,
+    RouterOptions, Stores, Usage,
 };
 pub use request::{Field, GenerateRequest, Priority, PromptInput, Sampling, TokenLimits};
 pub use server::{run, run_blocking, serve, serve_tls};

@@ -72,6 +72,15 @@ pub struct KeyTokenLabels {
     pub kind: &'static str,
 }
 
+/// Labels of the rate-limited counter.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KeyLimitLabels {
+    /// API key id.
+    pub key: String,
+    /// `requests`, `tokens` or `concurrency`.
+    pub limit: &'static str,
+}
+
 /// Labels of the per-key node-seconds counter.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KeyPoolLabels {
@@ -126,6 +135,8 @@ pub struct RouterMetrics {
     key_requests: Family<KeyLabels, Counter>,
     key_tokens: Family<KeyTokenLabels, Counter>,
     key_node_seconds: Family<KeyPoolLabels, Counter<f64, std::sync::atomic::AtomicU64>>,
+    rate_limited: Family<KeyLimitLabels, Counter>,
+    key_file_reloads: Family<ResultLabels, Counter>,
     /// Key ids given their own series so far (at most `max_key_ids`; the rest are `other`).
     key_ids: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
     max_key_ids: usize,
@@ -156,6 +167,8 @@ impl RouterMetrics {
             key_requests: Family::default(),
             key_tokens: Family::default(),
             key_node_seconds: Family::default(),
+            rate_limited: Family::default(),
+            key_file_reloads: Family::default(),
             key_ids: Arc::default(),
             max_key_ids: DEFAULT_MAX_KEY_IDS,
             canary_seconds: tm::histogram(buckets::CANARY_SECONDS),
@@ -232,6 +245,16 @@ impl RouterMetrics {
             "tandem_router_key_node_seconds",
             "Engine time of completed requests by API key id and pool",
             self.key_node_seconds.clone(),
+        );
+        r.register(
+            "tandem_router_rate_limited",
+            "Requests refused by their API key's limits, by key id and limit",
+            self.rate_limited.clone(),
+        );
+        r.register(
+            "tandem_router_key_file_reloads",
+            "Reloads of the API key file by result (ok; failed: the keys before stay loaded)",
+            self.key_file_reloads.clone(),
         );
         r.register(
             "tandem_router_canary_probes",
@@ -312,15 +335,7 @@ impl RouterMetrics {
     /// A completed request's usage under `key` (ids beyond the first `max_key_ids` share the
     /// label `other`: bounded cardinality).
     pub fn key_usage(&self, key: &str, u: &tandem_cluster::UsageTotals) {
-        let key = {
-            let mut ids = self.key_ids.lock().unwrap_or_else(|p| p.into_inner());
-            if ids.contains(key) || ids.len() < self.max_key_ids {
-                ids.insert(key.to_string());
-                key.to_string()
-            } else {
-                OTHER_KEYS.to_string()
-            }
-        };
+        let key = self.key_label(key);
         self.key_requests
             .get_or_create(&KeyLabels { key: key.clone() })
             .inc_by(u.requests);
@@ -347,6 +362,36 @@ impl RouterMetrics {
                 })
                 .inc_by(s);
         }
+    }
+
+    /// `key`, or `other` once `max_key_ids` ids have their own series (bounded cardinality).
+    fn key_label(&self, key: &str) -> String {
+        let mut ids = self.key_ids.lock().unwrap_or_else(|p| p.into_inner());
+        if ids.contains(key) || ids.len() < self.max_key_ids {
+            ids.insert(key.to_string());
+            key.to_string()
+        } else {
+            OTHER_KEYS.to_string()
+        }
+    }
+
+    /// A request was refused by its key's `limit`.
+    pub fn rate_limited(&self, key: &str, limit: tandem_cluster::LimitKind) {
+        let key = self.key_label(key);
+        self.rate_limited
+            .get_or_create(&KeyLimitLabels {
+                key,
+                limit: limit.as_str(),
+            })
+            .inc();
+    }
+
+    /// The key file was read again.
+    pub fn key_file_reload(&self, ok: bool) {
+        let result = if ok { "ok" } else { "failed" };
+        self.key_file_reloads
+            .get_or_create(&ResultLabels { result })
+            .inc();
     }
 
     /// A canary probe ended.
@@ -385,6 +430,28 @@ fn live_families(router: &Router) -> Vec<tm::Family> {
         .with(label("kind", "reserve_refused"), s.reserve_refusals as f64)
         .with(label("kind", "release"), s.releases as f64),
     ];
+    let limiter = router.rate_limiter().counts();
+    out.push(
+        tm::Family::counter(
+            "tandem_router_rate_limit_store_visits",
+            "Visits to the shared rate-limit records (etcd): lease refills, returns, admissions a lease did not cover.",
+        )
+        .with(Vec::new(), limiter.store_visits.load(std::sync::atomic::Ordering::Relaxed) as f64),
+    );
+    out.push(
+        tm::Family::counter(
+            "tandem_router_rate_limit_store_errors",
+            "Visits to the shared rate-limit records that failed; meanwhile this router limited each key alone.",
+        )
+        .with(Vec::new(), limiter.store_errors.load(std::sync::atomic::Ordering::Relaxed) as f64),
+    );
+    out.push(
+        tm::Family::counter(
+            "tandem_router_rate_limit_local_decisions",
+            "Lease visits decided on this router's own buckets because the shared store was down.",
+        )
+        .with(Vec::new(), limiter.local_decisions.load(std::sync::atomic::Ordering::Relaxed) as f64),
+    );
     let mut picks = tm::Family::counter(
         "tandem_router_routing_picks",
         "Node choices, by role and by source (NATS load reports or the router's own in-flight counts).",

@@ -87,6 +87,9 @@ pub async fn run(
         model.context_tokens = model.context_tokens.min(cap);
     }
     let router = start_with_retries(&config, model).await?;
+    if router.api_keys().file().is_some() {
+        tokio::spawn(crate::keys::watch_file(router.downgrade()));
+    }
     let bind = |server: &'static str, addr| async move {
         TcpListener::bind(addr)
             .await
@@ -140,7 +143,13 @@ async fn start_with_retries(
                 config.cluster.clone(),
             ))
             .await?;
-            let usage: Arc<dyn tandem_cluster::UsageStore> = Arc::new(etcd.usage_store());
+            let stores = crate::pipeline::Stores {
+                usage: Arc::new(etcd.usage_store()),
+                limits: Arc::new(
+                    etcd.rate_limit_store()
+                        .with_timeout(crate::ratelimit::STORE_TIMEOUT),
+                ),
+            };
             let discovery: Arc<dyn Discovery> = Arc::new(etcd);
             let connector = Arc::new(crate::nodes::TcpConnector {
                 tls: config.node_tls.clone(),
@@ -150,7 +159,7 @@ async fn start_with_retries(
                 config.options.clone(),
                 discovery,
                 signals,
-                usage,
+                stores,
                 connector,
             )
             .await

@@ -293,7 +293,7 @@ async fn the_router_reaches_nodes_over_mutual_tls_and_nothing_less() {
                 options(),
                 Arc::new(discovery),
                 Arc::new(loads),
-                Arc::new(tandem_cluster::MemoryUsageStore::default()),
+                tandem_router::Stores::memory(),
                 Arc::new(TcpConnector { tls }),
             )
             .await

@@ -157,6 +157,15 @@ impl EtcdDiscovery {
         )
     }
 
+    /// The per-key rate limits' shared records in this cluster's etcd, over the same client.
+    pub fn rate_limit_store(&self) -> crate::ratelimit::EtcdRateLimitStore {
+        crate::ratelimit::EtcdRateLimitStore::new(
+            self.inner.client.clone(),
+            self.inner.keys.clone(),
+            self.inner.config.request_timeout,
+        )
+    }
+
     /// The usage ledger in this cluster's etcd, over the same client.
     pub fn usage_store(&self) -> crate::usage::EtcdUsageStore {
         crate::usage::EtcdUsageStore::new(

@@ -108,6 +108,7 @@ async fn respond(
         include_usage,
     };
     let traceparent = generation.traceparent().map(str::to_owned);
+    let rate_limit = generation.rate_limit();
     let mut response = if stream {
         sse(meta, generation).into_response()
     } else {
@@ -116,6 +117,9 @@ async fn respond(
     // The trace id goes back to the client, whichever way the answer is sent.
     if let Some(value) = traceparent.and_then(|t| axum::http::HeaderValue::from_str(&t).ok()) {
         response.headers_mut().insert(TRACEPARENT, value);
+    }
+    if let Some(status) = rate_limit {
+        super::error::rate_limit_headers(response.headers_mut(), &status);
     }
     Ok(response)
 }

@@ -1,11 +1,14 @@
 //! OpenAI-shaped error responses: `{"error": {"message", "type", "param", "code"}}` with the
 //! status the README's error table gives (400, 401, 404, 429, 503, 500).
 
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
+use tandem_cluster::LimitKind;
+
 use crate::error::RouterError;
+use crate::ratelimit::RateLimitStatus;
 
 /// An error on its way to an HTTP client.
 #[derive(Debug)]
@@ -50,6 +53,16 @@ pub fn classify(error: &RouterError) -> (StatusCode, &'static str, Option<String
             Some("model".to_string()),
             "model_not_found",
         ),
+        RouterError::RateLimited { limit, .. } => (
+            StatusCode::TOO_MANY_REQUESTS,
+            match limit {
+                LimitKind::Tokens => "tokens",
+                LimitKind::Requests => "requests",
+                LimitKind::Concurrency => "concurrent_requests",
+            },
+            None,
+            "rate_limit_exceeded",
+        ),
         RouterError::Overloaded { .. }
         | RouterError::QueueTimeout { .. }
         | RouterError::NoCapacity { .. } => (
@@ -93,11 +106,34 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let (status, ..) = classify(&self.0);
         let mut response = (status, axum::Json(body(&self.0))).into_response();
-        if status == StatusCode::TOO_MANY_REQUESTS || status == StatusCode::SERVICE_UNAVAILABLE {
-            response
-                .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        let headers = response.headers_mut();
+        if let RouterError::RateLimited {
+            retry_after,
+            status,
+            ..
+        } = self.0.root()
+        {
+            rate_limit_headers(headers, status);
+            if let Some(after) = retry_after {
+                let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
+                let ms = after.as_millis().max(1);
+                headers.insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
+                headers.insert("retry-after-ms", HeaderValue::from(ms as u64));
+            }
+        } else if status == StatusCode::TOO_MANY_REQUESTS
+            || status == StatusCode::SERVICE_UNAVAILABLE
+        {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         response
+    }
+}
+
+/// The `x-ratelimit-*` headers of a limited key's response (every response, not only 429s).
+pub fn rate_limit_headers(headers: &mut HeaderMap, status: &RateLimitStatus) {
+    for (name, value) in status.headers() {
+        if let Ok(v) = HeaderValue::from_str(&value) {
+            headers.insert(name, v);
+        }
     }
 }

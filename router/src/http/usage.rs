@@ -87,7 +87,7 @@ pub(super) async fn one(
             "forbidden",
         ));
     }
-    if !router.options().api_keys.knows(&key_id) {
+    if !router.api_keys().knows(&key_id) {
         return Ok(error(
             StatusCode::NOT_FOUND,
             format!("no API key with id `{key_id}`"),

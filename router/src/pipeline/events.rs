@@ -95,6 +95,7 @@ pub enum GenerationEvent {
 pub struct GenerationStream {
     pub(super) request_id: String,
     pub(super) prompt_tokens: u32,
+    pub(super) rate_limit: Option<crate::ratelimit::RateLimitStatus>,
     pub(super) traceparent: Option<String>,
     pub(super) first: Option<Result<GenerationEvent, RouterError>>,
     pub(super) events: mpsc::Receiver<Result<GenerationEvent, RouterError>>,
@@ -109,6 +110,11 @@ impl GenerationStream {
     /// Prompt length in tokens.
     pub fn prompt_tokens(&self) -> u32 {
         self.prompt_tokens
+    }
+
+    /// The caller's key's limits and what is left of them (none: the key has no limits).
+    pub fn rate_limit(&self) -> Option<crate::ratelimit::RateLimitStatus> {
+        self.rate_limit
     }
 
     /// The W3C `traceparent` of the request's `router.request` span (for the response), when

@@ -4,6 +4,7 @@
 //! ```text
 //!  generate(request)
 //!    prepare (validate, tokenize)        ── InvalidArgument / ModelNotFound
+//!    the key's limits (ratelimit.rs)     ── RateLimited (429 / RESOURCE_EXHAUSTED)
 //!    a prefill and a decode node exist?  ── NoNodes (UNAVAILABLE)
 //!    admission.acquire(priority)         ── Overloaded / QueueTimeout (RESOURCE_EXHAUSTED)
 //!    spawn the request task ──────────────────────────────────────────────┐
@@ -40,7 +41,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use tandem_cluster::{Discovery, LoadSignals, Role, UsageStore};
+use tandem_cluster::{Discovery, LoadSignals, MemoryRateLimitStore, RateLimitStore, Role, UsageStore};
 use tandem_telemetry::trace::propagation::{self, RemoteParent};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -53,6 +54,7 @@ use crate::usage::{CostModel, Ledger};
 use crate::error::RouterError;
 use crate::metrics::RouterMetrics;
 use crate::model::ServedModel;
+use crate::ratelimit::RateLimiter;
 use crate::nodes::{ChannelSettings, NodePool};
 use crate::request::{GenerateRequest, TokenLimits, prepare};
 use crate::routing::{FreeBlocksDecodePolicy, ShortestQueuePrefillPolicy};
@@ -88,6 +90,25 @@ pub struct RouterOptions {
     pub cost: CostModel,
 }
 
+/// Where a router keeps what it shares with the other routers.
+#[derive(Clone, Debug)]
+pub struct Stores {
+    /// The usage ledger.
+    pub usage: Arc<dyn UsageStore>,
+    /// The per-key rate limits' buckets.
+    pub limits: Arc<dyn RateLimitStore>,
+}
+
+impl Stores {
+    /// In-process stores: usage and limits of this router alone (tests, one-router setups).
+    pub fn memory() -> Self {
+        Stores {
+            usage: Arc::new(tandem_cluster::MemoryUsageStore::default()),
+            limits: Arc::new(MemoryRateLimitStore::default()),
+        }
+    }
+}
+
 /// Shared state of a router.
 #[derive(Debug)]
 pub(crate) struct Inner {
@@ -99,6 +120,9 @@ pub(crate) struct Inner {
     stats: Arc<RouterStats>,
     metrics: RouterMetrics,
     ledger: Arc<Ledger>,
+    /// The API keys now (the key file is reloaded in place).
+    keys: std::sync::RwLock<Arc<ApiKeys>>,
+    limiter: Arc<RateLimiter>,
     canary: std::sync::Mutex<CanaryState>,
     /// Bumped after every canary round (health watchers re-evaluate).
     canary_rounds: tokio::sync::watch::Sender<u64>,
@@ -153,17 +177,17 @@ impl WeakRouter {
 
 impl Router {
     /// Starts a router for `model`: watches both roles' membership and load reports, and keeps
-    /// usage in `usage` (etcd in production). Fails if the first listing of either role fails
-    /// (the control plane is unreachable at startup).
+    /// usage and rate limits in `stores` (etcd in production). Fails if the first listing of
+    /// either role fails (the control plane is unreachable at startup).
     pub async fn start(
         model: ServedModel,
         options: RouterOptions,
         discovery: Arc<dyn Discovery>,
         signals: Arc<dyn LoadSignals>,
-        usage: Arc<dyn UsageStore>,
+        stores: Stores,
     ) -> Result<Self, RouterError> {
         let tcp = Arc::new(crate::nodes::TcpConnector::default());
-        Self::start_with_connector(model, options, discovery, signals, usage, tcp).await
+        Self::start_with_connector(model, options, discovery, signals, stores, tcp).await
     }
 
     /// [`Router::start`] with node connections carried by `connector` instead of TCP (the
@@ -173,7 +197,7 @@ impl Router {
         options: RouterOptions,
         discovery: Arc<dyn Discovery>,
         signals: Arc<dyn LoadSignals>,
-        usage: Arc<dyn UsageStore>,
+        stores: Stores,
         connector: Arc<dyn crate::nodes::NodeConnector>,
     ) -> Result<Self, RouterError> {
         let stats = Arc::new(RouterStats::default());
@@ -219,7 +243,9 @@ impl Router {
         let router = Self {
             inner: Arc::new(Inner {
                 metrics: metrics.clone(),
-                ledger: Arc::new(Ledger::new(usage)),
+                ledger: Arc::new(Ledger::new(stores.usage)),
+                keys: std::sync::RwLock::new(Arc::new(options.api_keys.clone())),
+                limiter: RateLimiter::new(stores.limits, format!("router-{id_prefix}")),
                 canary: std::sync::Mutex::new(CanaryState::default()),
                 canary_rounds: tokio::sync::watch::Sender::new(0),
                 canary_prompt,
@@ -236,6 +262,7 @@ impl Router {
             }),
         };
         metrics.install(&router);
+        tokio::spawn(Arc::clone(&router.inner.limiter).maintain(router.inner.shutdown.clone()));
         tokio::spawn(crate::usage::flush_loop(
             Arc::clone(&router.inner.ledger),
             router.inner.shutdown.clone(),
@@ -282,9 +309,30 @@ impl Router {
         &self.inner.options
     }
 
-    /// Checks an `Authorization` value against the configured API keys and names the caller.
+    /// Checks an `Authorization` value against the API keys and names the caller.
     pub fn authorize(&self, authorization: Option<&str>) -> Result<KeyIdentity, RouterError> {
-        self.inner.options.api_keys.check(authorization)
+        self.api_keys().check(authorization)
+    }
+
+    /// The API keys now (the key file may have been reloaded since the router started).
+    pub fn api_keys(&self) -> Arc<ApiKeys> {
+        Arc::clone(&self.inner.keys.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Reads the key file again (SIGHUP, or the file changed). On an error the keys loaded
+    /// before stay in place; the error names the file and line.
+    pub fn reload_api_keys(&self) -> Result<usize, RouterError> {
+        let result = self.api_keys().reload();
+        self.inner.metrics.key_file_reload(result.is_ok());
+        let keys = result?;
+        let n = keys.ids().len();
+        *self.inner.keys.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(keys);
+        Ok(n)
+    }
+
+    /// The per-key rate limiter.
+    pub fn rate_limiter(&self) -> &Arc<RateLimiter> {
+        &self.inner.limiter
     }
 
     /// The usage ledger.
@@ -407,12 +455,13 @@ impl Router {
             tandem.ttft_ms = tracing::field::Empty,
             tandem.attempts = tracing::field::Empty,
             tandem.key_id = %context.key.id,
+            tandem.rate_limit = tracing::field::Empty,
             error.type = tracing::field::Empty,
         );
         propagation::adopt(&span, context.parent);
         let traceparent = propagation::traceparent(&span);
         let result = self
-            .start_request(request, started, span.clone(), context.key.id)
+            .start_request(request, started, span.clone(), context.key)
             .instrument(span.clone())
             .await;
         match result {
@@ -438,7 +487,7 @@ impl Router {
         request: GenerateRequest,
         started: Instant,
         span: tracing::Span,
-        key_id: Arc<str>,
+        key: KeyIdentity,
     ) -> Result<GenerationStream, RouterError> {
         let inner = &self.inner;
         let prepared = prepare(&inner.model, inner.options.tokens, request, || {
@@ -464,6 +513,19 @@ impl Router {
                 return Err(RouterError::NoNodes { role });
             }
         }
+        let key_permit = inner
+            .limiter
+            .admit(&key.id, key.limits, prepared.prompt_tokens())
+            .await
+            .inspect_err(|e| {
+                if let RouterError::RateLimited { limit, .. } = e {
+                    inner.metrics.rate_limited(&key.id, *limit);
+                }
+            })?;
+        if key_permit.fallback {
+            span.record("tandem.rate_limit", "local");
+        }
+        let rate_limit = key_permit.status();
         let admit = tracing::info_span!(
             "router.admit",
             tandem.priority = prepared.priority.as_str(),
@@ -487,11 +549,11 @@ impl Router {
             task::run_request(
                 Arc::clone(inner),
                 prepared,
-                permit,
+                (permit, key_permit),
                 events_tx,
                 started,
                 span.clone(),
-                key_id,
+                key.id,
             )
             .instrument(span),
         );
@@ -499,6 +561,7 @@ impl Router {
             Some(Ok(first)) => Ok(GenerationStream {
                 request_id,
                 prompt_tokens,
+                rate_limit,
                 traceparent: None,
                 first: Some(Ok(first)),
                 events,

@@ -15,6 +15,7 @@ use tracing::Instrument;
 use super::attempt::AttemptState;
 use super::{FinishReason, GenerationEvent, GenerationFinal, Inner, Usage};
 use crate::admission::Permit;
+use crate::ratelimit::KeyPermit;
 use crate::error::{NodeFault, RouterError};
 use crate::request::PreparedRequest;
 use crate::stats::bump;
@@ -23,17 +24,22 @@ use crate::stats::bump;
 pub(super) async fn run_request(
     inner: Arc<Inner>,
     request: PreparedRequest,
-    permit: Permit,
+    (permit, key_permit): (Permit, KeyPermit),
     events: mpsc::Sender<Result<GenerationEvent, RouterError>>,
     started: Instant,
     span: tracing::Span,
     key_id: Arc<str>,
 ) {
+    let mut state = AttemptState::new(&inner, &request, &events, started, span.clone());
+    state.key_id = Some(key_id);
     let outcome = tokio::select! {
         biased;
         _ = events.closed() => Err(RouterError::Cancelled),
-        outcome = drive(&inner, &request, &events, started, span.clone(), key_id) => outcome,
+        outcome = drive(&inner, &request, &mut state, span.clone()) => outcome,
     };
+    // What the key's tokens-per-minute limit counts beyond the prompt: the output sent.
+    key_permit.spend_output(state.tokens_sent());
+    drop(state);
     match outcome {
         Ok(()) => bump(&inner.stats.completed),
         Err(RouterError::Cancelled) => {
@@ -51,6 +57,7 @@ pub(super) async fn run_request(
         }
     }
     drop(permit);
+    drop(key_permit);
 }
 
 /// Attempts `request` until it succeeds or fails for good. Each attempt is a `router.attempt`
@@ -58,13 +65,9 @@ pub(super) async fn run_request(
 async fn drive(
     inner: &Inner,
     request: &PreparedRequest,
-    events: &mpsc::Sender<Result<GenerationEvent, RouterError>>,
-    started: Instant,
+    state: &mut AttemptState<'_>,
     request_span: tracing::Span,
-    key_id: Arc<str>,
 ) -> Result<(), RouterError> {
-    let mut state = AttemptState::new(inner, request, events, started, request_span.clone());
-    state.key_id = Some(key_id);
     let max_attempts = inner.options.max_attempts.max(1);
     let mut attempts = 0;
     let mut reason: &'static str = "first";
@@ -90,7 +93,7 @@ async fn drive(
         if sent > 0 && error.is_retry_safe() && state.tokens_left() == 0 {
             // Every token arrived; only the final message was lost.
             tracing::warn!(request_id = %request.request_id, %error, "final message lost after the last token; finishing the stream here");
-            return finish_without_node(&mut state).await;
+            return finish_without_node(state).await;
         }
         if !error.is_retry_safe() || attempts >= max_attempts {
             return Err(match (sent, error.is_retry_safe()) {

@@ -168,13 +168,17 @@ pub async fn start_router(
     signals: Arc<dyn LoadSignals>,
     options: RouterOptions,
 ) -> RunningRouter {
-    let router = Router::start(
-        model(),
-        options,
-        discovery,
-        signals,
-        std::sync::Arc::new(tandem_cluster::MemoryUsageStore::default()),
-    )
+    start_router_with(discovery, signals, options, tandem_router::Stores::memory()).await
+}
+
+/// [`start_router`] keeping usage and rate limits in `stores`.
+pub async fn start_router_with(
+    discovery: Arc<dyn Discovery>,
+    signals: Arc<dyn LoadSignals>,
+    options: RouterOptions,
+    stores: tandem_router::Stores,
+) -> RunningRouter {
+    let router = Router::start(model(), options, discovery, signals, stores)
         .await
         .expect("router starts");
     let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();

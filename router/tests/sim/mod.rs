@@ -36,7 +36,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use tandem_cluster::{MemoryDiscovery, MemoryLoadSignals, MemoryUsageStore};
+use tandem_cluster::{MemoryDiscovery, MemoryLoadSignals};
 use tandem_router::{
     GenerateRequest, GenerationEvent, PromptInput, Router, RouterOptions, Sampling, ServedModel,
 };
@@ -268,7 +268,7 @@ pub fn run_seed(seed: u64, model: ServedModel) -> Report {
                 options(),
                 Arc::new(discovery),
                 Arc::new(MemoryLoadSignals::new("sim")?),
-                Arc::new(MemoryUsageStore::default()),
+                tandem_router::Stores::memory(),
                 Arc::new(net::SimConnector),
             )
             .await?;
