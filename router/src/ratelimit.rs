@@ -188,9 +188,14 @@ impl Lease {
         self.limits.max_concurrent_requests.unwrap_or(0) / LEASE_DIVISOR as u32
     }
 
-    /// Whether it holds more slots than it runs and may keep.
+    /// Whether it holds more slots than it runs and may keep: none spare for small limits
+    /// (a slot goes back when its request ends), else up to twice the spare allowance before
+    /// the surplus goes back (so a steady key does not visit the record per request).
     fn slots_spare(&self) -> bool {
-        self.slots_held > self.running + self.slot_spare()
+        match self.slot_spare() {
+            0 => self.slots_held > self.running,
+            spare => self.slots_held > self.running + 2 * spare,
+        }
     }
 
     /// Whether a background refill should top the lease up (leases of more than one request
@@ -226,7 +231,7 @@ impl Lease {
                 0.0
             },
             slots_running: self.running,
-            slots_wanted: self.running + admit + admit * self.slot_spare(),
+            slots_wanted: self.running + admit + self.slot_spare(),
             ..Ask::default()
         }
     }
