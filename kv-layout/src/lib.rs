@@ -32,6 +32,8 @@
 //! - [`KvLayout::fingerprint`] is stable across processes, machines and releases: it hashes a
 //!   fixed little-endian encoding, never a `Debug` string or a `Hash` impl.
 
+pub mod prefix;
+
 use serde::{Deserialize, Serialize};
 use std::fmt;
 

@@ -140,6 +140,22 @@ impl Engine {
         &self.sched
     }
 
+    /// Starts logging prefix-cache changes (nodes publish them as KV events).
+    pub fn log_cache_events(&mut self) {
+        self.sched.log_cache_events();
+    }
+
+    /// The prefix-cache changes since the last call; `None` when some were dropped (read
+    /// [`cached_hashes`](Self::cached_hashes) instead), or when logging is off.
+    pub fn drain_cache_events(&mut self) -> Option<Vec<crate::kv::CacheEvent>> {
+        self.sched.drain_cache_events()
+    }
+
+    /// Every block hash the prefix cache holds now.
+    pub fn cached_hashes(&self) -> Vec<u64> {
+        self.sched.blocks().cached_hashes()
+    }
+
     /// Counters since start.
     pub fn stats(&self) -> EngineStats {
         self.stats

@@ -20,15 +20,20 @@ pub type BlockId = u32;
 
 const NIL: u32 = u32::MAX;
 
-/// Chained hash of a full block: depends on every token before it (through `prev`) and its own.
-pub fn hash_block(prev: u64, tokens: &[u32]) -> u64 {
-    let mut buf = Vec::with_capacity(8 + tokens.len() * 4);
-    buf.extend_from_slice(&prev.to_le_bytes());
-    for t in tokens {
-        buf.extend_from_slice(&t.to_le_bytes());
-    }
-    xxhash_rust::xxh3::xxh3_64(&buf)
+pub use tandem_kv_layout::prefix::hash_block;
+
+/// A change to the prefix cache's contents, for nodes that publish them (KV events).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheEvent {
+    /// A full block's content became findable under this hash.
+    Stored(u64),
+    /// The block cached under this hash was handed out for new content.
+    Removed(u64),
 }
+
+/// Events kept before a drain at most; past it the log is dropped and marked overflowed (the
+/// reader then needs the whole set, [`BlockManager::cached_hashes`]).
+pub const MAX_LOGGED_EVENTS: usize = 1 << 16;
 
 /// Reference-counted blocks with a prefix cache. Not thread-safe: owned by the engine thread.
 #[derive(Debug)]
@@ -44,6 +49,10 @@ pub struct BlockManager {
     num_free: usize,
     /// Cached blocks handed out again for new content (prefix cache evictions).
     pub evictions: u64,
+    /// Cache changes since the last drain, when logging is on.
+    events: Option<Vec<CacheEvent>>,
+    /// Events were dropped since the last drain (the log outgrew its bound).
+    overflowed: bool,
 }
 
 impl BlockManager {
@@ -61,6 +70,8 @@ impl BlockManager {
             tail: NIL,
             num_free: 0,
             evictions: 0,
+            events: None,
+            overflowed: false,
         };
         for b in 0..num_blocks as u32 {
             m.push_back(b);
@@ -109,6 +120,7 @@ impl BlockManager {
         if let Some(h) = self.hash[b as usize].take() {
             self.cached.remove(&h);
             self.evictions += 1;
+            self.log(CacheEvent::Removed(h));
         }
         self.ref_count[b as usize] = 1;
         Some(b)
@@ -160,6 +172,40 @@ impl BlockManager {
         }
         self.hash[block as usize] = Some(hash);
         self.cached.insert(hash, block);
+        self.log(CacheEvent::Stored(hash));
+    }
+
+    /// Starts (or stops) logging cache changes for [`drain_events`](Self::drain_events).
+    pub fn log_events(&mut self, on: bool) {
+        self.events = on.then(Vec::new);
+        self.overflowed = false;
+    }
+
+    fn log(&mut self, event: CacheEvent) {
+        if let Some(log) = &mut self.events {
+            if log.len() >= MAX_LOGGED_EVENTS {
+                log.clear();
+                self.overflowed = true;
+            } else if !self.overflowed {
+                log.push(event);
+            }
+        }
+    }
+
+    /// The changes since the last drain, in order; `None` when some were dropped (the log
+    /// outgrew [`MAX_LOGGED_EVENTS`]): read [`cached_hashes`](Self::cached_hashes) instead.
+    pub fn drain_events(&mut self) -> Option<Vec<CacheEvent>> {
+        let log = self.events.as_mut()?;
+        let events = std::mem::take(log);
+        if std::mem::take(&mut self.overflowed) {
+            return None;
+        }
+        Some(events)
+    }
+
+    /// Every hash the cache holds now (held or free blocks), in no particular order.
+    pub fn cached_hashes(&self) -> Vec<u64> {
+        self.cached.keys().copied().collect()
     }
 
     /// Cached blocks (held or free).
@@ -252,12 +298,31 @@ mod tests {
     }
 
     #[test]
-    fn chained_hash_depends_on_every_earlier_block() {
-        let h1 = hash_block(0, &[1, 2, 3, 4]);
-        let h2 = hash_block(h1, &[5, 6, 7, 8]);
-        let other = hash_block(hash_block(0, &[1, 2, 3, 9]), &[5, 6, 7, 8]);
-        assert_ne!(h2, other);
-        assert_eq!(h2, hash_block(hash_block(0, &[1, 2, 3, 4]), &[5, 6, 7, 8]));
+    fn logged_events_follow_the_cache_and_an_overflow_says_so() {
+        let mut m = BlockManager::new(2);
+        assert_eq!(m.drain_events(), None, "not logging");
+        m.log_events(true);
+        let a = m.allocate().unwrap();
+        m.cache_full_block(a, 7);
+        m.cache_full_block(a, 8); // already cached: no event
+        m.release(a);
+        let _b = m.allocate().unwrap();
+        let again = m.allocate().unwrap();
+        assert_eq!(again, a);
+        assert_eq!(
+            m.drain_events(),
+            Some(vec![CacheEvent::Stored(7), CacheEvent::Removed(7)])
+        );
+        assert_eq!(m.drain_events(), Some(vec![]));
+        m.release(again);
+        for i in 0..=MAX_LOGGED_EVENTS as u64 / 2 {
+            let b = m.allocate().unwrap();
+            m.cache_full_block(b, 100 + i);
+            m.release(b);
+        }
+        assert_eq!(m.drain_events(), None, "overflowed");
+        assert_eq!(m.cached_hashes().len(), m.num_cached());
+        assert_eq!(m.drain_events(), Some(vec![]), "logging goes on after an overflow");
     }
 
     #[test]

@@ -7,5 +7,5 @@
 pub mod block_manager;
 pub mod pool;
 
-pub use block_manager::{BlockId, BlockManager, hash_block};
+pub use block_manager::{BlockId, BlockManager, CacheEvent, hash_block};
 pub use pool::{KvBacking, KvPool};

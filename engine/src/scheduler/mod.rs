@@ -202,6 +202,16 @@ impl Scheduler {
         &self.blocks
     }
 
+    /// Starts logging prefix-cache changes ([`BlockManager::log_events`]).
+    pub fn log_cache_events(&mut self) {
+        self.blocks.log_events(true);
+    }
+
+    /// The prefix-cache changes since the last drain ([`BlockManager::drain_events`]).
+    pub fn drain_cache_events(&mut self) -> Option<Vec<crate::kv::CacheEvent>> {
+        self.blocks.drain_events()
+    }
+
     /// Sequences admitted and running.
     pub fn num_running(&self) -> usize {
         self.running.len()
