@@ -43,7 +43,7 @@ pub use discovery::{
 pub use error::ClusterError;
 pub use keys::ClusterKeys;
 pub use load::{
-    DEFAULT_LOAD_PERIOD, LoadPublisher, LoadReport, LoadSignals, LoadSignalsStatus, LoadView,
+    KvEventBatch, KvEventBody, DEFAULT_LOAD_PERIOD, LoadPublisher, LoadReport, LoadSignals, LoadSignalsStatus, LoadView,
     MemoryLoadSignals, NatsConfig, NatsLoadSignals, ReceivedReport,
 };
 pub use node::{ClusterLayout, NodeInfo, NodeState, NodeView, Role};

@@ -148,6 +148,7 @@ impl DecodeNode {
             engine_thread::SpawnOptions {
                 step_seconds: Some(metrics.step_histogram()),
                 panic_after_steps: args.node.fault_engine_panic_after_steps,
+                cache_events: None,
             },
             move |_ctx| {
                 let (engine, registration) = model::build_engine(&engine_args, &*alloc)?;

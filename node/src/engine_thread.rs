@@ -175,12 +175,14 @@ impl<C> Clone for EngineHandle<C> {
 }
 
 /// What [`spawn_with`] may add to an engine thread.
-#[derive(Clone, Debug, Default)]
+#[derive(Debug, Default)]
 pub struct SpawnOptions {
     /// Observes every step's duration (a node's `tandem_node_step_duration_seconds`).
     pub step_seconds: Option<Histogram>,
     /// Fault injection (drills and tests): the thread panics after this many steps.
     pub panic_after_steps: Option<u64>,
+    /// Where the prefix cache's changes go (KV events), if the node publishes them.
+    pub cache_events: Option<crate::kv_events::CacheEventSink>,
 }
 
 impl<C: Send + 'static> EngineHandle<C> {
@@ -362,6 +364,10 @@ fn run_loop<D: Driver>(
     options: SpawnOptions,
 ) -> Exit {
     let step_seconds = options.step_seconds;
+    let mut cache_events = options.cache_events;
+    if let Some(sink) = &mut cache_events {
+        sink.start(&mut engine);
+    }
     let mut steps_taken = 0u64;
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let mut meter = RateMeter {
@@ -421,6 +427,9 @@ fn run_loop<D: Driver>(
             }
             let rate = meter.update(engine.stats(), Instant::now());
             publish(&snap_tx, &engine, rate, batch);
+            if let Some(sink) = &mut cache_events {
+                sink.tick(&mut engine);
+            }
         }
     }));
     let exit = if result.is_err() {

@@ -18,6 +18,7 @@
 //! | [`model`], [`fetch`] | resolving (fetching the default) and loading the model into transport memory |
 //! | [`transport`] | choosing UCX/TCP, KV addresses (`ucx://host:port`), the [`TransferBacking`](transport::TransferBacking) adapter |
 //! | [`server`] | the tonic server with `grpc.health.v1.Health` and server reflection |
+//! | [`kv_events`] | publishing the prefix cache's contents (KV events) for cache-aware routing |
 //! | [`membership`] | etcd registration (retry at startup, layout refusal) and NATS load reports |
 //! | [`lifecycle`] | admission while draining, in-flight tracking, signals, the phased shutdown |
 //! | [`metrics`] | every metric family of a node, its `/metrics` endpoint |
@@ -37,6 +38,7 @@ pub mod engine_thread;
 pub mod env_names;
 pub mod error;
 pub mod fetch;
+pub mod kv_events;
 pub mod lifecycle;
 pub mod membership;
 pub mod metrics;

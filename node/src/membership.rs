@@ -202,6 +202,11 @@ async fn forward(mut snapshots: watch::Receiver<EngineSnapshot>, load: watch::Se
 }
 
 impl Membership {
+    /// The load-signal transport this node joined with (its KV events go there too).
+    pub fn signals(&self) -> Arc<dyn LoadSignals> {
+        Arc::clone(&self.signals)
+    }
+
     /// Hands the registration state, lease failures and NATS status to `metrics`.
     pub fn export_to(&self, metrics: &crate::metrics::NodeMetrics) {
         metrics.watch_control_plane(

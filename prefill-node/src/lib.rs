@@ -139,12 +139,15 @@ impl PrefillNode {
         }
         let engine_args = args.node.engine.clone();
         let driver_metrics = metrics.clone();
+        // The prefix cache's contents go to routers as KV events (cache-aware routing).
+        let (cache_sink, cache_source) = tandem_node::kv_events::channel();
         let (engine, (layout, num_blocks, kinds)) = engine_thread::spawn_with(
             "prefill-engine",
             COMMAND_QUEUE,
             engine_thread::SpawnOptions {
                 step_seconds: Some(metrics.step_histogram()),
                 panic_after_steps: args.node.fault_engine_panic_after_steps,
+                cache_events: Some(cache_sink),
             },
             move |ctx| {
                 let (engine, registration) = model::build_engine(&engine_args, &*primary)?;
@@ -241,6 +244,13 @@ impl PrefillNode {
         {
             Ok(m) => {
                 m.export_to(&metrics);
+                tokio::spawn(tandem_node::kv_events::publish(
+                    cache_source,
+                    m.signals(),
+                    node_id.clone(),
+                    layout.block_size_tokens as u32,
+                    plan.background.clone(),
+                ));
                 if let Err(e) = lifecycle::warm_up(&m, kind, layout).await {
                     plan.membership = Some(m);
                     return Err(plan.abort("warm-up", e.to_string()).await);

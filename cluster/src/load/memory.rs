@@ -12,9 +12,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use async_trait::async_trait;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 
-use super::{LoadReport, LoadSignals, LoadSignalsStatus, LoadView, ReceivedReport, StatusCell};
+use super::{KvEventBatch, LoadReport, LoadSignals, LoadSignalsStatus, LoadView, ReceivedReport, StatusCell};
 use crate::error::ClusterError;
 use crate::keys::ClusterKeys;
 use crate::node::Role;
@@ -29,6 +29,7 @@ pub struct MemoryLoadSignals {
 struct Shared {
     keys: ClusterKeys,
     subscribers: Mutex<Vec<(Role, watch::Sender<LoadView>)>>,
+    kv_subscribers: Mutex<Vec<mpsc::Sender<KvEventBatch>>>,
     available: AtomicBool,
     status: StatusCell,
 }
@@ -40,6 +41,7 @@ impl MemoryLoadSignals {
             shared: Arc::new(Shared {
                 keys: ClusterKeys::new(cluster)?,
                 subscribers: Mutex::new(Vec::new()),
+                kv_subscribers: Mutex::new(Vec::new()),
                 available: AtomicBool::new(true),
                 status: StatusCell::new(true),
             }),
@@ -110,5 +112,36 @@ impl LoadSignals for MemoryLoadSignals {
 
     fn status(&self) -> watch::Receiver<LoadSignalsStatus> {
         self.shared.status.subscribe()
+    }
+
+    async fn publish_kv_events(&self, batch: &KvEventBatch) -> Result<(), ClusterError> {
+        self.shared.keys.kv_subject(&batch.node_id)?;
+        if !self.shared.available.load(Ordering::SeqCst) {
+            return Err(ClusterError::Unavailable {
+                service: "memory",
+                op: "publish kv events",
+            });
+        }
+        let mut subscribers = self
+            .shared
+            .kv_subscribers
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        subscribers.retain(|tx| !tx.is_closed());
+        for tx in subscribers.iter() {
+            // A full queue drops the message, as a slow NATS subscriber would lose it.
+            let _ = tx.try_send(batch.clone());
+        }
+        Ok(())
+    }
+
+    async fn subscribe_kv_events(&self) -> Result<mpsc::Receiver<KvEventBatch>, ClusterError> {
+        let (tx, rx) = mpsc::channel(super::kv_events::KV_EVENT_QUEUE);
+        self.shared
+            .kv_subscribers
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .push(tx);
+        Ok(rx)
     }
 }

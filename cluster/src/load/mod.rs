@@ -22,6 +22,7 @@
 //!
 //! [`LoadSignalsStatus`] says whether the transport is connected and what failed last.
 
+pub mod kv_events;
 mod memory;
 mod nats;
 mod publisher;
@@ -36,6 +37,7 @@ use tokio::sync::watch;
 use crate::error::ClusterError;
 use crate::node::Role;
 
+pub use kv_events::{KvEventBatch, KvEventBody};
 pub use memory::MemoryLoadSignals;
 pub use nats::{NatsConfig, NatsLoadSignals};
 pub use publisher::{DEFAULT_LOAD_PERIOD, LoadPublisher};
@@ -151,6 +153,27 @@ pub trait LoadSignals: Send + Sync + 'static {
     /// The transport's health; notifies when `connected` or `last_error` change (the counters
     /// update silently).
     fn status(&self) -> watch::Receiver<LoadSignalsStatus>;
+
+    /// Sends one batch of a node's KV events ([`kv_events`]); fails fast while the transport
+    /// is down. Transports without KV events refuse.
+    async fn publish_kv_events(&self, batch: &KvEventBatch) -> Result<(), ClusterError> {
+        let _ = batch;
+        Err(ClusterError::Unavailable {
+            service: "kv events",
+            op: "publish (this transport has none)",
+        })
+    }
+
+    /// Every node's KV events from now on, through a bounded queue (a message that does not fit
+    /// is dropped: a gap in that node's `seq`). Transports without KV events refuse.
+    async fn subscribe_kv_events(
+        &self,
+    ) -> Result<tokio::sync::mpsc::Receiver<KvEventBatch>, ClusterError> {
+        Err(ClusterError::Unavailable {
+            service: "kv events",
+            op: "subscribe (this transport has none)",
+        })
+    }
 }
 
 /// Shared bookkeeping for [`LoadSignalsStatus`].

@@ -18,9 +18,9 @@ use async_nats::connection::State;
 use async_nats::{Client, ConnectOptions, Event, Subscriber};
 use async_trait::async_trait;
 use futures_util::StreamExt;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 
-use super::{LoadReport, LoadSignals, LoadSignalsStatus, LoadView, ReceivedReport, StatusCell};
+use super::{KvEventBatch, LoadReport, LoadSignals, LoadSignalsStatus, LoadView, ReceivedReport, StatusCell};
 use crate::error::ClusterError;
 use crate::keys::ClusterKeys;
 use crate::node::Role;
@@ -199,6 +199,86 @@ impl LoadSignals for NatsLoadSignals {
     fn status(&self) -> watch::Receiver<LoadSignalsStatus> {
         self.inner.status.subscribe()
     }
+
+    async fn publish_kv_events(&self, batch: &KvEventBatch) -> Result<(), ClusterError> {
+        let inner = &self.inner;
+        let subject = inner.keys.kv_subject(&batch.node_id)?;
+        if inner.client.connection_state() != State::Connected {
+            return Err(ClusterError::Unavailable {
+                service: "nats",
+                op: "publish kv events",
+            });
+        }
+        let payload = serde_json::to_vec(batch).map_err(|source| ClusterError::Serde {
+            op: "encode",
+            at: subject.clone(),
+            source,
+        })?;
+        match tokio::time::timeout(
+            inner.config.request_timeout,
+            inner.client.publish(subject, payload.into()),
+        )
+        .await
+        {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(ClusterError::nats("publish kv events", e)),
+            Err(_) => Err(ClusterError::Unavailable {
+                service: "nats",
+                op: "publish kv events (timed out)",
+            }),
+        }
+    }
+
+    async fn subscribe_kv_events(&self) -> Result<mpsc::Receiver<KvEventBatch>, ClusterError> {
+        let inner = Arc::clone(&self.inner);
+        let mut subscriber = inner
+            .client
+            .subscribe(inner.keys.kv_wildcard())
+            .await
+            .map_err(|e| ClusterError::nats("subscribe kv events", e))?;
+        let (tx, rx) = mpsc::channel(super::kv_events::KV_EVENT_QUEUE);
+        tokio::spawn(async move {
+            loop {
+                let message = tokio::select! {
+                    _ = tx.closed() => break,
+                    message = subscriber.next() => match message {
+                        Some(message) => message,
+                        None => break,
+                    },
+                };
+                match decode_kv(&inner.keys, &message.subject, &message.payload) {
+                    // A full queue drops the message: the receiver sees a gap in `seq`.
+                    Ok(batch) => {
+                        let _ = tx.try_send(batch);
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "rejected a KV event message");
+                        inner.status.rejected(&e);
+                    }
+                }
+            }
+        });
+        Ok(rx)
+    }
+}
+
+/// Decodes a KV event batch and checks it against the subject it came on.
+fn decode_kv(keys: &ClusterKeys, subject: &str, payload: &[u8]) -> Result<KvEventBatch, ClusterError> {
+    let node_id = keys.parse_kv_subject(subject)?;
+    let batch: KvEventBatch =
+        serde_json::from_slice(payload).map_err(|source| ClusterError::Serde {
+            op: "decode",
+            at: subject.to_string(),
+            source,
+        })?;
+    if batch.node_id != node_id {
+        return Err(ClusterError::MalformedAddress {
+            what: "NATS subject",
+            value: subject.to_string(),
+            reason: "KV events' node id does not match their subject",
+        });
+    }
+    Ok(batch)
 }
 
 /// Feeds one subscription into its view until every receiver is dropped (dropping the
