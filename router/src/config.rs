@@ -75,6 +75,8 @@ pub mod env_names {
     pub const QUEUE_TIMEOUT_MS: &str = "TANDEM_QUEUE_TIMEOUT_MS";
     /// `--max-attempts`.
     pub const MAX_ATTEMPTS: &str = "TANDEM_MAX_ATTEMPTS";
+    /// `--prefill-policy`.
+    pub const PREFILL_POLICY: &str = "TANDEM_PREFILL_POLICY";
     /// `--rpc-timeout-ms`.
     pub const RPC_TIMEOUT_MS: &str = "TANDEM_RPC_TIMEOUT_MS";
     /// `--connect-timeout-ms`.
@@ -161,6 +163,11 @@ pub struct RouterArgs {
     /// Attempts per request on retry-safe node failures, first included [default: 3].
     #[arg(long, env = env::MAX_ATTEMPTS)]
     pub max_attempts: Option<u32>,
+    /// How prefill nodes are chosen: `prefix-aware` (fewest uncached + pending prompt
+    /// tokens, from the nodes' KV events), `least-loaded`, `round-robin`, `power-of-two`
+    /// [default: prefix-aware].
+    #[arg(long, env = env::PREFILL_POLICY, value_enum)]
+    pub prefill_policy: Option<crate::routing::PrefillPolicy>,
     /// Timeout of Reserve/Release calls, ms [default: 5000].
     #[arg(long, env = env::RPC_TIMEOUT_MS)]
     pub rpc_timeout_ms: Option<u64>,
@@ -263,6 +270,7 @@ impl RouterArgs {
             max_queued,
             queue_timeout_ms,
             max_attempts,
+            prefill_policy,
             rpc_timeout_ms,
             connect_timeout_ms,
             load_max_age_ms,
@@ -374,6 +382,7 @@ impl RouterArgs {
                 None => CostModel::default(),
             },
             max_attempts: nonzero("max-attempts", args.max_attempts.unwrap_or(3) as u64)? as u32,
+            prefill_policy: args.prefill_policy.unwrap_or_default(),
             rpc_timeout: ms("rpc-timeout-ms", args.rpc_timeout_ms, 5_000)?,
             connect_timeout: ms("connect-timeout-ms", args.connect_timeout_ms, 2_000)?,
             max_report_age: ms("load-max-age-ms", args.load_max_age_ms, 1_000)?,

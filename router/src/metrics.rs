@@ -430,6 +430,37 @@ fn live_families(router: &Router) -> Vec<tm::Family> {
         .with(label("kind", "reserve_refused"), s.reserve_refusals as f64)
         .with(label("kind", "release"), s.releases as f64),
     ];
+    if let Some(index) = router.prefix_index() {
+        let c = index.counts();
+        out.push(
+            tm::Family::gauge(
+                "tandem_router_prefix_index_nodes",
+                "Prefill nodes whose prefix cache the router trusts now (KV events in order since a snapshot).",
+            )
+            .with(Vec::new(), c.synced_nodes as f64),
+        );
+        out.push(
+            tm::Family::gauge(
+                "tandem_router_prefix_index_blocks",
+                "Cached KV blocks the router knows of, over every prefill node.",
+            )
+            .with(Vec::new(), c.hashes as f64),
+        );
+        out.push(
+            tm::Family::counter(
+                "tandem_router_kv_event_batches",
+                "KV event batches received from prefill nodes.",
+            )
+            .with(Vec::new(), c.batches as f64),
+        );
+        out.push(
+            tm::Family::counter(
+                "tandem_router_kv_event_gaps",
+                "Gaps in a node's KV events (its cache counted as empty until its next snapshot).",
+            )
+            .with(Vec::new(), c.gaps as f64),
+        );
+    }
     let limiter = router.rate_limiter().counts();
     out.push(
         tm::Family::counter(

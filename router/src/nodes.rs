@@ -35,7 +35,10 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::error::RouterError;
-use crate::routing::{Candidate, Demand, LeastInFlightPolicy, LoadEstimate, RoutingPolicy};
+use crate::routing::{
+    Candidate, Demand, LeastInFlightPolicy, LoadEstimate, PrefixIndex, RoutingPolicy,
+};
+use tandem_kv_layout::prefix::prompt_block_hashes;
 use crate::stats::{RouterStats, bump};
 
 /// How the pool connects to nodes and judges their reports.
@@ -216,6 +219,8 @@ pub struct NodePool {
     in_fallback: AtomicBool,
     /// Nodes the canary took out of routing (every pair they are in fails).
     quarantined: Mutex<HashSet<String>>,
+    /// What each node's prefix cache holds (prefill pools), from KV events.
+    prefixes: Option<Arc<PrefixIndex>>,
 }
 
 #[derive(Debug)]
@@ -252,7 +257,19 @@ impl NodePool {
             }),
             in_fallback: AtomicBool::new(false),
             quarantined: Mutex::new(HashSet::new()),
+            prefixes: None,
         }
+    }
+
+    /// The pool with candidates' cached prompt tokens read from `index` (prefill).
+    pub fn with_prefix_index(mut self, index: Arc<PrefixIndex>) -> Self {
+        self.prefixes = Some(index);
+        self
+    }
+
+    /// The prefix index, if this pool keeps one.
+    pub fn prefix_index(&self) -> Option<&Arc<PrefixIndex>> {
+        self.prefixes.as_ref()
     }
 
     /// Replaces the set of nodes the canary keeps out of routing; logs each change once.
@@ -348,6 +365,17 @@ impl NodePool {
     /// Chooses a node for a request of `demand`, skipping `exclude`, and counts the request
     /// on it. [`RouterError::NoNodes`] when no other node accepts work.
     pub fn pick(&self, demand: Demand, exclude: &HashSet<String>) -> Result<Dispatch, RouterError> {
+        self.pick_for(demand, exclude, &[])
+    }
+
+    /// [`pick`](Self::pick) for the prompt `prompt`: with a prefix index, each candidate says
+    /// how much of the prompt its cache holds (so the policy can weigh it).
+    pub fn pick_for(
+        &self,
+        demand: Demand,
+        exclude: &HashSet<String>,
+        prompt: &[u32],
+    ) -> Result<Dispatch, RouterError> {
         let mut state = lock(&self.state);
         sync(&mut state, &self.settings);
         let members = state.members.borrow().clone();
@@ -371,21 +399,35 @@ impl NodePool {
         }
         let loads = self.loads.borrow();
         let mut stale = Vec::new();
+        // The prompt's block hashes, once per block size the nodes use.
+        let mut hashes: HashMap<u32, Arc<[u64]>> = HashMap::new();
+        let mut hashes_for = |block_size: u32| {
+            Arc::clone(hashes.entry(block_size).or_insert_with(|| {
+                Arc::from(prompt_block_hashes(prompt, block_size as usize))
+            }))
+        };
         let candidates: Vec<Candidate<'_>> = nodes
             .iter()
             .map(|(info, entry)| {
                 let load = loads
                     .get(&info.node_id)
                     .filter(|r| r.is_fresh(self.max_report_age))
-                    .map(|r| self.estimate(entry, r));
+                    .map(|r| self.estimate(entry, r, demand));
                 if load.is_none() {
                     stale.push(info.node_id.as_str());
                 }
+                let cached_tokens = match &self.prefixes {
+                    Some(index) if !prompt.is_empty() => {
+                        index.cached_tokens(&info.node_id, &mut hashes_for)
+                    }
+                    _ => 0,
+                };
                 Candidate {
                     node_id: &info.node_id,
                     load,
                     in_flight: entry.in_flight(),
                     block_size_tokens: info.layout.block_size_tokens as u64,
+                    cached_tokens,
                 }
             })
             .collect();
@@ -423,10 +465,13 @@ impl NodePool {
     }
 
     /// A fresh report plus this router's dispatches to the node since it arrived.
+    /// Requests dispatched since the report count with this request's prompt length (their
+    /// own is not kept).
     fn estimate(
         &self,
         entry: &NodeEntry,
         received: &tandem_cluster::ReceivedReport,
+        demand: Demand,
     ) -> LoadEstimate {
         let (since, blocks) = entry.dispatched_after(received.received_at);
         let report = &received.report;
@@ -435,9 +480,13 @@ impl NodePool {
             running: report.running,
             free_blocks: report.free_blocks,
             total_blocks: report.total_blocks,
+            pending_prompt_tokens: report.pending_prompt_tokens,
         };
         match self.role {
-            Role::Prefill => estimate.queue_len += since,
+            Role::Prefill => {
+                estimate.queue_len += since;
+                estimate.pending_prompt_tokens += u64::from(since) * demand.prompt_tokens;
+            }
             Role::Decode => {
                 estimate.running += since;
                 estimate.free_blocks = estimate.free_blocks.saturating_sub(blocks);

@@ -221,7 +221,8 @@ async fn a_concurrency_limit_holds_across_routers_and_frees_when_the_request_end
         refused.header("x-ratelimit-limit-concurrent-requests"),
         Some("1")
     );
-    decode.behaviour.resume.notify_waiters();
+    // notify_one keeps a permit if the stream has not begun waiting yet.
+    decode.behaviour.resume.notify_one();
     let first = running.await.unwrap();
     assert_eq!(first.status, 200, "{}", first.body);
     // The slot goes back when the request ends: the other router gets it.

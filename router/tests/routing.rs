@@ -10,7 +10,7 @@ use common::fakes::{expected_output, start_decode, start_prefill};
 use common::{
     MemoryCluster, collect, generate, grpc_request, http, init_tracing, options, prompt_tokens,
 };
-use tandem_cluster::Role;
+use tandem_cluster::{LoadSignals, Role};
 
 #[tokio::test]
 async fn a_full_queue_answers_429_and_resource_exhausted_at_once_then_recovers() {
@@ -290,5 +290,113 @@ async fn a_burst_between_two_reports_spreads_over_the_nodes() {
     assert_eq!(
         router.router.in_flight_by_node(Role::Decode),
         vec![("d0".to_string(), 1), ("d1".to_string(), 1)]
+    );
+}
+
+/// A gRPC request of `ids` (token ids, so the test knows the router's exact prompt).
+fn token_request(ids: &[u32], max_tokens: u32) -> tandem_proto::v1::GenerateRequest {
+    let mut request = grpc_request("unused", max_tokens);
+    request.input = Some(tandem_proto::v1::generate_request::Input::TokenIds(
+        tandem_proto::v1::TokenIds { ids: ids.to_vec() },
+    ));
+    request
+}
+
+#[tokio::test]
+async fn prefix_aware_routing_sends_a_prompt_where_its_prefix_is_cached_until_a_gap() {
+    init_tracing();
+    let mut cluster = MemoryCluster::new();
+    let p0 = start_prefill("p0").await;
+    let p1 = start_prefill("p1").await;
+    let d = start_decode("d0").await;
+    for info in [p0.info(), p1.info(), d.info()] {
+        cluster.register(info).await;
+    }
+    for id in ["p0", "p1"] {
+        cluster.loads.set(Role::Prefill, id, Duration::ZERO, |_| {});
+    }
+    cluster
+        .loads
+        .set(Role::Decode, "d0", Duration::ZERO, |_| {});
+    let router = cluster.router(options()).await;
+    let block = p1.info().layout.block_size_tokens as usize;
+    let prompt: Vec<u32> = (0..(4 * block + 3) as u32).map(|i| 100 + i).collect();
+    // p1 caches the prompt's first three blocks (a snapshot, as the node sends every 5 s).
+    let hashes = tandem_kv_layout::prefix::prompt_block_hashes(&prompt, block);
+    for b in tandem_cluster::KvEventBatch::snapshot("p1", block as u32, 0, &hashes[..3]) {
+        cluster.loads.kv.publish_kv_events(&b).await.unwrap();
+    }
+    let index = router.router.prefix_index().unwrap().clone();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while index.counts().synced_nodes < 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the snapshot never reached the index"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut client = router.grpc().await;
+    for _ in 0..3 {
+        let out = collect(
+            client
+                .generate(token_request(&prompt, 2))
+                .await
+                .unwrap()
+                .into_inner(),
+        )
+        .await;
+        assert!(out.expect("completed").last.is_some(), "a final message");
+    }
+    assert_eq!(
+        p1.behaviour.prefill_calls.load(Ordering::SeqCst),
+        3,
+        "every request went to the cache"
+    );
+    assert_eq!(p0.behaviour.prefill_calls.load(Ordering::SeqCst), 0);
+    // A prompt that shares nothing goes by load: both idle, ties to the lower id.
+    let other: Vec<u32> = prompt.iter().map(|t| t + 5000).collect();
+    collect(
+        client
+            .generate(token_request(&other, 2))
+            .await
+            .unwrap()
+            .into_inner(),
+    )
+    .await
+    .expect("completed");
+    assert_eq!(p0.behaviour.prefill_calls.load(Ordering::SeqCst), 1);
+    // A lost batch (seq 1 never arrives): p1's set is no longer trusted.
+    let late = tandem_cluster::KvEventBatch {
+        node_id: "p1".into(),
+        seq: 2,
+        block_size_tokens: block as u32,
+        body: tandem_cluster::KvEventBody::Delta {
+            stored: vec![hashes[3]],
+            removed: vec![],
+        },
+    };
+    cluster.loads.kv.publish_kv_events(&late).await.unwrap();
+    while index.counts().gaps < 1 {
+        assert!(Instant::now() < deadline, "the gap was never seen");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    collect(
+        client
+            .generate(token_request(&prompt, 2))
+            .await
+            .unwrap()
+            .into_inner(),
+    )
+    .await
+    .expect("completed");
+    assert_eq!(
+        p0.behaviour.prefill_calls.load(Ordering::SeqCst),
+        2,
+        "after a gap the prompt counts as uncached everywhere"
+    );
+    let metrics = router.router.metrics().render();
+    assert!(
+        metrics.contains("tandem_router_kv_event_gaps_total 1"),
+        "{metrics}"
     );
 }

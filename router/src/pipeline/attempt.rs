@@ -229,6 +229,7 @@ impl<'a> AttemptState<'a> {
         };
         let demand = Demand {
             tokens: prompt_ids.len() as u64 + sampling.max_tokens as u64,
+            prompt_tokens: prompt_ids.len() as u64,
         };
 
         // 1. Reserve KV blocks on a decode node, trying each node at most once.
@@ -263,9 +264,9 @@ impl<'a> AttemptState<'a> {
         let inner = self.inner;
         let dispatch = match &self.pin {
             Some((prefill, _)) => inner.prefill.dispatch_to(prefill)?,
-            None => match inner.prefill.pick(demand, &self.failed_prefill) {
+            None => match inner.prefill.pick_for(demand, &self.failed_prefill, prompt_ids) {
                 Err(RouterError::NoNodes { .. }) if !self.failed_prefill.is_empty() => {
-                    inner.prefill.pick(demand, &HashSet::new())?
+                    inner.prefill.pick_for(demand, &HashSet::new(), prompt_ids)?
                 }
                 other => other?,
             },

@@ -57,7 +57,7 @@ use crate::model::ServedModel;
 use crate::ratelimit::RateLimiter;
 use crate::nodes::{ChannelSettings, NodePool};
 use crate::request::{GenerateRequest, TokenLimits, prepare};
-use crate::routing::{FreeBlocksDecodePolicy, ShortestQueuePrefillPolicy};
+use crate::routing::{FreeBlocksDecodePolicy, PrefixIndex};
 use crate::stats::{RouterStats, StatsSnapshot, bump};
 
 
@@ -88,6 +88,8 @@ pub struct RouterOptions {
     pub canary: CanarySettings,
     /// The cost of a node-hour per pool (`/v1/usage` prices usage with it).
     pub cost: CostModel,
+    /// How prefill nodes are chosen.
+    pub prefill_policy: crate::routing::PrefillPolicy,
 }
 
 /// Where a router keeps what it shares with the other routers.
@@ -212,7 +214,7 @@ impl Router {
             let members = discovery.watch(role).await?;
             let loads = signals.subscribe(role).await?;
             let policy: Box<dyn crate::routing::RoutingPolicy> = match role {
-                Role::Prefill => Box::new(ShortestQueuePrefillPolicy),
+                Role::Prefill => options.prefill_policy.build(),
                 Role::Decode => Box::new(FreeBlocksDecodePolicy),
             };
             pools.push(NodePool::new(
@@ -226,7 +228,25 @@ impl Router {
             ));
         }
         let decode = pools.pop().expect("two pools were built");
-        let prefill = pools.pop().expect("two pools were built");
+        let prefixes = Arc::new(PrefixIndex::default());
+        let prefill = pools
+            .pop()
+            .expect("two pools were built")
+            .with_prefix_index(Arc::clone(&prefixes));
+        match signals.subscribe_kv_events().await {
+            Ok(events) => {
+                tokio::spawn(follow_kv_events(
+                    events,
+                    prefixes,
+                    discovery.watch(Role::Prefill).await?,
+                    shutdown.clone(),
+                ));
+            }
+            Err(error) => tracing::warn!(
+                %error,
+                "no KV events: prefill routing cannot see what nodes have cached (every prompt counts as uncached)"
+            ),
+        }
         let id_prefix = format!(
             "{:x}{:x}",
             std::process::id(),
@@ -328,6 +348,11 @@ impl Router {
         let n = keys.ids().len();
         *self.inner.keys.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(keys);
         Ok(n)
+    }
+
+    /// What the router knows of the prefill nodes' prefix caches (KV events).
+    pub fn prefix_index(&self) -> Option<&Arc<PrefixIndex>> {
+        self.inner.prefill.prefix_index()
     }
 
     /// The per-key rate limiter.
@@ -568,6 +593,29 @@ impl Router {
             }),
             Some(Err(error)) => Err(error),
             None => Err(RouterError::PipelineLost),
+        }
+    }
+}
+
+/// Applies every node's KV events to `index` until `shutdown`, forgetting nodes that left the
+/// prefill membership.
+async fn follow_kv_events(
+    mut events: mpsc::Receiver<tandem_cluster::KvEventBatch>,
+    index: Arc<PrefixIndex>,
+    mut members: tokio::sync::watch::Receiver<tandem_cluster::NodeView>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            batch = events.recv() => match batch {
+                Some(batch) => index.apply(batch),
+                None => return,
+            },
+            Ok(()) = members.changed() => {
+                let view = members.borrow_and_update().clone();
+                index.retain(|id| view.contains_key(id));
+            }
         }
     }
 }

@@ -38,7 +38,7 @@ mod tests {
     use super::super::test_support::{loaded, unloaded};
     use super::*;
 
-    const DEMAND: Demand = Demand { tokens: 160 }; // 10 blocks of 16
+    const DEMAND: Demand = Demand { tokens: 160, prompt_tokens: 100 }; // 10 blocks of 16
 
     #[test]
     fn among_nodes_with_room_the_least_busy_wins() {

@@ -31,9 +31,9 @@ mod tests {
         busy_but_idle_report.in_flight = 5;
         let c = [busy_but_idle_report, unloaded("b", 2), unloaded("c", 2)];
         assert_eq!(
-            LeastInFlightPolicy.select(&c, Demand { tokens: 1 }),
+            LeastInFlightPolicy.select(&c, Demand { tokens: 1, prompt_tokens: 1 }),
             Some(1)
         );
-        assert_eq!(LeastInFlightPolicy.select(&[], Demand { tokens: 1 }), None);
+        assert_eq!(LeastInFlightPolicy.select(&[], Demand { tokens: 1, prompt_tokens: 1 }), None);
     }
 }

@@ -5,6 +5,9 @@
 //! |---|---|---|---|
 //! | [`FreeBlocksDecodePolicy`] | decode | free KV blocks, running sequences (load reports) | `decode_blocks.rs` |
 //! | [`ShortestQueuePrefillPolicy`] | prefill | queue length + running (load reports) | `prefill_queue.rs` |
+//! | [`PrefixAwarePolicy`] (prefill default) | prefill | uncached prompt tokens (KV events, [`PrefixIndex`]) + pending prompt tokens (load reports) | `prefill_policies.rs` |
+//! | [`RoundRobinPolicy`] | prefill | none: each node in turn | `prefill_policies.rs` |
+//! | [`PowerOfTwoPolicy`] | prefill | two nodes at random, the less loaded | `prefill_policies.rs` |
 //! | [`LeastInFlightPolicy`] | either | the router's own in-flight counts | `in_flight.rs` |
 //!
 //! The node pool ([`crate::nodes`]) builds one [`Candidate`] per node that accepts work and
@@ -21,11 +24,15 @@
 
 mod decode_blocks;
 mod in_flight;
+mod prefill_policies;
 mod prefill_queue;
+pub mod prefix_index;
 
 pub use decode_blocks::FreeBlocksDecodePolicy;
 pub use in_flight::LeastInFlightPolicy;
+pub use prefill_policies::{PowerOfTwoPolicy, PrefillPolicy, PrefixAwarePolicy, RoundRobinPolicy};
 pub use prefill_queue::ShortestQueuePrefillPolicy;
+pub use prefix_index::PrefixIndex;
 
 /// A node's load as a policy sees it: its latest fresh report plus the router's own
 /// dispatches to it since that report was received.
@@ -39,6 +46,8 @@ pub struct LoadEstimate {
     pub free_blocks: u64,
     /// KV blocks in total.
     pub total_blocks: u64,
+    /// Prompt tokens waiting or being computed on the node (prefill).
+    pub pending_prompt_tokens: u64,
 }
 
 /// One node a policy may choose.
@@ -52,6 +61,8 @@ pub struct Candidate<'a> {
     pub in_flight: u32,
     /// The node's KV block size, in tokens.
     pub block_size_tokens: u64,
+    /// Leading prompt tokens the node's prefix cache holds (KV events; 0 when unknown).
+    pub cached_tokens: u64,
 }
 
 impl Candidate<'_> {
@@ -62,10 +73,12 @@ impl Candidate<'_> {
 }
 
 /// What the request needs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Demand {
     /// Prompt plus maximum output, in tokens.
     pub tokens: u64,
+    /// The prompt, in tokens.
+    pub prompt_tokens: u64,
 }
 
 /// Chooses a node for a request.
@@ -104,9 +117,11 @@ pub(crate) mod test_support {
                 running,
                 free_blocks,
                 total_blocks: 1024,
+                pending_prompt_tokens: 0,
             }),
             in_flight: 0,
             block_size_tokens: 16,
+            cached_tokens: 0,
         }
     }
 
@@ -117,6 +132,7 @@ pub(crate) mod test_support {
             load: None,
             in_flight,
             block_size_tokens: 16,
+            cached_tokens: 0,
         }
     }
 }

@@ -23,7 +23,7 @@ mod tests {
     use super::super::test_support::{loaded, unloaded};
     use super::*;
 
-    const DEMAND: Demand = Demand { tokens: 1 };
+    const DEMAND: Demand = Demand { tokens: 1, prompt_tokens: 1 };
 
     #[test]
     fn the_node_with_the_least_work_ahead_wins() {

@@ -67,6 +67,7 @@ pub fn options() -> RouterOptions {
         stream_idle_timeout: Duration::from_secs(10),
         canary: tandem_router::canary::CanarySettings::disabled(),
         cost: Default::default(),
+        prefill_policy: Default::default(),
     }
 }
 
@@ -76,6 +77,8 @@ pub fn options() -> RouterOptions {
 pub struct ScriptedLoads {
     views: Arc<[watch::Sender<LoadView>; 2]>,
     status: watch::Sender<LoadSignalsStatus>,
+    /// KV events travel on an in-process bus (the test publishes them as a node would).
+    pub kv: tandem_cluster::MemoryLoadSignals,
 }
 
 impl ScriptedLoads {
@@ -87,6 +90,7 @@ impl ScriptedLoads {
                 watch::Sender::new(HashMap::new()),
             ]),
             status: watch::Sender::new(LoadSignalsStatus::default()),
+            kv: tandem_cluster::MemoryLoadSignals::new("test").expect("a bus"),
         }
     }
 
@@ -133,6 +137,19 @@ impl LoadSignals for ScriptedLoads {
 
     fn status(&self) -> watch::Receiver<LoadSignalsStatus> {
         self.status.subscribe()
+    }
+
+    async fn publish_kv_events(
+        &self,
+        batch: &tandem_cluster::KvEventBatch,
+    ) -> Result<(), ClusterError> {
+        self.kv.publish_kv_events(batch).await
+    }
+
+    async fn subscribe_kv_events(
+        &self,
+    ) -> Result<tokio::sync::mpsc::Receiver<tandem_cluster::KvEventBatch>, ClusterError> {
+        self.kv.subscribe_kv_events().await
     }
 }
 

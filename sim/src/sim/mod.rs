@@ -357,6 +357,7 @@ impl Sim {
                 running: sched.num_running() as u32,
                 free_blocks: sched.blocks().num_free() as u64,
                 total_blocks: total,
+                pending_prompt_tokens: sched.pending_prompt_tokens() as u64,
             },
             Kind::Decode(b) | Kind::Colocated { batch: b, .. } => LoadEstimate {
                 queue_len: b.waiting.len() as u32
@@ -367,6 +368,7 @@ impl Sim {
                 running: b.running,
                 free_blocks: total.saturating_sub(b.reserved_tokens.div_ceil(BLOCK_TOKENS)),
                 total_blocks: total,
+                pending_prompt_tokens: 0,
             },
         }
     }
@@ -383,9 +385,14 @@ impl Sim {
                 load: Some(self.load_of(i)),
                 in_flight: 0,
                 block_size_tokens: BLOCK_TOKENS,
+                cached_tokens: 0,
             })
             .collect();
-        let pick = policy.select(&cands, Demand { tokens: demand_tokens })?;
+        let demand = Demand {
+            tokens: demand_tokens,
+            ..Demand::default()
+        };
+        let pick = policy.select(&cands, demand)?;
         // The policy falls back to the freest node when none has room; the reservation would
         // then fail, so the request waits in the router instead.
         let blocks = demand_tokens.div_ceil(BLOCK_TOKENS);
