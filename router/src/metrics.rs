@@ -481,7 +481,12 @@ fn live_families(router: &Router) -> Vec<tm::Family> {
             "tandem_router_rate_limit_local_decisions",
             "Lease visits decided on this router's own buckets because the shared store was down.",
         )
-        .with(Vec::new(), limiter.local_decisions.load(std::sync::atomic::Ordering::Relaxed) as f64),
+        .with(
+            Vec::new(),
+            limiter
+                .local_decisions
+                .load(std::sync::atomic::Ordering::Relaxed) as f64,
+        ),
     );
     let mut picks = tm::Family::counter(
         "tandem_router_routing_picks",
