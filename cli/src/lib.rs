@@ -6,6 +6,7 @@
 //! | [`generate`] | `tandem generate` — one streamed completion on the local engine |
 //! | [`plan`] | `tandem plan` — capacity planning (KV bytes, batch and concurrency limits) |
 //! | [`bench_engine`] | `tandem bench-engine` — prefill/decode throughput vs the bandwidth bound |
+//! | [`bench_prefix`] | `tandem bench-prefix` — routing by cache vs policies blind to it, shared-prefix workload |
 //! | [`bench_serve`] | `tandem bench-serve` — TTFT and tokens/s, disaggregated (1P+1D) vs colocated |
 //! | [`fetch`] | `tandem model fetch` — download and verify the default model |
 //! | [`load`] | building an engine from flags |
@@ -15,6 +16,7 @@
 //! | [`up`] | `tandem up` — a local cluster (etcd, NATS, nodes, router) from one command |
 
 pub mod bench_engine;
+pub mod bench_prefix;
 pub mod bench_serve;
 pub mod bench_telemetry;
 pub mod control;

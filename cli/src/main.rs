@@ -40,6 +40,9 @@ enum Command {
     /// Serving benchmark: TTFT and tokens/s at a few concurrency levels, a local 1 prefill +
     /// 1 decode cluster beside one colocated engine.
     BenchServe(tandem_cli::bench_serve::BenchServeArgs),
+    /// Routing by cache against policies blind to it: TTFT, throughput and cached prompt
+    /// tokens on a shared-prefix workload, each policy on a fresh local cluster.
+    BenchPrefix(tandem_cli::bench_prefix::BenchPrefixArgs),
     /// Start a local cluster (etcd, NATS, decode and prefill nodes, router), stream a sample
     /// answer through it, and serve until Ctrl-C.
     Up(tandem_cli::up::UpArgs),
@@ -132,6 +135,7 @@ fn main() -> ExitCode {
         Command::Usage(a) => tandem_cli::usage::usage(a).map(|s| println!("{s}")),
         Command::Cost(a) => tandem_cli::usage::cost(a).map(|s| println!("{s}")),
         Command::BenchServe(a) => tandem_cli::bench_serve::run(a).map(|s| println!("{s}")),
+        Command::BenchPrefix(a) => tandem_cli::bench_prefix::run(a).map(|s| println!("{s}")),
         Command::Router(a) => tandem_router::run_blocking(a.clone()).map_err(Into::into),
         Command::BenchEngine(a) => bench_engine::run(a).map(|s| println!("{s}")),
         Command::BenchTransfer(a) => tandem_kv_transfer::bench::run(a.clone()).map(|_| ()),

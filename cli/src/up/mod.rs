@@ -86,6 +86,10 @@ pub struct UpArgs {
     /// The cost of a node-hour per pool for the router (`tandem cost` prices usage with it).
     #[arg(long)]
     pub cost_file: Option<PathBuf>,
+    /// How the router chooses prefill nodes (`tandem router --prefill-policy`): prefix-aware,
+    /// least-loaded, round-robin, power-of-two [default: the router's, prefix-aware].
+    #[arg(long, value_enum)]
+    pub prefill_policy: Option<tandem_router::routing::PrefillPolicy>,
     /// Start a real Prometheus (Debian `prometheus`) that scrapes every process of the cluster
     /// (targets kept current from etcd) and loads deploy/observability's alert rules.
     #[arg(long)]
@@ -316,6 +320,11 @@ pub fn start(
         "--http-addr".into(),
         args.http.to_string(),
     ]);
+    if let Some(policy) = args.prefill_policy {
+        use clap::ValueEnum;
+        let name = policy.to_possible_value().expect("no skipped variants");
+        a.extend(["--prefill-policy".into(), name.get_name().to_string()]);
+    }
     cluster.procs.spawn("router", &me, &a)?;
 
     let config = EtcdConfig::new(vec![etcd_url.clone()], args.cluster.clone());
