@@ -4,7 +4,7 @@
 //!
 //! The workload: `--systems` system prompts of `--system-tokens` tokens, `--questions`
 //! questions of `--question-tokens` tokens each, every request a system prompt plus one of its
-//! questions; questions of different systems interleave, `--concurrency` requests at a time.
+//! questions, in a seeded random order, `--concurrency` requests at a time.
 //! Reported per policy: TTFT p50/p90, requests and output tokens per second, and the prompt
 //! tokens served from a prefix cache against the ideal (every request after the first of its
 //! system reusing the system prompt's full blocks).
@@ -90,7 +90,7 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
         .unwrap_or(0.0)
 }
 
-/// The requests, in the order they are sent: questions of different systems interleave.
+/// The requests, in the order they are sent (a seeded shuffle).
 fn workload(args: &BenchPrefixArgs, vocab: usize) -> Vec<(usize, Vec<u32>)> {
     let first = if vocab > 512 { 256 } else { 0 };
     let mut rng = Rng::new(0x5EED_0F_u64);
@@ -107,6 +107,13 @@ fn workload(args: &BenchPrefixArgs, vocab: usize) -> Vec<(usize, Vec<u32>)> {
             prompt.extend(ids(args.question_tokens));
             out.push((s, prompt));
         }
+    }
+    // Arrivals in a random (seeded) order, as users ask: no policy gets a fixed pattern for
+    // free (with systems a multiple of the nodes, round-robin in a fixed order would pin each
+    // system to one node by accident).
+    for i in (1..out.len()).rev() {
+        let j = rng.below(i as u64 + 1) as usize;
+        out.swap(i, j);
     }
     out
 }
@@ -309,13 +316,15 @@ mod tests {
         };
         let w = workload(&args, 1000);
         assert_eq!(w.len(), 6);
-        assert_eq!(
-            w.iter().map(|r| r.0).collect::<Vec<_>>(),
-            [0, 1, 2, 0, 1, 2]
-        );
-        assert_eq!(w[0].1[..40], w[3].1[..40], "same system prompt");
-        assert_ne!(w[0].1[40..], w[3].1[40..], "different questions");
-        assert_ne!(w[0].1[..40], w[1].1[..40]);
+        let mut systems: Vec<usize> = w.iter().map(|r| r.0).collect();
+        assert_ne!(systems, [0, 1, 2, 0, 1, 2], "shuffled");
+        systems.sort();
+        assert_eq!(systems, [0, 0, 1, 1, 2, 2]);
+        let of = |s: usize| w.iter().filter(|r| r.0 == s).collect::<Vec<_>>();
+        let s0 = of(0);
+        assert_eq!(s0[0].1[..40], s0[1].1[..40], "same system prompt");
+        assert_ne!(s0[0].1[40..], s0[1].1[40..], "different questions");
+        assert_ne!(of(0)[0].1[..40], of(1)[0].1[..40]);
         assert!(
             w.iter()
                 .all(|r| r.1.len() == 45 && r.1.iter().all(|&t| t >= 256))

@@ -222,13 +222,30 @@ impl Scheduler {
         self.waiting[0].len() + self.waiting[1].len()
     }
 
-    /// Prompt tokens not computed yet: the whole uncached prompt of every waiting sequence and
-    /// the rest of every prompt still in chunked prefill (what a prefill pool's planner sizes
-    /// against its throughput). O(sequences).
+    /// Prompt tokens not computed yet: every waiting sequence's prompt less the prefix the
+    /// cache holds now (it will not be computed), and the rest of every prompt still in chunked
+    /// prefill (what a prefill pool's planner sizes against its throughput, and what a router
+    /// weighs against recomputing a prefix elsewhere). O(sequences + cached blocks matched).
     pub fn pending_prompt_tokens(&self) -> usize {
+        let bs = self.block_size;
         self.seqs
             .values()
-            .map(|s| s.tokens.len().saturating_sub(s.num_computed))
+            .map(|s| {
+                let left = s.tokens.len().saturating_sub(s.num_computed);
+                if s.num_computed > 0 || !self.cfg.enable_prefix_caching || left <= 1 {
+                    return left;
+                }
+                // Waiting: count the cached leading blocks out, as admission will.
+                let full = (s.tokens.len() - 1) / bs;
+                let mut prev = 0;
+                let cached = (0..full)
+                    .take_while(|&j| {
+                        prev = hash_block(prev, &s.tokens[j * bs..(j + 1) * bs]);
+                        self.blocks.lookup(prev).is_some()
+                    })
+                    .count();
+                left - cached * bs
+            })
             .filter(|&n| n > 1)
             .sum()
     }
@@ -405,6 +422,23 @@ mod tests {
         }
         s.check_invariants();
         out
+    }
+
+    #[test]
+    fn pending_prompt_tokens_count_a_waiting_prompts_cached_prefix_out() {
+        let mut s = sched(64, 64);
+        s.add(1, (0..21).collect(), 1, Priority::Interactive, Instant::now()).unwrap();
+        for _ in 0..3 {
+            run_step(&mut s);
+        }
+        assert_eq!(s.pending_prompt_tokens(), 0, "the first request finished");
+        // Its five full blocks (20 tokens) stay cached: a prompt sharing them has 2 left.
+        let mut shared: Vec<u32> = (0..20).collect();
+        shared.extend([50, 51]);
+        s.add(2, shared, 1, Priority::Interactive, Instant::now()).unwrap();
+        assert_eq!(s.pending_prompt_tokens(), 2);
+        s.add(3, (100..122).collect(), 1, Priority::Interactive, Instant::now()).unwrap();
+        assert_eq!(s.pending_prompt_tokens(), 2 + 22);
     }
 
     #[test]
