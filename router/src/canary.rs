@@ -208,6 +208,20 @@ pub fn round_pairs(
         .collect()
 }
 
+/// The nodes of one pool to keep out of routing, given those whose every probed pair fails and
+/// those that accept work: when the canary would take out every node of a pool, it takes out
+/// none (the second value says so). A canary that empties a pool turns a slow pool (probes
+/// queued behind real work past their timeout) or a canary fault into a full outage; routing
+/// to every node keeps serving what can be served, and client requests have their own
+/// retries. Health stays NOT_SERVING while no pair passes.
+pub fn quarantine_guard(
+    failing: HashSet<String>,
+    accepting: &[String],
+) -> (HashSet<String>, bool) {
+    let all = !accepting.is_empty() && accepting.iter().all(|id| failing.contains(id));
+    if all { (HashSet::new(), true) } else { (failing, false) }
+}
+
 /// Debounce for membership-triggered rounds.
 pub const MEMBERSHIP_DEBOUNCE: Duration = Duration::from_millis(200);
 
@@ -253,6 +267,17 @@ mod tests {
         assert_eq!(s.counts(), (1, 1));
         assert!(s.quarantined().1.is_empty());
         assert_eq!(s.pairs()[0].last_error, None);
+    }
+
+    #[test]
+    fn a_pool_is_never_emptied_by_the_canary() {
+        let failing = HashSet::from(["d0".to_string(), "d1".to_string()]);
+        let (q, all) = quarantine_guard(failing.clone(), &ids(&["d0", "d1"]));
+        assert!(q.is_empty() && all, "every node failing: none taken out");
+        let (q, all) = quarantine_guard(failing.clone(), &ids(&["d0", "d1", "d2"]));
+        assert_eq!((q, all), (failing, false), "d2 still serves: the failing two leave");
+        let (q, all) = quarantine_guard(HashSet::new(), &[]);
+        assert!(q.is_empty() && !all);
     }
 
     #[test]

@@ -24,6 +24,7 @@
 //! | `tandem_router_key_tokens_total` | counter | key, kind | input, cached_input, output tokens per key id |
 //! | `tandem_router_key_node_seconds_total` | counter | key, pool | engine time per key id and pool |
 //! | `tandem_router_canary_pairs` / `_pairs_passing` | gauge | – | pairs probed / passing their last probe |
+//! | `tandem_router_canary_pool_all_failing` | gauge | role | 1 while every node of the pool fails the canary (routed to anyway: a canary never empties a pool) |
 //! | `tandem_router_canary_probes_total` | counter | result | canary probes, ok or failed |
 //! | `tandem_router_canary_duration_seconds` | histogram | – | one canary probe |
 //! | `tandem_trace_*` | counter | – | span export (see `tandem_telemetry`) |
@@ -497,6 +498,10 @@ fn live_families(router: &Router) -> Vec<tm::Family> {
         "Times routing switched to in-flight counts because load reports were stale or absent.",
     );
     let mut nodes = tm::Family::gauge("tandem_router_nodes", "Nodes accepting work, by role.");
+    let mut all_failing = tm::Family::gauge(
+        "tandem_router_canary_pool_all_failing",
+        "1 while every node of the role's pool fails the canary (none is taken out of routing then).",
+    );
     let mut in_flight =
         tm::Family::gauge("tandem_router_in_flight", "Requests in flight per node.");
     let mut ages = tm::Family::gauge(
@@ -517,6 +522,10 @@ fn live_families(router: &Router) -> Vec<tm::Family> {
             );
         entered = entered.with(label("role", r), rs.fallback_entered as f64);
         nodes = nodes.with(label("role", r), available as f64);
+        all_failing = all_failing.with(
+            label("role", r),
+            f64::from(u8::from(router.canary_all_failing(role))),
+        );
         for (node, n) in router.in_flight_by_node(role) {
             in_flight = in_flight.with(vec![("role", r.into()), ("node", node)], f64::from(n));
         }
@@ -544,6 +553,7 @@ fn live_families(router: &Router) -> Vec<tm::Family> {
         picks,
         entered,
         nodes,
+        all_failing,
         in_flight,
         ages,
         tm::Family::gauge(

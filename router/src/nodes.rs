@@ -34,6 +34,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 
+use crate::canary;
 use crate::error::RouterError;
 use crate::routing::{
     Candidate, Demand, LeastInFlightPolicy, LoadEstimate, PrefixIndex, RoutingPolicy,
@@ -162,12 +163,13 @@ impl NodeEntry {
         Ok(channel)
     }
 
-    /// Own dispatches received after `since`: (count, KV blocks).
+    /// Own dispatches received after `since`: (count, summed work: KV blocks on a decode node,
+    /// prompt tokens to compute on a prefill node).
     fn dispatched_after(&self, since: Instant) -> (u32, u64) {
         lock(&self.dispatches)
             .iter()
             .filter(|(_, at, _)| *at > since)
-            .fold((0, 0), |(n, b), (_, _, blocks)| (n + 1, b + blocks))
+            .fold((0, 0), |(n, w), (_, _, work)| (n + 1, w + work))
     }
 }
 
@@ -185,10 +187,12 @@ pub struct Dispatch {
 }
 
 impl Dispatch {
-    fn new(entry: Arc<NodeEntry>, blocks: u64) -> Self {
+    /// Records a dispatch of `work` (KV blocks to a decode node, uncached prompt tokens to a
+    /// prefill node) until the node's next load report covers it.
+    fn new(entry: Arc<NodeEntry>, work: u64) -> Self {
         let ticket = entry.next_ticket.fetch_add(1, Ordering::Relaxed);
         entry.in_flight.fetch_add(1, Ordering::SeqCst);
-        lock(&entry.dispatches).push((ticket, Instant::now(), blocks));
+        lock(&entry.dispatches).push((ticket, Instant::now(), work));
         Self { entry, ticket }
     }
 
@@ -219,6 +223,8 @@ pub struct NodePool {
     in_fallback: AtomicBool,
     /// Nodes the canary took out of routing (every pair they are in fails).
     quarantined: Mutex<HashSet<String>>,
+    /// Every accepting node fails the canary (none is quarantined then).
+    all_failing: AtomicBool,
     /// What each node's prefix cache holds (prefill pools), from KV events.
     prefixes: Option<Arc<PrefixIndex>>,
 }
@@ -257,6 +263,7 @@ impl NodePool {
             }),
             in_fallback: AtomicBool::new(false),
             quarantined: Mutex::new(HashSet::new()),
+            all_failing: AtomicBool::new(false),
             prefixes: None,
         }
     }
@@ -272,8 +279,17 @@ impl NodePool {
         self.prefixes.as_ref()
     }
 
-    /// Replaces the set of nodes the canary keeps out of routing; logs each change once.
+    /// Replaces the set of nodes the canary keeps out of routing; logs each change once. A set
+    /// holding every node that accepts work quarantines none ([`canary::quarantine_guard`]).
     pub fn set_quarantined(&self, nodes: HashSet<String>) {
+        let (nodes, all) = canary::quarantine_guard(nodes, &self.accepting_ids());
+        if self.all_failing.swap(all, Ordering::SeqCst) != all {
+            if all {
+                tracing::error!(role = %self.role, "canary: every {} node fails its probes; routing to all of them anyway rather than refusing every request", self.role);
+            } else {
+                tracing::info!(role = %self.role, "canary: some {} node passes again", self.role);
+            }
+        }
         let mut q = lock(&self.quarantined);
         for id in nodes.difference(&q) {
             tracing::warn!(role = %self.role, node_id = %id, "canary: every pair with this {} node fails; it leaves routing until a probe passes", self.role);
@@ -282,6 +298,11 @@ impl NodePool {
             tracing::info!(role = %self.role, node_id = %id, "canary: probes pass again; the {} node is back in routing", self.role);
         }
         *q = nodes;
+    }
+
+    /// Whether every node that accepts work fails the canary (routed to anyway).
+    pub fn canary_all_failing(&self) -> bool {
+        self.all_failing.load(Ordering::SeqCst)
     }
 
     /// Ids of the registered nodes that accept work, sorted.
@@ -336,6 +357,21 @@ impl NodePool {
             .values()
             .filter(|n| n.accepts_work())
             .count()
+    }
+
+    /// KV capacity, in tokens, of the nodes that accept work and reported their load (blocks
+    /// × block size); `None` while none has reported.
+    pub fn kv_capacity_tokens(&self) -> Option<u64> {
+        let members = lock(&self.state).members.borrow().clone();
+        let loads = self.loads.borrow();
+        members
+            .values()
+            .filter(|n| n.accepts_work())
+            .filter_map(|n| {
+                let r = loads.get(&n.node_id)?;
+                Some(r.report.total_blocks * n.layout.block_size_tokens as u64)
+            })
+            .reduce(|a, b| a + b)
     }
 
     /// Age of the newest load report of each node that sent one.
@@ -412,7 +448,7 @@ impl NodePool {
                 let load = loads
                     .get(&info.node_id)
                     .filter(|r| r.is_fresh(self.max_report_age))
-                    .map(|r| self.estimate(entry, r, demand));
+                    .map(|r| self.estimate(entry, r));
                 if load.is_none() {
                     stale.push(info.node_id.as_str());
                 }
@@ -460,20 +496,23 @@ impl NodePool {
         };
         let index = chosen.ok_or(RouterError::NoNodes { role: self.role })?;
         let entry = Arc::clone(&nodes[index].1);
-        let blocks = candidates[index].blocks_for(demand.tokens);
-        Ok(Dispatch::new(entry, blocks))
+        let chosen = &candidates[index];
+        let work = match self.role {
+            Role::Decode => chosen.blocks_for(demand.tokens),
+            // What the node will compute: the prompt less the prefix it caches.
+            Role::Prefill => demand.prompt_tokens.saturating_sub(chosen.cached_tokens),
+        };
+        Ok(Dispatch::new(entry, work))
     }
 
-    /// A fresh report plus this router's dispatches to the node since it arrived.
-    /// Requests dispatched since the report count with this request's prompt length (their
-    /// own is not kept).
+    /// A fresh report plus this router's dispatches to the node since it arrived (each with
+    /// the work it brought: KV blocks, or the prompt tokens the node had left to compute).
     fn estimate(
         &self,
         entry: &NodeEntry,
         received: &tandem_cluster::ReceivedReport,
-        demand: Demand,
     ) -> LoadEstimate {
-        let (since, blocks) = entry.dispatched_after(received.received_at);
+        let (since, work) = entry.dispatched_after(received.received_at);
         let report = &received.report;
         let mut estimate = LoadEstimate {
             queue_len: report.queue_len,
@@ -485,11 +524,11 @@ impl NodePool {
         match self.role {
             Role::Prefill => {
                 estimate.queue_len += since;
-                estimate.pending_prompt_tokens += u64::from(since) * demand.prompt_tokens;
+                estimate.pending_prompt_tokens += work;
             }
             Role::Decode => {
                 estimate.running += since;
-                estimate.free_blocks = estimate.free_blocks.saturating_sub(blocks);
+                estimate.free_blocks = estimate.free_blocks.saturating_sub(work);
             }
         }
         estimate

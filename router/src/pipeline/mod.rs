@@ -429,6 +429,14 @@ impl Router {
         }
     }
 
+    /// Whether every node of `role`'s pool fails the canary (routed to anyway).
+    pub fn canary_all_failing(&self, role: Role) -> bool {
+        match role {
+            Role::Prefill => self.inner.prefill.canary_all_failing(),
+            Role::Decode => self.inner.decode.canary_all_failing(),
+        }
+    }
+
     /// This router's in-flight requests per node of `role`, by node id.
     pub fn in_flight_by_node(&self, role: Role) -> Vec<(String, u32)> {
         match role {
@@ -507,6 +515,16 @@ impl Router {
         }
     }
 
+    /// A fresh request id: `req-{router}-{counter}`.
+    pub(crate) fn new_request_id(&self) -> String {
+        let inner = &self.inner;
+        format!(
+            "req-{}-{}",
+            inner.id_prefix,
+            inner.next_request.fetch_add(1, Ordering::Relaxed)
+        )
+    }
+
     async fn start_request(
         &self,
         request: GenerateRequest,
@@ -516,11 +534,7 @@ impl Router {
     ) -> Result<GenerationStream, RouterError> {
         let inner = &self.inner;
         let prepared = prepare(&inner.model, inner.options.tokens, request, || {
-            format!(
-                "req-{}-{}",
-                inner.id_prefix,
-                inner.next_request.fetch_add(1, Ordering::Relaxed)
-            )
+            self.new_request_id()
         })?;
         span.record("tandem.request_id", prepared.request_id.as_str());
         span.record("tandem.priority", prepared.priority.as_str());
