@@ -39,6 +39,8 @@ pub struct Start {
     pub reservation_id: u64,
     /// The first token, sampled by the prefill node.
     pub first_token: u32,
+    /// Its log probability (requests asking for logprobs).
+    pub first_logprob: Option<tandem_engine::TokenLogprob>,
     /// Prompt tokens the prefill node served from its prefix cache.
     pub cached_prompt_tokens: usize,
     /// The caller's request id (logs).
@@ -102,6 +104,9 @@ impl Stream {
         self.tokens += 1;
         let b = self.pending.get_or_insert_with(TokenBatch::default);
         b.token_ids.push(o.token);
+        if let Some(l) = &o.logprob {
+            b.logprobs.push(convert::logprob(l));
+        }
         b.text.push_str(&o.text);
         if let Some(reason) = o.finished {
             self.finished_in_engine = true;
@@ -225,6 +230,7 @@ impl Driver for DecodeDriver {
                     request,
                     reservation_id,
                     first_token,
+                    first_logprob,
                     cached_prompt_tokens,
                     label,
                     events,
@@ -238,6 +244,7 @@ impl Driver for DecodeDriver {
                     request,
                     reservation_id,
                     first_token,
+                    first_logprob,
                     cached_prompt_tokens,
                     Instant::now(),
                 ) {

@@ -227,6 +227,7 @@ impl DecodeService {
             request,
             reservation_id: r.reservation_id,
             first_token: r.first_token_id,
+            first_logprob: r.first_token_logprob.as_ref().map(convert::logprob_from),
             cached_prompt_tokens: r.cached_prompt_tokens as usize,
             label: r.request_id,
             events,

@@ -12,7 +12,7 @@
 //! | [`model`] | the forward pass over block tables |
 //! | [`kv`] | KV pool bytes and the block manager (ref counts, prefix cache, LRU) |
 //! | [`scheduler`] | continuous batching, chunked prefill, priorities, preemption |
-//! | [`sampler`] | greedy / temperature / top-k / top-p with per-request seeds |
+//! | [`sampler`] | penalties, greedy / temperature / top-k / top-p with per-request seeds, logprobs |
 //! | [`tokenizer`] | byte-level BPE from GGUF or tokenizer.json, ChatML, streaming decode |
 //! | [`engine`] | the step loop tying them together |
 //!
@@ -38,7 +38,7 @@ pub use engine::{
 pub use error::EngineError;
 pub use loader::{LoadedModel, ModelSource};
 pub use model::Model;
-pub use sampler::SamplingParams;
+pub use sampler::{SamplingParams, TokenLogprob};
 pub use scheduler::{Priority, SchedulerConfig};
 pub use tandem_kernels::WeightDtype;
 /// The tokenizer lives in its own crate (the router uses it without the engine).

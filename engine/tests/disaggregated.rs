@@ -8,7 +8,7 @@ mod common;
 use std::time::Instant;
 
 use common::*;
-use tandem_engine::{Engine, KvDtype, Priority, Request, SamplingParams, WeightDtype};
+use tandem_engine::{Engine, KvDtype, Priority, Request, SamplingParams, TokenLogprob, WeightDtype};
 
 fn copy_blocks(src: &Engine, src_blocks: &[u32], dst: &mut Engine, dst_blocks: &[u32]) {
     let layout = *src.kv_layout();
@@ -25,6 +25,16 @@ fn copy_blocks(src: &Engine, src_blocks: &[u32], dst: &mut Engine, dst_blocks: &
 }
 
 fn disaggregated(prefill: &mut Engine, decode: &mut Engine, req: Request) -> Vec<u32> {
+    disaggregated_with_logprobs(prefill, decode, req).0
+}
+
+/// Tokens and (when the request asks) their log probabilities, one engine prefilling and the
+/// other decoding.
+fn disaggregated_with_logprobs(
+    prefill: &mut Engine,
+    decode: &mut Engine,
+    req: Request,
+) -> (Vec<u32>, Vec<Option<TokenLogprob>>) {
     let now = Instant::now();
     let id = req.id;
     prefill.add_prefill_request(req.clone(), now).unwrap();
@@ -40,17 +50,70 @@ fn disaggregated(prefill: &mut Engine, decode: &mut Engine, req: Request) -> Vec
     copy_blocks(prefill, &held, decode, &reserved);
     assert!(prefill.release_held(id));
     let mut tokens = vec![first.token];
-    let out = decode.add_prefilled(req, 1000 + id, first.token, 0, now).unwrap();
+    let out = decode.add_prefilled(req, 1000 + id, first.token, first.logprob.clone(), 0, now).unwrap();
     assert_eq!(out.token, first.token);
+    let mut logprobs = vec![out.logprob];
     let mut done = out.finished.is_some();
     while !done {
         for o in decode.step().unwrap() {
             assert_eq!(o.request_id, id);
             tokens.push(o.token);
+            logprobs.push(o.logprob);
             done = o.finished.is_some();
         }
     }
-    tokens
+    (tokens, logprobs)
+}
+
+/// Tokens and log probabilities of `req` run on one engine.
+fn colocated_with_logprobs(engine: &mut Engine, req: Request) -> (Vec<u32>, Vec<Option<TokenLogprob>>) {
+    let mut logprobs = Vec::new();
+    let done = engine.generate(vec![req], |o| logprobs.push(o.logprob.clone())).unwrap();
+    (done[0].tokens.clone(), logprobs)
+}
+
+#[test]
+fn penalties_and_logprobs_survive_the_split_and_a_migration() {
+    let mut colocated = engine(WeightDtype::F32, config(KvDtype::F16, 256));
+    let prompts = test_prompts(&colocated);
+    let mut prefill = engine(WeightDtype::F32, config(KvDtype::F16, 128));
+    let mut decode = engine(WeightDtype::F32, config(KvDtype::F16, 256));
+    let plain = SamplingParams { temperature: 0.8, seed: Some(5), ignore_eos: true, ..SamplingParams::greedy(32) };
+    let penalised = SamplingParams {
+        presence_penalty: 0.6,
+        frequency_penalty: 0.4,
+        repetition_penalty: 1.3,
+        logprobs: true,
+        top_logprobs: 3,
+        ..plain.clone()
+    };
+    for (i, p) in prompts.iter().take(2).enumerate() {
+        let req = |id: u64, params: &SamplingParams| Request { id, prompt: p.clone(), params: params.clone(), priority: Priority::Interactive };
+        let (want, want_lp) = colocated_with_logprobs(&mut colocated, req(100 + i as u64, &penalised));
+        let (unpenalised, none) = colocated_with_logprobs(&mut colocated, req(200 + i as u64, &plain));
+        assert_ne!(want, unpenalised, "prompt {i}: the penalties change the output");
+        assert!(none.iter().all(Option::is_none), "no logprobs unless asked");
+        for (t, lp) in want.iter().zip(&want_lp) {
+            let lp = lp.as_ref().expect("asked for");
+            assert_eq!(lp.token, *t);
+            assert!(lp.logprob <= 0.0 && lp.top.len() == 3, "{lp:?}");
+            assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1), "most likely first: {lp:?}");
+            assert!(lp.top[0].1 >= lp.logprob, "{lp:?}");
+        }
+        // Prefill on one engine, decode on another: the same tokens and numbers.
+        let (got, got_lp) = disaggregated_with_logprobs(&mut prefill, &mut decode, req(300 + i as u64, &penalised));
+        assert_eq!(got, want, "prompt {i}: split");
+        assert_eq!(got_lp, want_lp, "prompt {i}: split logprobs");
+        // A migration after k tokens: the prompt carries them, and the rest continues exactly.
+        let k = 7;
+        let mut prompt = p.clone();
+        prompt.extend_from_slice(&want[..k]);
+        let resumed = SamplingParams { max_new_tokens: 32 - k, resumed_output_tokens: k, ..penalised.clone() };
+        let moved = Request { id: 400 + i as u64, prompt, params: resumed, priority: Priority::Interactive };
+        let (rest, rest_lp) = colocated_with_logprobs(&mut colocated, moved);
+        assert_eq!(rest, want[k..], "prompt {i}: after a migration");
+        assert_eq!(rest_lp, want_lp[k..], "prompt {i}: logprobs after a migration");
+    }
 }
 
 #[test]
@@ -88,5 +151,5 @@ fn reservations_fail_typed_when_full_and_release_cleanly() {
     assert!(!e.release_reservation(1), "idempotent");
     assert_eq!(e.scheduler().blocks().num_free(), 8);
     let req = greedy(9, vec![300; 4], 2);
-    assert!(matches!(e.add_prefilled(req, 77, 5, 0, Instant::now()), Err(tandem_engine::EngineError::UnknownReservation(77))));
+    assert!(matches!(e.add_prefilled(req, 77, 5, None, 0, Instant::now()), Err(tandem_engine::EngineError::UnknownReservation(77))));
 }

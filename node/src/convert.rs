@@ -7,7 +7,7 @@
 //! the same on every node: the first token (drawn on the prefill node) and the rest (decode
 //! node) come from one generator stream, exactly as on one engine.
 
-use tandem_engine::{FinishReason, Priority, SamplingParams, Usage};
+use tandem_engine::{FinishReason, Priority, SamplingParams, TokenLogprob, Usage};
 use tandem_proto::v1;
 
 /// The engine's sampling parameters for a request. `max_tokens == 0` takes `default_max_tokens`.
@@ -39,6 +39,38 @@ pub fn sampling_params(
         },
         stop: p.stop.clone(),
         ignore_eos: p.ignore_eos,
+        presence_penalty: p.presence_penalty,
+        frequency_penalty: p.frequency_penalty,
+        repetition_penalty: if p.repetition_penalty == 0.0 {
+            1.0
+        } else {
+            p.repetition_penalty
+        },
+        logprobs: p.logprobs,
+        top_logprobs: p.top_logprobs as usize,
+        resumed_output_tokens: p.resumed_output_tokens as usize,
+    }
+}
+
+/// The proto form of a token's log probability.
+pub fn logprob(l: &TokenLogprob) -> v1::TokenLogprob {
+    v1::TokenLogprob {
+        token_id: l.token,
+        logprob: l.logprob,
+        top: l
+            .top
+            .iter()
+            .map(|&(token_id, logprob)| v1::TopLogprob { token_id, logprob })
+            .collect(),
+    }
+}
+
+/// The engine form of a proto token log probability.
+pub fn logprob_from(l: &v1::TokenLogprob) -> TokenLogprob {
+    TokenLogprob {
+        token: l.token_id,
+        logprob: l.logprob,
+        top: l.top.iter().map(|t| (t.token_id, t.logprob)).collect(),
     }
 }
 
@@ -93,12 +125,45 @@ mod tests {
         assert_eq!(greedy.seed, None);
         assert_eq!(greedy.max_new_tokens, 16, "0 takes the default");
         assert_eq!(greedy.top_p, 1.0, "0 means off");
+        assert_eq!(greedy.repetition_penalty, 1.0, "0 means off");
+        let penalised = v1::SamplingParams {
+            presence_penalty: 0.5,
+            frequency_penalty: -0.5,
+            repetition_penalty: 1.2,
+            logprobs: true,
+            top_logprobs: 3,
+            resumed_output_tokens: 7,
+            ..Default::default()
+        };
+        let p = sampling_params(Some(&penalised), "x", 1);
+        assert_eq!(
+            (
+                p.presence_penalty,
+                p.frequency_penalty,
+                p.repetition_penalty
+            ),
+            (0.5, -0.5, 1.2)
+        );
+        assert_eq!(
+            (p.logprobs, p.top_logprobs, p.resumed_output_tokens),
+            (true, 3, 7)
+        );
         let seeded = v1::SamplingParams {
             temperature: 0.7,
             seed: Some(3),
             ..Default::default()
         };
         assert_eq!(sampling_params(Some(&seeded), "x", 1).seed, Some(3));
+    }
+
+    #[test]
+    fn logprobs_round_trip_through_the_proto() {
+        let l = TokenLogprob {
+            token: 5,
+            logprob: -0.25,
+            top: vec![(5, -0.25), (9, -1.5)],
+        };
+        assert_eq!(logprob_from(&logprob(&l)), l);
     }
 
     #[test]

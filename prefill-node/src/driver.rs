@@ -30,7 +30,7 @@ use tandem_kv_transfer::{
 };
 use tandem_node::engine_thread::{Driver, EngineHandle, share_step_time};
 use tandem_node::metrics::Outcome;
-use tandem_node::{InFlightGuard, KvAddress, NodeMetrics, status};
+use tandem_node::{InFlightGuard, KvAddress, NodeMetrics, convert, status};
 use tandem_proto::v1::{FirstToken, KvPushed, PrefillResponse, prefill_response::Event};
 use tandem_telemetry::trace::propagation;
 use tokio::runtime::Handle;
@@ -342,6 +342,7 @@ impl Driver for PrefillDriver {
                     token_id: o.token,
                     cached_prompt_tokens: o.usage.cached_tokens as u32,
                     node_seconds: l.node_seconds,
+                    logprob: o.logprob.as_ref().map(convert::logprob),
                 })),
             };
             let _ = l.job.events.try_send(Ok(first));

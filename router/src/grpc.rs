@@ -135,6 +135,12 @@ pub fn from_proto(request: pb::GenerateRequest) -> Result<GenerateRequest, Route
         }
     };
     let sampling = request.sampling.unwrap_or_default();
+    if sampling.resumed_output_tokens != 0 {
+        return Err(RouterError::invalid(
+            Field::Unsupported("sampling.resumed_output_tokens"),
+            "is set by the router when it migrates a request; callers leave it 0",
+        ));
+    }
     Ok(GenerateRequest {
         model: request.model,
         input,
@@ -146,17 +152,30 @@ pub fn from_proto(request: pb::GenerateRequest) -> Result<GenerateRequest, Route
             stop: sampling.stop,
             max_tokens: (sampling.max_tokens > 0).then_some(sampling.max_tokens),
             ignore_eos: sampling.ignore_eos,
+            presence_penalty: sampling.presence_penalty,
+            frequency_penalty: sampling.frequency_penalty,
+            repetition_penalty: (sampling.repetition_penalty != 0.0)
+                .then_some(sampling.repetition_penalty),
+            logprobs: sampling.logprobs,
+            top_logprobs: sampling.top_logprobs,
         },
         priority,
         request_id: (!request.request_id.is_empty()).then_some(request.request_id),
     })
 }
 
-fn to_response(event: GenerationEvent) -> pb::GenerateResponse {
+fn to_response(index: u32, event: GenerationEvent) -> pb::GenerateResponse {
     let event = match event {
-        GenerationEvent::Delta { text, token_ids } => {
-            pb::generate_response::Event::Delta(pb::TokenDelta { text, token_ids })
-        }
+        GenerationEvent::Delta {
+            text,
+            token_ids,
+            logprobs,
+        } => pb::generate_response::Event::Delta(pb::TokenDelta {
+            text,
+            token_ids,
+            logprobs,
+            index,
+        }),
         GenerationEvent::Final(done) => pb::generate_response::Event::Final(pb::GenerateFinal {
             finish_reason: done.finish_reason.to_proto() as i32,
             usage: Some(pb::Usage {
@@ -165,6 +184,7 @@ fn to_response(event: GenerationEvent) -> pb::GenerateResponse {
                 completion_tokens: done.usage.completion_tokens,
             }),
             request_id: done.request_id,
+            index,
         }),
     };
     pb::GenerateResponse { event: Some(event) }
@@ -186,19 +206,25 @@ impl Inference for InferenceService {
             parent: RemoteParent::from_grpc(request.metadata()),
             key,
         };
-        let request = from_proto(request.into_inner()).map_err(|e| to_status(&e))?;
-        let stream = self
+        let request = request.into_inner();
+        let n = request.n.max(1);
+        let request = from_proto(request).map_err(|e| to_status(&e))?;
+        let choices = self
             .router
-            .generate_with(request, context)
+            .generate_choices(request, context, n)
             .await
             .map_err(|e| to_status(&e))?;
-        let traceparent = stream
+        let first = choices.first();
+        let traceparent = first
             .traceparent()
             .and_then(|t| tonic::metadata::MetadataValue::try_from(t).ok());
-        let rate_limit = stream.rate_limit();
-        // Dropping this stream (the client cancelled) drops the GenerationStream, which
+        let rate_limit = first.rate_limit();
+        // Dropping this stream (the client cancelled) drops every GenerationStream, which
         // cancels the request on the nodes.
-        let responses = stream.map(|item| item.map(to_response).map_err(|e| to_status(&e)));
+        let responses = choices.merged().map(|(index, item)| {
+            item.map(|event| to_response(index, event))
+                .map_err(|e| to_status(&e))
+        });
         let mut response = Response::new(Box::pin(responses) as Self::GenerateStream);
         // The trace id goes back to the caller in the response metadata.
         if let Some(value) = traceparent {

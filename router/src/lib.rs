@@ -47,7 +47,7 @@ pub use model::ServedModel;
 pub use ratelimit::{KeyPermit, RateLimitStatus, RateLimiter};
 pub use nodes::{NodeConnector, TcpConnector};
 pub use pipeline::{
-    FinishReason, GenerationEvent, GenerationFinal, GenerationStream, RequestContext, Router,
+    ChoiceEvent, Choices, MAX_CHOICES, FinishReason, GenerationEvent, GenerationFinal, GenerationStream, RequestContext, Router,
     RouterOptions, Stores, Usage,
 };
 pub use request::{Field, GenerateRequest, Priority, PromptInput, Sampling, TokenLimits};

@@ -12,6 +12,8 @@
 //!   length (the error names the input field, as OpenAI does). Absent or 0: the configured
 //!   default, capped to what the context leaves.
 //! - `temperature` in [0, 2], `top_p` in [0, 1] (0 = off), at most 4 non-empty stop strings.
+//! - `presence_penalty` and `frequency_penalty` in [-2, 2]; `repetition_penalty` in (0, 2];
+//!   `top_logprobs` at most 20 and only with `logprobs`.
 //!
 //! Cost: tokenization, linear in the prompt (~2 ms for 8k tokens).
 
@@ -42,8 +44,18 @@ pub enum Field {
     TopK,
     /// Stop strings.
     Stop,
-    /// Number of choices (HTTP only; must be 1).
+    /// Number of choices.
     N,
+    /// Presence penalty.
+    PresencePenalty,
+    /// Frequency penalty.
+    FrequencyPenalty,
+    /// Repetition penalty.
+    RepetitionPenalty,
+    /// Whether to return log probabilities.
+    Logprobs,
+    /// How many alternatives per position.
+    TopLogprobs,
     /// Scheduling class.
     Priority,
     /// A field the router does not support with the given value (HTTP only).
@@ -63,6 +75,11 @@ impl Field {
             Field::TopK => "top_k",
             Field::Stop => "stop",
             Field::N => "n",
+            Field::PresencePenalty => "presence_penalty",
+            Field::FrequencyPenalty => "frequency_penalty",
+            Field::RepetitionPenalty => "repetition_penalty",
+            Field::Logprobs => "logprobs",
+            Field::TopLogprobs => "top_logprobs",
             Field::Priority => "priority",
             Field::Unsupported(name) => name,
         }
@@ -81,6 +98,11 @@ impl Field {
             Field::TopK => "sampling.top_k",
             Field::Stop => "sampling.stop",
             Field::N => "n",
+            Field::PresencePenalty => "sampling.presence_penalty",
+            Field::FrequencyPenalty => "sampling.frequency_penalty",
+            Field::RepetitionPenalty => "sampling.repetition_penalty",
+            Field::Logprobs => "sampling.logprobs",
+            Field::TopLogprobs => "sampling.top_logprobs",
             Field::Priority => "priority",
             Field::Unsupported(name) => name,
         }
@@ -154,7 +176,20 @@ pub struct Sampling {
     pub max_tokens: Option<u32>,
     /// Keep generating past end-of-sequence.
     pub ignore_eos: bool,
+    /// Lowers generated tokens' logits once (-2..=2; 0 = off).
+    pub presence_penalty: f32,
+    /// Lowers generated tokens' logits per occurrence (-2..=2; 0 = off).
+    pub frequency_penalty: f32,
+    /// Scales logits of prompt and output tokens (> 0); `None` = off.
+    pub repetition_penalty: Option<f32>,
+    /// Return each generated token's log probability.
+    pub logprobs: bool,
+    /// With `logprobs`, the most likely alternatives per position (≤ 20).
+    pub top_logprobs: u32,
 }
+
+/// Largest `top_logprobs` accepted (OpenAI's).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
 
 /// A request as an ingress hands it to [`Router::generate`](crate::Router::generate).
 #[derive(Clone, Debug, PartialEq)]
@@ -351,6 +386,40 @@ fn validate_sampling(s: &Sampling) -> Result<pb::SamplingParams, RouterError> {
             "contains an empty string",
         ));
     }
+    for (field, v) in [
+        (Field::PresencePenalty, s.presence_penalty),
+        (Field::FrequencyPenalty, s.frequency_penalty),
+    ] {
+        if !(-2.0..=2.0).contains(&v) {
+            return Err(RouterError::invalid(
+                field,
+                format!("is {v}, expected a number in [-2, 2]"),
+            ));
+        }
+    }
+    if let Some(r) = s.repetition_penalty
+        && !(r > 0.0 && r <= 2.0)
+    {
+        return Err(RouterError::invalid(
+            Field::RepetitionPenalty,
+            format!("is {r}, expected a number in (0, 2] (1 = off)"),
+        ));
+    }
+    if s.top_logprobs > MAX_TOP_LOGPROBS {
+        return Err(RouterError::invalid(
+            Field::TopLogprobs,
+            format!(
+                "is {}, at most {MAX_TOP_LOGPROBS} is allowed",
+                s.top_logprobs
+            ),
+        ));
+    }
+    if s.top_logprobs > 0 && !s.logprobs {
+        return Err(RouterError::invalid(
+            Field::TopLogprobs,
+            "needs logprobs set to true",
+        ));
+    }
     Ok(pb::SamplingParams {
         temperature: s.temperature,
         top_p: s.top_p,
@@ -359,5 +428,11 @@ fn validate_sampling(s: &Sampling) -> Result<pb::SamplingParams, RouterError> {
         stop: s.stop.clone(),
         max_tokens: 0,
         ignore_eos: s.ignore_eos,
+        presence_penalty: s.presence_penalty,
+        frequency_penalty: s.frequency_penalty,
+        repetition_penalty: s.repetition_penalty.unwrap_or(0.0),
+        logprobs: s.logprobs,
+        top_logprobs: s.top_logprobs,
+        resumed_output_tokens: 0,
     })
 }

@@ -152,10 +152,10 @@ async fn every_bad_http_input_gets_an_openai_error_naming_the_field() {
         ),
         (
             "/v1/completions",
-            r#"{"prompt": "hi", "n": 3}"#.into(),
+            r#"{"prompt": "hi", "n": 17}"#.into(),
             400,
             Some("n"),
-            "n = 1",
+            "expected 1 to 16",
         ),
         (
             "/v1/completions",
@@ -173,10 +173,10 @@ async fn every_bad_http_input_gets_an_openai_error_naming_the_field() {
         ),
         (
             "/v1/completions",
-            r#"{"prompt": "hi", "logprobs": 3}"#.into(),
+            r#"{"prompt": "hi", "logprobs": 9}"#.into(),
             400,
             Some("logprobs"),
-            "not supported",
+            "from 0 to 5",
         ),
     ];
     for (path, body, status, param, mention) in cases {

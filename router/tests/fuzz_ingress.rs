@@ -177,9 +177,16 @@ fn random_grpc_requests_never_panic_and_every_refusal_is_a_client_error() {
                 stop: (0..rng.below(3)).map(|_| text(&mut rng)).collect(),
                 max_tokens: [0, 1, 16, 256, 257, 8192, u32::MAX][rng.below(7)],
                 ignore_eos: rng.below(2) == 0,
+                presence_penalty: floats[rng.below(floats.len())],
+                frequency_penalty: floats[rng.below(floats.len())],
+                repetition_penalty: floats[rng.below(floats.len())],
+                logprobs: rng.below(2) == 0,
+                top_logprobs: [0, 1, 20, 21, u32::MAX][rng.below(5)],
+                resumed_output_tokens: [0, 0, 0, 3][rng.below(4)],
             }),
             priority: [0, 1, 2, -1, i32::MAX][rng.below(5)],
             request_id: ["", "r-1", "\u{202E}x"][rng.below(3)].to_string(),
+            n: [0, 1, 2, 16, 17][rng.below(5)],
         };
         let shown = || format!("seed {seed}, case {case}: {request:?}");
         match from_proto(request.clone()).and_then(|g| prepare(&model, limits, g, || "fuzz".to_string())) {

@@ -305,6 +305,7 @@ impl Router {
                 sampling: Some(sampling),
                 priority: 0,
                 cached_prompt_tokens: first.cached_prompt_tokens,
+                first_token_logprob: first.logprob.clone(),
             })
             .await?
             .into_inner();

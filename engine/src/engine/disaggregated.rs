@@ -22,6 +22,7 @@ use std::time::Instant;
 use super::{Engine, Request, StepOutput};
 use crate::error::EngineError;
 use crate::kv::BlockId;
+use crate::sampler::TokenLogprob;
 
 impl Engine {
     /// Queues a prefill-only request (a prefill node's work): it stops after its first token,
@@ -79,7 +80,8 @@ impl Engine {
     }
 
     /// Continues a request whose prompt KV arrived in reservation `reservation_id` and whose first
-    /// token `first_token` was sampled elsewhere (a decode node's `Decode`). Returns the output
+    /// token `first_token` (with its log probability, when the request asks for them) was
+    /// sampled elsewhere (a decode node's `Decode`). Returns the output
     /// for the first token (its text; it may already finish the request: EOS, a stop string, or
     /// `max_new_tokens == 1`). The sampler skips the first token's draw, so seeded sampling
     /// continues exactly as one engine would have.
@@ -88,6 +90,7 @@ impl Engine {
         req: Request,
         reservation_id: u64,
         first_token: u32,
+        first_logprob: Option<TokenLogprob>,
         cached_prompt_tokens: usize,
         now: Instant,
     ) -> Result<StepOutput, EngineError> {
@@ -116,9 +119,10 @@ impl Engine {
         self.sched.add_prefilled(id, tokens, prompt_len, blocks, priority, now)?;
         self.insert_state(req, false);
         let st = self.reqs.get_mut(&id).expect("just inserted");
-        st.sampler.advance(1);
+        st.sampler.skip(first_token);
         st.cached_prompt_tokens = cached_prompt_tokens;
-        let out = self.accept_token(id, first_token);
+        let first_logprob = first_logprob.filter(|_| st.sampler.params().logprobs);
+        let out = self.accept_token(id, first_token, first_logprob);
         if out.finished.is_some() {
             self.reqs.remove(&id);
             self.sched.remove(id);

@@ -213,7 +213,7 @@ impl Engine {
         self.reqs.insert(
             req.id,
             ReqState {
-                sampler: Sampler::new(req.params, req.id),
+                sampler: Sampler::new(req.params, req.id, &req.prompt),
                 hold_kv,
                 cached_prompt_tokens: 0,
                 prompt_len: req.prompt.len(),

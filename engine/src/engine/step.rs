@@ -16,6 +16,7 @@ use std::time::Instant;
 use super::{ChunkView, Completion, Engine, FinishReason, LayerDone, Request, StepOutput, Usage};
 use crate::error::EngineError;
 use crate::model::ForwardSeq;
+use crate::sampler::TokenLogprob;
 
 impl Engine {
     /// Runs one scheduling step and forward pass; returns a token for every request that
@@ -69,9 +70,9 @@ impl Engine {
         for c in &plan.chunks {
             sampled.push(if c.want_logits {
                 let st = self.reqs.get_mut(&c.seq_id).expect("scheduled request has state");
-                let tok = st.sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
+                let sampled = st.sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
                 row += 1;
-                Some(tok)
+                Some(sampled)
             } else {
                 None
             });
@@ -82,10 +83,10 @@ impl Engine {
             if c.len > 1 || c.first_pos < prompt_len {
                 self.stats.prefill_tokens += c.len as u64;
             }
-            self.sched.on_chunk_done(c, tok);
+            self.sched.on_chunk_done(c, tok.as_ref().map(|t| t.token));
             if let Some(tok) = tok {
                 self.stats.decode_tokens += 1;
-                outputs.push(self.accept_token(c.seq_id, tok));
+                outputs.push(self.accept_token(c.seq_id, tok.token, tok.logprob));
             }
         }
         for o in &mut outputs {
@@ -105,7 +106,12 @@ impl Engine {
 
     /// Records `tok` as request `id`'s next token: releases its text, checks EOS, stop strings
     /// and `max_new_tokens`, and builds its output (the caller ends a finished request).
-    pub(super) fn accept_token(&mut self, id: u64, tok: u32) -> StepOutput {
+    pub(super) fn accept_token(
+        &mut self,
+        id: u64,
+        tok: u32,
+        logprob: Option<TokenLogprob>,
+    ) -> StepOutput {
         let cached_tokens = self.sched.cached_tokens(id);
         let st = self.reqs.get_mut(&id).expect("request state exists");
         st.generated.push(tok);
@@ -151,6 +157,7 @@ impl Engine {
         StepOutput {
             request_id: id,
             token: tok,
+            logprob,
             text,
             finished,
             usage: Usage {

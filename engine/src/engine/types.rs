@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use tandem_kv_layout::KvDtype;
 
 use crate::kv::BlockId;
-use crate::sampler::SamplingParams;
+use crate::sampler::{SamplingParams, TokenLogprob};
 use crate::scheduler::{Priority, SchedulerConfig};
 
 /// How big the KV pool is.
@@ -103,6 +103,8 @@ pub struct StepOutput {
     pub request_id: u64,
     /// The sampled token.
     pub token: u32,
+    /// Its log probability and top alternatives, when the request asked (`logprobs`).
+    pub logprob: Option<TokenLogprob>,
     /// Newly released text (may be empty while a character or a possible stop string is pending).
     pub text: String,
     /// Set when this was the request's last output.

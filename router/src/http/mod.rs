@@ -22,6 +22,7 @@
 
 mod completions;
 mod error;
+mod logprobs;
 mod usage;
 pub mod openai;
 

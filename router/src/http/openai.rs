@@ -3,14 +3,16 @@
 //!
 //! Accepted beyond the required fields: `max_tokens` (chat also `max_completion_tokens`),
 //! `temperature`, `top_p`, `top_k` (extension; -1 or 0 = off), `seed`, `stop` (string or
-//! list), `stream`, `stream_options.include_usage`, `n` (must be 1), `user` (ignored), and the
-//! extensions `priority` (`"interactive"` / `"batch"`, or an integer: ≤ 0 interactive, > 0
-//! batch, lower is more urgent as in vLLM), `ignore_eos` and `request_id`. Fields OpenAI has
-//! but tandem cannot honour (`echo`, `logprobs`, `top_logprobs`, `best_of` > 1, non-zero
-//! presence and frequency penalties, a repetition penalty other than 1, `logit_bias`, `suffix`,
-//! `tools`, `tool_choice`, `functions`, `function_call`, and a `response_format` other than
-//! text) are refused with a 400 naming them rather than silently ignored; other unknown fields
-//! are ignored, as OpenAI does.
+//! list), `stream`, `stream_options.include_usage`, `n` (1 to 16 choices), `presence_penalty`,
+//! `frequency_penalty`, `repetition_penalty` (extension, as vLLM's), `logprobs` (chat: a
+//! boolean with `top_logprobs` 0–20; completions: an integer 0–5, the alternatives per
+//! position), `user` (an end-user id for the caller's own records: accepted and not used, as
+//! it changes no output), and the extensions `priority` (`"interactive"` / `"batch"`, or an
+//! integer: ≤ 0 interactive, > 0 batch, lower is more urgent as in vLLM), `ignore_eos` and
+//! `request_id`. Fields OpenAI has but tandem cannot honour (`echo`, `best_of` > 1,
+//! `logit_bias`, `suffix`, `tools`, `tool_choice`, `functions`, `function_call`, and a
+//! `response_format` other than text) are refused with a 400 naming them rather than silently
+//! ignored; other unknown fields are ignored, as OpenAI does.
 
 use serde::Deserialize;
 use tandem_tokenizer::ChatMessage;
@@ -91,7 +93,7 @@ pub struct RequestBody {
     pub stream: bool,
     /// Streaming options.
     pub stream_options: Option<StreamOptions>,
-    /// Number of choices (must be 1).
+    /// Number of choices (1 to 16).
     pub n: Option<u32>,
     /// Scheduling class (extension).
     pub priority: Option<PriorityField>,
@@ -102,13 +104,13 @@ pub struct RequestBody {
     pub request_id: Option<String>,
     /// Echo the prompt (unsupported when true).
     pub echo: Option<bool>,
-    /// Log probabilities (unsupported when set).
+    /// Log probabilities: a boolean (chat) or the alternatives per position (completions).
     pub logprobs: Option<serde_json::Value>,
     /// Best-of sampling (unsupported above 1).
     pub best_of: Option<u32>,
-    /// Presence penalty (unsupported unless 0).
+    /// Presence penalty (-2 to 2).
     pub presence_penalty: Option<f32>,
-    /// Frequency penalty (unsupported unless 0).
+    /// Frequency penalty (-2 to 2).
     pub frequency_penalty: Option<f32>,
     /// Tool definitions (unsupported).
     pub tools: Option<serde_json::Value>,
@@ -120,12 +122,14 @@ pub struct RequestBody {
     pub function_call: Option<serde_json::Value>,
     /// Output format (only `{"type": "text"}`: JSON modes are not supported yet).
     pub response_format: Option<serde_json::Value>,
-    /// Alternatives per token (unsupported unless 0).
+    /// Alternatives per position (chat, with `logprobs: true`; 0 to 20).
     pub top_logprobs: Option<u32>,
     /// Token biases (unsupported unless empty).
     pub logit_bias: Option<serde_json::Value>,
-    /// Repetition penalty (extension; unsupported unless 1).
+    /// Repetition penalty (extension, vLLM's; (0, 2], 1 = off).
     pub repetition_penalty: Option<f32>,
+    /// The caller's end-user id (recorded by the caller; changes nothing here).
+    pub user: Option<String>,
     /// Text after the completion (unsupported unless empty).
     pub suffix: Option<String>,
 }
@@ -211,7 +215,7 @@ impl RequestBody {
                 ));
             }
         };
-        self.into_core(input)
+        self.into_core(input, false)
     }
 
     /// The core request of a chat completion (`messages` required).
@@ -237,7 +241,45 @@ impl RequestBody {
             };
             messages.push(ChatMessage::new(m.role, content));
         }
-        self.into_core(PromptInput::Chat(messages))
+        self.into_core(PromptInput::Chat(messages), true)
+    }
+
+    /// Choices asked for (`n`; absent = 1; the router checks the range).
+    pub fn choices(&self) -> u32 {
+        self.n.unwrap_or(1)
+    }
+
+    /// `logprobs` (and chat's `top_logprobs`) as (on, alternatives per position).
+    fn logprobs(&self, chat: bool) -> Result<(bool, u32), RouterError> {
+        let value = self.logprobs.as_ref().filter(|v| !v.is_null());
+        if chat {
+            return match value {
+                None | Some(serde_json::Value::Bool(false)) => {
+                    Ok((false, self.top_logprobs.unwrap_or(0)))
+                }
+                Some(serde_json::Value::Bool(true)) => Ok((true, self.top_logprobs.unwrap_or(0))),
+                Some(other) => Err(RouterError::invalid(
+                    Field::Logprobs,
+                    format!("is {other}, expected true or false (top_logprobs sets the alternatives)"),
+                )),
+            };
+        }
+        if self.top_logprobs.is_some() {
+            return Err(RouterError::invalid(
+                Field::TopLogprobs,
+                "is a chat parameter; completions take logprobs: <alternatives per position>",
+            ));
+        }
+        match value {
+            None | Some(serde_json::Value::Bool(false)) => Ok((false, 0)),
+            Some(v) => match v.as_u64() {
+                Some(k) if k <= 5 => Ok((true, k as u32)),
+                _ => Err(RouterError::invalid(
+                    Field::Logprobs,
+                    format!("is {v}, expected an integer from 0 to 5 (alternatives per position)"),
+                )),
+            },
+        }
     }
 
     /// Whether a final usage chunk is wanted.
@@ -247,30 +289,15 @@ impl RequestBody {
             .is_some_and(|o| o.include_usage)
     }
 
-    fn into_core(self, input: PromptInput) -> Result<GenerateRequest, RouterError> {
-        if self.n.is_some_and(|n| n != 1) {
-            return Err(RouterError::invalid(Field::N, "only n = 1 is supported"));
-        }
+    fn into_core(self, input: PromptInput, chat: bool) -> Result<GenerateRequest, RouterError> {
+        let (logprobs, top_logprobs) = self.logprobs(chat)?;
         let unsupported =
             |name, reason: &str| RouterError::invalid(Field::Unsupported(name), reason.to_string());
         if self.echo == Some(true) {
             return Err(unsupported("echo", "is not supported"));
         }
-        if self
-            .logprobs
-            .as_ref()
-            .is_some_and(|v| !v.is_null() && *v != serde_json::Value::Bool(false))
-        {
-            return Err(unsupported("logprobs", "is not supported"));
-        }
         if self.best_of.is_some_and(|b| b > 1) {
             return Err(unsupported("best_of", "only best_of = 1 is supported"));
-        }
-        if self.presence_penalty.is_some_and(|p| p != 0.0) {
-            return Err(unsupported("presence_penalty", "is not supported (use 0)"));
-        }
-        if self.frequency_penalty.is_some_and(|p| p != 0.0) {
-            return Err(unsupported("frequency_penalty", "is not supported (use 0)"));
         }
         if self.tools.as_ref().is_some_and(|t| !t.is_null()) {
             return Err(unsupported("tools", "are not supported"));
@@ -297,16 +324,10 @@ impl RequestBody {
                 "only {\"type\": \"text\"} is supported (no JSON mode or schema yet)",
             ));
         }
-        if self.top_logprobs.is_some_and(|n| n > 0) {
-            return Err(unsupported("top_logprobs", "is not supported"));
-        }
         if self.logit_bias.as_ref().is_some_and(|b| {
             !b.is_null() && b.as_object().is_none_or(|m| !m.is_empty())
         }) {
             return Err(unsupported("logit_bias", "is not supported"));
-        }
-        if self.repetition_penalty.is_some_and(|p| p != 1.0) {
-            return Err(unsupported("repetition_penalty", "is not supported (use 1)"));
         }
         if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
             return Err(unsupported("suffix", "is not supported"));
@@ -352,6 +373,11 @@ impl RequestBody {
                 stop,
                 max_tokens: self.max_completion_tokens.or(self.max_tokens),
                 ignore_eos: self.ignore_eos,
+                presence_penalty: self.presence_penalty.unwrap_or(0.0),
+                frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+                repetition_penalty: self.repetition_penalty,
+                logprobs,
+                top_logprobs,
             },
             priority,
             request_id: self.request_id,
@@ -420,9 +446,7 @@ mod tests {
         let refused = [
             (r#""response_format": {"type": "json_object"}"#, "response_format"),
             (r#""response_format": {"type": "json_schema", "json_schema": {}}"#, "response_format"),
-            (r#""top_logprobs": 3"#, "top_logprobs"),
             (r#""logit_bias": {"50256": -100}"#, "logit_bias"),
-            (r#""repetition_penalty": 1.2"#, "repetition_penalty"),
             (r#""tool_choice": "auto""#, "tool_choice"),
             (r#""functions": [{"name": "f"}]"#, "functions"),
             (r#""function_call": "auto""#, "function_call"),
@@ -458,26 +482,41 @@ mod tests {
     }
 
     #[test]
-    fn features_tandem_cannot_honour_are_refused_by_name() {
-        let body = br#"{"prompt": "x", "presence_penalty": 0.5}"#;
-        let err = parse_body::<RequestBody>(body)
-            .unwrap()
-            .into_completion()
-            .unwrap_err();
-        assert!(matches!(
-            err,
-            RouterError::InvalidArgument {
-                field: Field::Unsupported("presence_penalty"),
-                ..
-            }
-        ));
-        let n = parse_body::<RequestBody>(br#"{"prompt": "x", "n": 2}"#).unwrap();
-        assert!(matches!(
-            n.into_completion(),
-            Err(RouterError::InvalidArgument {
-                field: Field::N,
-                ..
-            })
-        ));
+    fn penalties_logprobs_and_n_are_taken_per_endpoint() {
+        let body = br#"{"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5,
+                        "frequency_penalty": -0.5, "repetition_penalty": 1.1, "logprobs": true,
+                        "top_logprobs": 3, "n": 4}"#;
+        let parsed = parse_body::<RequestBody>(body).unwrap();
+        assert_eq!(parsed.choices(), 4);
+        let s = parsed.into_chat().unwrap().sampling;
+        assert_eq!(
+            (s.presence_penalty, s.frequency_penalty, s.repetition_penalty),
+            (0.5, -0.5, Some(1.1))
+        );
+        assert_eq!((s.logprobs, s.top_logprobs), (true, 3));
+        // Completions: logprobs is the number of alternatives.
+        let c = parse_body::<RequestBody>(br#"{"prompt": "x", "logprobs": 2}"#).unwrap();
+        let s = c.into_completion().unwrap().sampling;
+        assert_eq!((s.logprobs, s.top_logprobs), (true, 2));
+        let off = parse_body::<RequestBody>(br#"{"prompt": "x", "logprobs": null}"#).unwrap();
+        assert!(!off.into_completion().unwrap().sampling.logprobs);
+        for (body, chat, field) in [
+            (r#""logprobs": 6"#, false, Field::Logprobs),
+            (r#""logprobs": true"#, false, Field::Logprobs),
+            (r#""top_logprobs": 2"#, false, Field::TopLogprobs),
+            (r#""logprobs": 3"#, true, Field::Logprobs),
+        ] {
+            let b = if chat {
+                format!(r#"{{"messages": [{{"role": "user", "content": "x"}}], {body}}}"#)
+            } else {
+                format!(r#"{{"prompt": "x", {body}}}"#)
+            };
+            let parsed = parse_body::<RequestBody>(b.as_bytes()).unwrap();
+            let err = if chat { parsed.into_chat() } else { parsed.into_completion() }.unwrap_err();
+            assert!(
+                matches!(&err, RouterError::InvalidArgument { field: f, .. } if *f == field),
+                "{b}: {err:?}"
+            );
+        }
     }
 }

@@ -18,10 +18,11 @@
 //! guard releases the reservation. The caller decides whether to try again.
 //!
 //! A later attempt after output reached the client (a migration) sends the prompt plus every
-//! token sent so far and asks for what is left: with greedy sampling the continuation is the
-//! one the lost node would have produced. Limits: a seeded sampler restarts its generator, a
-//! stop string spanning the seam is not seen, and a character split across the seam decodes
-//! as U+FFFD (the lost node held its first bytes back).
+//! token sent so far and asks for what is left, saying how many prompt tokens are output
+//! (`resumed_output_tokens`): the nodes count them for penalties and skip their draws, so
+//! greedy and seeded sampling continue as the lost node would have. Limits: a stop string
+//! spanning the seam is not seen, and a character split across the seam decodes as U+FFFD
+//! (the lost node held its first bytes back).
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -225,6 +226,7 @@ impl<'a> AttemptState<'a> {
             .collect();
         let sampling = pb::SamplingParams {
             max_tokens: self.tokens_left(),
+            resumed_output_tokens: tokens_before,
             ..self.request.sampling.clone()
         };
         let demand = Demand {
@@ -357,6 +359,7 @@ impl<'a> AttemptState<'a> {
             sampling: Some(sampling),
             priority: self.request.priority.to_proto() as i32,
             cached_prompt_tokens: first.cached_prompt_tokens,
+            first_token_logprob: first.logprob.clone(),
         };
         let call = tonic::Request::from_parts(call_metadata(&span), Default::default(), request);
         match client.decode(call).instrument(span.clone()).await {

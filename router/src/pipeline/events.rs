@@ -76,7 +76,7 @@ pub struct GenerationFinal {
 }
 
 /// One piece of a generation.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum GenerationEvent {
     /// New tokens and the text they completed (possibly empty mid-character).
     Delta {
@@ -84,6 +84,8 @@ pub enum GenerationEvent {
         text: String,
         /// The token ids, in order.
         token_ids: Vec<u32>,
+        /// One per token id when the request asked for logprobs, else empty.
+        logprobs: Vec<pb::TokenLogprob>,
     },
     /// The end.
     Final(GenerationFinal),

@@ -30,11 +30,13 @@
 //!   (HTTP/2 flow control reaches the node) instead of buffering without limit.
 
 mod attempt;
+mod choices;
 mod events;
 mod probe;
 mod reservation;
 mod task;
 
+pub use choices::{ChoiceEvent, Choices, MAX_CHOICES};
 pub use events::{FinishReason, GenerationEvent, GenerationFinal, GenerationStream, Usage};
 
 use std::sync::Arc;

@@ -44,6 +44,19 @@ pub fn first_token(prompt: &[u32]) -> u32 {
     next_token(prompt.len())
 }
 
+/// The log probability the fake nodes report for `id` (with one alternative, itself).
+pub fn fake_logprob(id: u32) -> pb::TokenLogprob {
+    let logprob = -(id as f32) / 1000.0;
+    pb::TokenLogprob {
+        token_id: id,
+        logprob,
+        top: vec![pb::TopLogprob {
+            token_id: id,
+            logprob,
+        }],
+    }
+}
+
 /// The text of a canned token.
 pub fn token_text(id: u32) -> String {
     format!("t{id} ")
@@ -201,7 +214,9 @@ impl Decode for DecodeService {
             return Err(Status::data_loss("block 0 failed its checksum (fake)"));
         }
         let r = request.into_inner();
-        let max_tokens = r.sampling.map(|s| s.max_tokens).unwrap_or(1).max(1);
+        let max_tokens = r.sampling.as_ref().map(|s| s.max_tokens).unwrap_or(1).max(1);
+        let logprobs = r.sampling.as_ref().is_some_and(|s| s.logprobs);
+        let first_logprob = r.first_token_logprob.clone();
         let (tx, rx) = mpsc::channel(4);
         let b = Arc::clone(&self.b);
         let prompt_tokens = r.prompt_token_ids.len() as u32;
@@ -232,10 +247,16 @@ impl Decode for DecodeService {
                 } else {
                     next_token(prompt_tokens as usize + i as usize)
                 };
+                let logprob = match (logprobs, i) {
+                    (false, _) => None,
+                    (true, 0) => Some(first_logprob.clone().unwrap_or_else(|| fake_logprob(id))),
+                    (true, _) => Some(fake_logprob(id)),
+                };
                 let batch = pb::DecodeResponse {
                     event: Some(pb::decode_response::Event::Tokens(pb::TokenBatch {
                         token_ids: vec![id],
                         text: token_text(id),
+                        logprobs: logprob.into_iter().collect(),
                     })),
                 };
                 if tx.send(Ok(batch)).await.is_err() {
@@ -303,6 +324,11 @@ impl Prefill for PrefillService {
                     token_id: first_token(&r.prompt_token_ids),
                     cached_prompt_tokens: 0,
                     node_seconds: 0.002,
+                    logprob: r
+                        .sampling
+                        .as_ref()
+                        .filter(|s| s.logprobs)
+                        .map(|_| fake_logprob(first_token(&r.prompt_token_ids))),
                 })),
             };
             let pushed = pb::PrefillResponse {

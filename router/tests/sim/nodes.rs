@@ -362,6 +362,7 @@ impl Decode for DecodeSvc {
                     event: Some(pb::decode_response::Event::Tokens(pb::TokenBatch {
                         token_ids: vec![id_i],
                         text: format!("t{id_i} "),
+                        logprobs: Vec::new(),
                     })),
                 };
                 if tx.send(Ok(batch)).await.is_err() {

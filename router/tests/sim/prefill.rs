@@ -94,6 +94,7 @@ impl Prefill for PrefillSvc {
                     token_id: next_token(prompt),
                     cached_prompt_tokens: 0,
                     node_seconds: 0.0,
+                    logprob: None,
                 })),
             };
             if tx.send(Ok(first)).await.is_err() {

@@ -176,11 +176,22 @@ impl AttemptState<'_> {
                 f.stall_at = Some(tokio::time::Instant::now() + f.idle);
                 // The decode node streams the whole output, the first token included.
                 let token_ids = batch.token_ids;
+                let want = if self.request.sampling.logprobs {
+                    token_ids.len()
+                } else {
+                    0
+                };
+                if batch.logprobs.len() != want {
+                    return Next::End(Err(protocol(
+                        "a token batch whose logprobs do not match its tokens (one each when asked, else none)",
+                    )));
+                }
                 f.tokens_here += token_ids.len() as u32;
                 self.generated.extend_from_slice(&token_ids);
                 let delta = GenerationEvent::Delta {
                     text: batch.text,
                     token_ids,
+                    logprobs: batch.logprobs,
                 };
                 match self.send(delta).await {
                     Ok(()) => Next::Continue,
