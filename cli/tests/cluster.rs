@@ -248,6 +248,25 @@ async fn one_prefill_one_decode_cluster_serves_exactly_the_engine_output_and_deg
         );
     }
 
+    // The rest of the surface through the client's own types (tests/e2e/openai_client.py).
+    let s = &v["surface"];
+    let chat = &s["chat"];
+    assert_eq!(chat["indices"], serde_json::json!([0, 1]), "{s}");
+    assert_eq!(chat["texts"], chat["again"], "the same seed, the same choices: {s}");
+    for (i, text) in chat["texts"].as_array().unwrap().iter().enumerate() {
+        let text = text.as_str().unwrap();
+        assert!(!text.contains('.') && !text.contains("\n\n"), "stop strings cut choice {i}: {text:?}");
+        let lps = chat["logprobs"][i].as_array().unwrap();
+        assert!(!lps.is_empty() && lps.len() <= 12, "choice {i}: {s}");
+        for t in lps {
+            assert!(t[1].as_f64().unwrap() <= 0.0 && t[2] == 2, "choice {i}: {t}");
+        }
+    }
+    let total: u64 = (0..2).map(|i| chat["logprobs"][i].as_array().unwrap().len() as u64).sum();
+    assert_eq!(chat["usage"]["completion_tokens"], total, "one logprob per generated token: {s}");
+    assert_eq!(s["completion"]["tokens"], serde_json::json!({"0": 6, "1": 6}), "{s}");
+    assert_ne!(s["greedy"], s["greedy_penalised"], "frequency_penalty is honoured: {s}");
+
     // Bad input: 4xx naming the field (HTTP), INVALID_ARGUMENT (gRPC); the cluster keeps serving.
     let long = "word ".repeat(9000);
     let cases = [

@@ -3,7 +3,13 @@
 client of an OpenAI-compatible server would: a streamed chat completion and a streamed text
 completion, each asking for usage in the final chunk. Prints one JSON object:
 
-    {"chat": {"text": ..., "usage": {...}, "chunks": N}, "completion": {...}, "models": [...]}
+    {"chat": {"text": ..., "usage": {...}, "chunks": N}, "completion": {...}, "models": [...],
+     "surface": {...}}
+
+"surface" exercises the rest of the API through the client's own types: `n` choices with
+`logprobs`/`top_logprobs`, penalties, `seed` (asked twice: the same answer), several `stop`
+strings, `max_completion_tokens` and `user` (chat, not streamed); `n` with completions'
+integer `logprobs`, streamed; and a penalty that must change a greedy answer.
 
 Usage: openai_client.py BASE_URL (e.g. http://127.0.0.1:8000/v1) [--max-tokens N]
 """
@@ -53,7 +59,57 @@ def main():
         stream=True,
         stream_options={"include_usage": True},
     )
-    print(json.dumps({"models": models, "chat": collect(chat), "completion": collect(completion)}))
+    out = {"models": models, "chat": collect(chat), "completion": collect(completion)}
+    out["surface"] = surface(client, models[0])
+    print(json.dumps(out))
+
+
+def surface(client, model):
+    messages = [{"role": "user", "content": "Write three short sentences about the sea."}]
+
+    def sampled():
+        r = client.chat.completions.create(
+            model=model, messages=messages, n=2, temperature=1.0, seed=7,
+            logprobs=True, top_logprobs=2, presence_penalty=0.3, frequency_penalty=0.5,
+            stop=[".", "\n\n"], max_completion_tokens=12, user="user-1",
+        )
+        return r
+
+    first, again = sampled(), sampled()
+    chat = {
+        "texts": [c.message.content for c in first.choices],
+        "again": [c.message.content for c in again.choices],
+        "indices": [c.index for c in first.choices],
+        "finish": [c.finish_reason for c in first.choices],
+        "logprobs": [
+            [(t.token, t.logprob, len(t.top_logprobs)) for t in c.logprobs.content]
+            for c in first.choices
+        ],
+        "usage": first.usage.model_dump(),
+    }
+    stream = client.completions.create(
+        model=model, prompt="The sea is", n=2, logprobs=1, max_tokens=6, temperature=0.9,
+        seed=3, stream=True, extra_body={"ignore_eos": True},
+    )
+    texts, tokens = {}, {}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.text or "")
+            if c.logprobs is not None:
+                tokens[c.index] = tokens.get(c.index, 0) + len(c.logprobs.tokens)
+    repeat = "la la la la la la la la la la la la"
+
+    def greedy(**kw):
+        return client.completions.create(
+            model=model, prompt=repeat, max_tokens=12, temperature=0, **kw
+        ).choices[0].text
+
+    return {
+        "chat": chat,
+        "completion": {"texts": texts, "tokens": tokens},
+        "greedy": greedy(),
+        "greedy_penalised": greedy(frequency_penalty=2.0),
+    }
 
 
 if __name__ == "__main__":
