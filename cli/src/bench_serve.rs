@@ -40,6 +40,10 @@ pub enum Mode {
     /// sampled, exported to a local OTLP receiver) and scraped (every process's /metrics read
     /// once a second), in alternating rounds.
     Telemetry,
+    /// Conditional disaggregation: the 1P+1D cluster with every prompt computed by the decode
+    /// node, and with every prompt through the prefill node, at each `--prompt-lens`, in
+    /// alternating rounds (where the default `--local-prefill-max-tokens` comes from).
+    Placement,
 }
 
 /// Flags of `tandem bench-serve`.
@@ -66,9 +70,14 @@ pub struct BenchServeArgs {
     /// Model (default: the cached SmolLM2-135M-Instruct).
     #[arg(long, env = "TANDEM_MODEL")]
     pub model: Option<std::path::PathBuf>,
-    /// Rounds of each configuration with `--mode telemetry` (alternating; medians reported).
+    /// Rounds of each configuration with `--mode telemetry` or `placement` (alternating;
+    /// medians reported).
     #[arg(long, default_value_t = 2)]
     pub rounds: usize,
+    /// Prompt lengths `--mode placement` sweeps (each computed by the decode node, and by the
+    /// prefill node).
+    #[arg(long, value_delimiter = ',', default_value = "16,64,256")]
+    pub prompt_lens: Vec<usize>,
 }
 
 /// One request's timings.
@@ -272,6 +281,9 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<String> {
     let vocab = tandem_engine::ModelConfig::from_path(&model)?.vocab_size;
     if args.mode == Mode::Telemetry {
         return crate::bench_telemetry::run(args, &model, vocab);
+    }
+    if args.mode == Mode::Placement {
+        return crate::bench_placement::run(args, &model, vocab);
     }
     let mut report = Report {
         prompt_len: args.prompt_len,

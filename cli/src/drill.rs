@@ -280,6 +280,10 @@ pub fn run(args: &DrillArgs) -> anyhow::Result<()> {
                 Some(Setup::SmallEtcdDisk { mib }) => Some(mib),
                 _ => None,
             },
+            // Every prompt crosses from a prefill node to a decode node, so the faults on
+            // that path (KV cut, corrupt, delayed, prefill nodes killed) meet every request;
+            // with conditional disaggregation the mix's short prompts would never cross.
+            disaggregation: Some(tandem_router::routing::DisaggregationMode::Always),
             ..UpArgs::defaults()
         };
         let cluster = up::start(&up_args, &rt, &interrupt)

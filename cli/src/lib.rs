@@ -16,6 +16,7 @@
 //! | [`up`] | `tandem up` — a local cluster (etcd, NATS, nodes, router) from one command |
 
 pub mod bench_engine;
+pub mod bench_placement;
 pub mod bench_prefix;
 pub mod bench_serve;
 pub mod bench_telemetry;

@@ -110,7 +110,9 @@ async fn one_prefill_one_decode_cluster_serves_exactly_the_engine_output_and_deg
     let mut c = Cluster::start("e2e-same").await;
     c.node("decode", "d0", &[]);
     c.node("prefill", "p0", &[]);
-    c.router(&[]);
+    // Every prompt through the prefill node, however short (conditional disaggregation is
+    // checked at the end, through a second router on its defaults).
+    c.router(&["--disaggregation", "always"]);
 
     // The reference, computed while the nodes load.
     let tok =
@@ -130,6 +132,11 @@ async fn one_prefill_one_decode_cluster_serves_exactly_the_engine_output_and_deg
         .map(|(i, p)| greedy(i as u64, tok.encode(p), 48))
         .collect();
     reqs.push(greedy(99, tok.encode(&chat), 48));
+    // Over the router's default --local-prefill-max-tokens (64): always through a prefill node.
+    let long_prompt = "Disaggregated serving splits prefill from decode. ".repeat(10);
+    let long_ids = tok.encode(&long_prompt);
+    assert!(long_ids.len() > 64, "{} tokens", long_ids.len());
+    reqs.push(greedy(100, long_ids, 16));
     let (want, _) = engine_outputs(reqs);
     c.wait_ready(1, 1).await;
     // The decode node's own count of prompt tokens it computed, before any request (its
@@ -390,6 +397,52 @@ async fn one_prefill_one_decode_cluster_serves_exactly_the_engine_output_and_deg
         },
     )
     .await;
+    c.wait_all_blocks_free(&["d0", "p0"]).await;
+
+    // Conditional disaggregation, through a second router on its defaults: the short prompts
+    // are computed by the decode node itself (no prefill call, no KV transfer) with the same
+    // tokens; the long one still goes through the prefill node.
+    c.router_named("router-conditional", &["--canary-interval-secs", "0"]);
+    let here = "tandem_node_prefills_here_total";
+    let here_before = c.node_metric(Role::Decode, "d0", here).await.unwrap_or(0.0);
+    let mut client = InferenceClient::connect(format!("http://{}", c.grpc))
+        .await
+        .unwrap();
+    for (i, p) in PROMPTS.iter().enumerate() {
+        let (ids, _) = grpc_generate(
+            &mut client,
+            grpc_request(generate_request::Input::Prompt(p.to_string()), 48),
+        )
+        .await
+        .unwrap();
+        assert_eq!(ids, want[i].tokens, "prefilled on the decode node: {p:?}");
+    }
+    assert_eq!(
+        c.node_metric(Role::Decode, "d0", here).await,
+        Some(here_before + PROMPTS.len() as f64),
+        "the decode node computed each short prompt\n{}",
+        c.logs()
+    );
+    let placed = |site: &str, reason: &str| {
+        format!("tandem_router_prefill_placements_total{{site=\"{site}\",reason=\"{reason}\"}}")
+    };
+    assert_eq!(
+        c.metric(&placed("decode_node", "short_prompt")).await,
+        Some(PROMPTS.len() as u64)
+    );
+    let (ids, _) = grpc_generate(
+        &mut client,
+        grpc_request(generate_request::Input::Prompt(long_prompt.clone()), 16),
+    )
+    .await
+    .unwrap();
+    assert_eq!(ids, want[4].tokens, "the long prompt, disaggregated");
+    assert_eq!(c.metric(&placed("prefill_node", "long_prompt")).await, Some(1));
+    assert_eq!(
+        c.node_metric(Role::Decode, "d0", here).await,
+        Some(here_before + PROMPTS.len() as f64),
+        "not computed on the decode node"
+    );
     c.wait_all_blocks_free(&["d0", "p0"]).await;
 }
 

@@ -146,7 +146,8 @@ async fn a_corrupted_kv_block_is_refused_at_the_decode_node_and_the_request_is_r
     // it the first request.
     c.node("prefill", "p-bad", &["--kv-fault", "corrupt:100"]);
     c.node("prefill", "p-ok", &[]);
-    c.router(&["--canary-interval-secs", "0"]);
+    // Short prompts would be computed by the decode node, with no KV to corrupt.
+    c.router(&["--canary-interval-secs", "0", "--disaggregation", "always"]);
     c.wait_ready(2, 1).await;
 
     let prompt = "The history of the printing press begins";

@@ -120,7 +120,16 @@ fn traces_follow_a_request_through_router_prefill_and_decode_over_http_and_grpc(
     let mut up = Up::start_with(
         &grpc,
         &http,
-        &["--no-sample", "--otlp-endpoint", &endpoint, "--otlp-protocol", "grpc"],
+        // Through a prefill node whatever the prompt's length: the trace crosses every hop.
+        &[
+            "--no-sample",
+            "--otlp-endpoint",
+            &endpoint,
+            "--otlp-protocol",
+            "grpc",
+            "--disaggregation",
+            "always",
+        ],
     );
     up.wait_for_line("is serving", Duration::from_secs(180));
     let http: SocketAddr = http.parse().unwrap();

@@ -48,6 +48,9 @@ fn router_args(c: &Cluster, http: SocketAddr, keys: &str, cost: &str) -> Vec<Str
         keys,
         "--cost-file",
         cost,
+        // Every request through both pools (the test checks each pool's node-seconds).
+        "--disaggregation",
+        "always",
     ]
     .iter()
     .map(|s| s.to_string())

@@ -6,6 +6,7 @@
 //!  Reserve ─▶ engine.reserve(id, prompt + max_new tokens) ─▶ blocks (the service expects the
 //!             prompt's blocks in the InboundRegistry)
 //!  Start   ─▶ engine.add_prefilled(req, id, first token) ─▶ stream: first token's text
+//!            (prefill_here: engine.add_local(req, id) ─▶ the prompt runs in the batch here)
 //!  step    ─▶ one TokenBatch per request per step ─▶ … ─▶ DecodeFinal (finish reason, usage)
 //! ```
 //!
@@ -43,6 +44,9 @@ pub struct Start {
     pub first_logprob: Option<tandem_engine::TokenLogprob>,
     /// Prompt tokens the prefill node served from its prefix cache.
     pub cached_prompt_tokens: usize,
+    /// No prefill node took part: this engine computes the prompt and samples the first token
+    /// (`first_token`, `first_logprob` and `cached_prompt_tokens` are unused).
+    pub prefill_here: bool,
     /// The caller's request id (logs).
     pub label: String,
     /// The client's stream.
@@ -88,6 +92,9 @@ struct Stream {
     tokens: u32,
     /// This node's engine time spent on the request.
     node_seconds: f64,
+    /// A request prefilled here, before its first token: when its Decode call arrived (TTFT
+    /// and prompt metrics are recorded at the first output).
+    awaiting_first: Option<Instant>,
 }
 
 enum Flush {
@@ -210,6 +217,78 @@ impl DecodeDriver {
     }
 }
 
+impl DecodeDriver {
+    /// Adopts a verified reservation with its first token, or (`prefill_here`) queues the
+    /// whole request on this engine; either way the request's stream joins the batch.
+    fn start(&mut self, engine: &mut Engine, start: Start) {
+        let Start {
+            request,
+            reservation_id,
+            first_token,
+            first_logprob,
+            cached_prompt_tokens,
+            prefill_here,
+            label,
+            events,
+            in_flight,
+            span,
+            received_at,
+        } = start;
+        let id = request.id;
+        let prompt_tokens = request.prompt.len() as u64;
+        let now = Instant::now();
+        let first = if prefill_here {
+            engine.add_local(request, reservation_id, now).map(|()| None)
+        } else {
+            engine
+                .add_prefilled(request, reservation_id, first_token, first_logprob, cached_prompt_tokens, now)
+                .map(Some)
+        };
+        let first = match first {
+            Ok(first) => first,
+            Err(e) => {
+                // Nothing adopted the blocks: give them back (false if already gone).
+                engine.release_reservation(reservation_id);
+                self.metrics.request(Outcome::Failed);
+                propagation::mark_error(&span, e.error_type(), &e);
+                let _ = events.try_send(Err(status::engine_status(&e)));
+                return;
+            }
+        };
+        let stream_span = tracing::info_span!(
+            parent: &span,
+            "decode.stream",
+            tandem.prefill_here = prefill_here,
+            gen_ai.usage.output_tokens = tracing::field::Empty,
+        );
+        let mut s = Stream {
+            label,
+            events,
+            pending: None,
+            finish: None,
+            finished_in_engine: false,
+            _in_flight: in_flight,
+            span: stream_span,
+            tokens: 0,
+            node_seconds: 0.0,
+            awaiting_first: None,
+        };
+        match first {
+            Some(first) => {
+                self.metrics.first_token(received_at.elapsed());
+                self.metrics.prompt(prompt_tokens, cached_prompt_tokens as u64);
+                s.push(&first);
+                self.streams.insert(id, s);
+                self.flush(engine, id);
+            }
+            None => {
+                s.awaiting_first = Some(received_at);
+                self.streams.insert(id, s);
+            }
+        }
+    }
+}
+
 impl Driver for DecodeDriver {
     type Command = Command;
 
@@ -225,62 +304,7 @@ impl Driver for DecodeDriver {
             Command::ReleaseReservation { reservation_id } => {
                 engine.release_reservation(reservation_id);
             }
-            Command::Start(start) => {
-                let Start {
-                    request,
-                    reservation_id,
-                    first_token,
-                    first_logprob,
-                    cached_prompt_tokens,
-                    label,
-                    events,
-                    in_flight,
-                    span,
-                    received_at,
-                } = *start;
-                let id = request.id;
-                let prompt_tokens = request.prompt.len() as u64;
-                match engine.add_prefilled(
-                    request,
-                    reservation_id,
-                    first_token,
-                    first_logprob,
-                    cached_prompt_tokens,
-                    Instant::now(),
-                ) {
-                    Err(e) => {
-                        // Nothing adopted the blocks: give them back (false if already gone).
-                        engine.release_reservation(reservation_id);
-                        self.metrics.request(Outcome::Failed);
-                        propagation::mark_error(&span, e.error_type(), &e);
-                        let _ = events.try_send(Err(status::engine_status(&e)));
-                    }
-                    Ok(first) => {
-                        self.metrics.first_token(received_at.elapsed());
-                        self.metrics
-                            .prompt(prompt_tokens, cached_prompt_tokens as u64);
-                        let stream_span = tracing::info_span!(
-                            parent: &span,
-                            "decode.stream",
-                            gen_ai.usage.output_tokens = tracing::field::Empty,
-                        );
-                        let mut s = Stream {
-                            label,
-                            events,
-                            pending: None,
-                            finish: None,
-                            finished_in_engine: false,
-                            _in_flight: in_flight,
-                            span: stream_span,
-                            tokens: 0,
-                            node_seconds: 0.0,
-                        };
-                        s.push(&first);
-                        self.streams.insert(id, s);
-                        self.flush(engine, id);
-                    }
-                }
-            }
+            Command::Start(start) => self.start(engine, *start),
         }
     }
 
@@ -295,7 +319,13 @@ impl Driver for DecodeDriver {
         });
         for o in &outputs {
             match self.streams.get_mut(&o.request_id) {
-                Some(s) => s.push(o),
+                Some(s) => {
+                    if let Some(received_at) = s.awaiting_first.take() {
+                        self.metrics.first_token(received_at.elapsed());
+                        self.metrics.prompt(o.usage.prompt_tokens as u64, o.usage.cached_tokens as u64);
+                    }
+                    s.push(o)
+                }
                 None => {
                     engine.abort(o.request_id);
                 }

@@ -7,6 +7,9 @@
 //! - failed (checksum, partial, expired, sender gone): DATA_LOSS when a re-prefill may succeed
 //!   (`tandem-retry-safe: true`), nothing is decoded, the blocks go back.
 //!
+//! With `prefill_here` (conditional disaggregation) no KV is awaited: the transfer is fenced and
+//! the engine computes the prompt itself in the reservation's room (`Engine::add_local`).
+//!
 //! A client that leaves while the KV is still in flight is noticed once the transfer resolves:
 //! the router cancels the Prefill call too, whose push then aborts, so that is prompt; at worst
 //! the reservation's TTL bounds it. (kv-transfer's `InboundTransfer` can only be cancelled by
@@ -229,21 +232,53 @@ impl DecodeService {
             first_token: r.first_token_id,
             first_logprob: r.first_token_logprob.as_ref().map(convert::logprob_from),
             cached_prompt_tokens: r.cached_prompt_tokens as usize,
+            prefill_here: r.prefill_here,
             label: r.request_id,
             events,
             in_flight: self.lifecycle.track(),
             span,
             received_at,
         };
-        tokio::spawn(await_kv_then_decode(
-            self.engine.clone(),
-            pending,
-            claimed,
-            start,
-            self.metrics.clone(),
-        ));
+        if start.prefill_here {
+            self.metrics.prefill_here();
+            tokio::spawn(fence_then_prefill_here(self.engine.clone(), pending, claimed, start));
+        } else {
+            tokio::spawn(await_kv_then_decode(
+                self.engine.clone(),
+                pending,
+                claimed,
+                start,
+                self.metrics.clone(),
+            ));
+        }
         Ok(Response::new(ReceiverStream::new(rx)))
     }
+}
+
+/// Conditional disaggregation: no KV is coming. Fences the reservation's inbound transfer (a
+/// stray push can no longer land in its blocks), then hands the request to the engine, which
+/// computes the prompt itself in the reserved room.
+async fn fence_then_prefill_here(
+    engine: EngineHandle<Command>,
+    pending: Pending,
+    claimed: Claimed,
+    start: Start,
+) {
+    let Pending {
+        inbound,
+        in_flight: reservation_unit,
+        ..
+    } = pending;
+    let fenced = inbound.cancel().await;
+    drop(reservation_unit);
+    if let Ok(report) = fenced {
+        // Someone pushed into a reservation the router meant for a local prefill: harmless
+        // (the engine recomputes the prompt), but a router bug worth seeing.
+        tracing::warn!(request = %start.label, bytes = report.bytes, "KV arrived for a request prefilled here; ignored");
+    }
+    // Engine thread gone: its blocks went with it.
+    let _ = engine.send(Command::Start(Box::new(start))).await;
+    claimed.hand_over();
 }
 
 /// Waits for the reservation's KV; on success hands the request to the engine, otherwise

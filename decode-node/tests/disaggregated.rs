@@ -49,6 +49,7 @@ fn main() {
         a_corrupted_transfer_is_data_loss_and_nothing_is_decoded,
         prefill_refuses_a_target_with_another_layout_fingerprint,
         release_returns_a_reservation_once_and_bad_decode_calls_name_the_field,
+        a_decode_node_asked_to_prefill_here_computes_the_prompt_itself_exactly,
         processes::a_decode_node_process_serves_over_tcp_expires_reservations_and_drains_on_sigterm,
         processes::a_node_whose_layout_the_cluster_refuses_exits_non_zero_saying_so,
     ];
@@ -450,3 +451,78 @@ async fn release_returns_a_reservation_once_and_bad_decode_calls_name_the_field(
     );
     c.wait_quiescent("after release").await;
 }
+
+/// Conditional disaggregation, the decode node's side: Reserve, then Decode with
+/// `prefill_here` and no prefill node at all. The output equals the colocated engine's, greedy
+/// and seeded; the prefill node computes nothing; every block comes back.
+async fn a_decode_node_asked_to_prefill_here_computes_the_prompt_itself_exactly(c: Arc<Cluster>) {
+    let sampled = pb::SamplingParams {
+        temperature: 0.8,
+        top_p: 0.95,
+        seed: Some(11),
+        ..greedy(MAX_TOKENS)
+    };
+    let cases = [
+        ("here-greedy", c.tokenize(CHAT[1], true), greedy(MAX_TOKENS)),
+        ("here-seeded", c.tokenize(PLAIN[0], false), sampled),
+    ];
+    let reqs = cases
+        .iter()
+        .enumerate()
+        .map(|(i, (id, p, s))| reference_request(i as u64, id, p.clone(), s))
+        .collect();
+    let cc = Arc::clone(&c);
+    let want = tokio::task::spawn_blocking(move || cc.colocated(reqs))
+        .await
+        .unwrap();
+    let prefill_steps = c.prefill.snapshot().borrow().steps;
+    let mut decode = c.router().await.decode;
+    for ((id, prompt, sampling), (tokens, text)) in cases.iter().zip(&want) {
+        let target = decode
+            .reserve(pb::ReserveRequest {
+                request_id: id.to_string(),
+                prompt_tokens: prompt.len() as u32,
+                max_new_tokens: sampling.max_tokens,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .target
+            .unwrap();
+        let mut stream = decode
+            .decode(pb::DecodeRequest {
+                request_id: id.to_string(),
+                reservation_id: target.reservation_id,
+                epoch: target.epoch,
+                prompt_token_ids: prompt.clone(),
+                sampling: Some(sampling.clone()),
+                prefill_here: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let (mut got, mut got_text, mut usage) = (Vec::new(), String::new(), None);
+        while let Some(m) = stream.message().await.unwrap() {
+            match m.event {
+                Some(pb::decode_response::Event::Tokens(b)) => {
+                    got.extend(b.token_ids);
+                    got_text.push_str(&b.text);
+                }
+                Some(pb::decode_response::Event::Final(f)) => usage = f.usage,
+                None => panic!("{id}: an empty event"),
+            }
+        }
+        assert_eq!(&got, tokens, "{id}: computed on the decode node");
+        assert_eq!(&got_text, text, "{id}: text");
+        let u = usage.expect("a final message with usage");
+        assert_eq!((u.prompt_tokens as usize, u.completion_tokens), (prompt.len(), MAX_TOKENS), "{id}");
+    }
+    assert_eq!(
+        c.prefill.snapshot().borrow().steps,
+        prefill_steps,
+        "the prefill node took no part"
+    );
+    c.wait_quiescent("after prefilling on the decode node").await;
+}
+

@@ -15,7 +15,7 @@ use tandem_kv_layout::KvDtype;
 use crate::engine::{EngineConfig, KvCapacity};
 use crate::error::EngineError;
 use crate::loader::ModelSource;
-use crate::scheduler::SchedulerConfig;
+use crate::scheduler::{ClassPolicy, SchedulerConfig};
 
 /// How to build an engine: which weights, in which dtype, with how much KV and which scheduling.
 #[derive(Args, Clone, Debug, Serialize, Deserialize)]
@@ -68,9 +68,32 @@ pub struct EngineArgs {
     #[arg(long, env = "TANDEM_MAX_WAITING", default_value_t = 1024)]
     pub max_waiting: usize,
 
-    /// When idle, wait up to this many milliseconds for more requests before a step.
+    /// Interactive requests: when idle, wait up to this many milliseconds for more requests
+    /// before a step (the class's batching window).
     #[arg(long, env = "TANDEM_MAX_WAIT_MS", default_value_t = 0)]
     pub max_wait_ms: u64,
+
+    /// Batch requests: their batching window, in milliseconds.
+    #[arg(long, env = "TANDEM_BATCH_MAX_WAIT_MS", default_value_t = 20)]
+    #[serde(default = "default_batch_max_wait_ms")]
+    pub batch_max_wait_ms: u64,
+
+    /// Interactive prompt-length buckets admissions are grouped by (increasing token bounds,
+    /// comma-separated) [default: derived from --max-model-len: /64, /16, /4].
+    #[arg(long, env = "TANDEM_LENGTH_BUCKETS", value_delimiter = ',')]
+    #[serde(default)]
+    pub length_buckets: Vec<usize>,
+
+    /// Batch prompt-length buckets [default: derived from --max-model-len: /16, /4].
+    #[arg(long, env = "TANDEM_BATCH_LENGTH_BUCKETS", value_delimiter = ',')]
+    #[serde(default)]
+    pub batch_length_buckets: Vec<usize>,
+
+    /// A batch request that has waited this many milliseconds is admitted ahead of interactive
+    /// ones (aging: batch work is never starved).
+    #[arg(long, env = "TANDEM_BATCH_AGING_MS", default_value_t = 2000)]
+    #[serde(default = "default_batch_aging_ms")]
+    pub batch_aging_ms: u64,
 
     /// Disable reuse of cached prefix blocks.
     #[arg(long, env = "TANDEM_NO_PREFIX_CACHING")]
@@ -93,6 +116,14 @@ mod weight_dtype_name {
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<WeightDtype, D::Error> {
         String::deserialize(d)?.parse().map_err(serde::de::Error::custom)
     }
+}
+
+fn default_batch_max_wait_ms() -> u64 {
+    20
+}
+
+fn default_batch_aging_ms() -> u64 {
+    2000
 }
 
 fn parse_weight_dtype(s: &str) -> Result<WeightDtype, String> {
@@ -133,7 +164,14 @@ impl EngineArgs {
             max_num_seqs: self.max_num_seqs,
             max_tokens_per_step: self.max_tokens_per_step,
             max_waiting: self.max_waiting,
-            max_wait: Duration::from_millis(self.max_wait_ms),
+            classes: [
+                ClassPolicy { max_wait: Duration::from_millis(self.max_wait_ms), length_buckets: self.length_buckets.clone() },
+                ClassPolicy {
+                    max_wait: Duration::from_millis(self.batch_max_wait_ms),
+                    length_buckets: self.batch_length_buckets.clone(),
+                },
+            ],
+            batch_aging: Duration::from_millis(self.batch_aging_ms),
             enable_prefix_caching: !self.no_prefix_caching,
             max_model_len: self.max_model_len,
             ..SchedulerConfig::default()

@@ -39,7 +39,7 @@ pub use error::EngineError;
 pub use loader::{LoadedModel, ModelSource};
 pub use model::Model;
 pub use sampler::{SamplingParams, TokenLogprob};
-pub use scheduler::{Priority, SchedulerConfig};
+pub use scheduler::{ClassPolicy, Priority, SchedulerConfig};
 pub use tandem_kernels::WeightDtype;
 /// The tokenizer lives in its own crate (the router uses it without the engine).
 pub use tandem_tokenizer as tokenizer;

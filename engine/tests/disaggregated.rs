@@ -153,3 +153,44 @@ fn reservations_fail_typed_when_full_and_release_cleanly() {
     let req = greedy(9, vec![300; 4], 2);
     assert!(matches!(e.add_prefilled(req, 77, 5, None, 0, Instant::now()), Err(tandem_engine::EngineError::UnknownReservation(77))));
 }
+
+#[test]
+fn a_decode_engine_computing_the_prompt_in_its_reservation_equals_colocated() {
+    // Conditional disaggregation: the decode engine reserves as for pushed KV, then runs the
+    // whole request itself (`add_local`) beside a sequence it is already decoding.
+    let mut colocated = engine(WeightDtype::F32, config(KvDtype::F16, 256));
+    let prompts = test_prompts(&colocated);
+    let mut decode = engine(WeightDtype::F32, config(KvDtype::F16, 256));
+    let seeded = SamplingParams { temperature: 0.8, top_p: 0.95, seed: Some(3), ignore_eos: true, ..SamplingParams::greedy(24) };
+    let greedy_params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(24) };
+    let reqs: Vec<Request> = prompts
+        .iter()
+        .take(2)
+        .zip([greedy_params, seeded])
+        .enumerate()
+        .map(|(i, (p, params))| Request { id: i as u64, prompt: p.clone(), params, priority: Priority::Interactive })
+        .collect();
+    let want: Vec<Vec<u32>> = reqs.iter().map(|r| run(&mut colocated, vec![r.clone()]).remove(0).tokens).collect();
+    let now = Instant::now();
+    for r in &reqs {
+        decode.reserve(500 + r.id, r.prompt.len() + r.params.max_new_tokens).unwrap();
+    }
+    // Bad input changes nothing: an unknown reservation, one too small for the request.
+    let small = decode.reserve(900, 4).unwrap();
+    assert!(matches!(decode.add_local(reqs[0].clone(), 77, now), Err(tandem_engine::EngineError::UnknownReservation(77))));
+    assert!(matches!(decode.add_local(reqs[0].clone(), 900, now), Err(tandem_engine::EngineError::InvalidRequest { field: "reservation_id", .. })));
+    assert!(decode.release_reservation(900), "the small reservation is still held: {small:?}");
+    for r in &reqs {
+        decode.add_local(r.clone(), 500 + r.id, now).unwrap();
+    }
+    assert!(decode.reserved_and_held_blocks().is_empty(), "the reservations became the requests' blocks");
+    let mut got = vec![Vec::new(); reqs.len()];
+    while !decode.is_idle() {
+        for o in decode.step().unwrap() {
+            got[o.request_id as usize].push(o.token);
+        }
+        decode.scheduler().check_invariants_with(&decode.reserved_and_held_blocks());
+    }
+    assert_eq!(got, want, "greedy and seeded, computed in the reservation");
+    assert_eq!(decode.scheduler().blocks().num_free(), decode.scheduler().blocks().num_blocks(), "every block back");
+}

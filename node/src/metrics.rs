@@ -12,6 +12,7 @@
 //! | `tandem_node_step_duration_seconds` | histogram | – | one engine step (forward pass) |
 //! | `tandem_node_prompt_tokens_total` | counter | – | prompt tokens of requests this node served |
 //! | `tandem_node_cached_prompt_tokens_total` | counter | – | of those, served from a prefix cache (prefix-cache hits, in tokens) |
+//! | `tandem_node_prefills_here_total` | counter | – | decode: Decode calls whose prompt this node computed itself (conditional disaggregation) |
 //! | `tandem_node_running_sequences` / `_waiting_sequences` | gauge | – | the scheduler's queues |
 //! | `tandem_node_batch_size` | gauge | – | outputs of the last step |
 //! | `tandem_node_kv_blocks` | gauge | state | free, used, reserved (decode reservations, prefill blocks awaiting a push) |
@@ -101,6 +102,7 @@ struct Inner {
     step: Histogram,
     prompt_tokens: Counter,
     cached_prompt_tokens: Counter,
+    prefills_here: Counter,
     views: Arc<Mutex<ControlPlaneViews>>,
     snapshot: Arc<OnceLock<watch::Receiver<EngineSnapshot>>>,
 }
@@ -132,6 +134,7 @@ impl NodeMetrics {
         let step = tm::histogram(buckets::STEP_SECONDS);
         let prompt_tokens = Counter::default();
         let cached_prompt_tokens = Counter::default();
+        let prefills_here = Counter::default();
         registry.register(
             "tandem_node_requests",
             "Prefill or Decode calls by outcome",
@@ -156,6 +159,11 @@ impl NodeMetrics {
             "tandem_node_cached_prompt_tokens",
             "Prompt tokens served from a prefix cache",
             cached_prompt_tokens.clone(),
+        );
+        registry.register(
+            "tandem_node_prefills_here",
+            "Decode calls whose prompt this node computed itself (no prefill node, no KV transfer)",
+            prefills_here.clone(),
         );
         let views = Arc::new(Mutex::new(ControlPlaneViews::default()));
         let snapshot: Arc<OnceLock<watch::Receiver<EngineSnapshot>>> = Arc::new(OnceLock::new());
@@ -183,6 +191,7 @@ impl NodeMetrics {
                 step,
                 prompt_tokens,
                 cached_prompt_tokens,
+                prefills_here,
                 views,
                 snapshot,
             }),
@@ -230,6 +239,11 @@ impl NodeMetrics {
     /// The first token went out `elapsed` after the call arrived.
     pub fn first_token(&self, elapsed: Duration) {
         self.inner.ttft.observe(elapsed.as_secs_f64());
+    }
+
+    /// A Decode call asked this node to compute its prompt itself.
+    pub fn prefill_here(&self) {
+        self.inner.prefills_here.inc();
     }
 
     /// A request's prompt: `total` tokens, `cached` of them from the prefix cache.

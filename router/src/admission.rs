@@ -6,14 +6,17 @@
 //!        │ no
 //!        ├─ queue full (max_queued waiting) ──▶ Overloaded           (429 / RESOURCE_EXHAUSTED, at once)
 //!        └─ wait in the class's FIFO ──▶ Permit handed over by a releasing Permit
-//!                                    └─ queue_timeout passes ──▶ QueueTimeout (429)
+//!                                    └─ the class's queue timeout passes ──▶ QueueTimeout (429)
 //! ```
 //!
 //! # Invariants
 //! - At most `max_in_flight` [`Permit`]s exist; at most `max_queued` requests wait.
-//! - A released slot goes straight to the oldest interactive waiter, else the oldest batch
-//!   waiter, else back to the pool: a free slot never coexists with a waiter. (Batch requests
-//!   can starve under a constant interactive load; that is the point of the class.)
+//! - A released slot goes straight to the oldest batch waiter if it has waited `batch_aging`,
+//!   else the oldest interactive waiter, else the oldest batch waiter, else back to the pool: a
+//!   free slot never coexists with a waiter. Strict priority with aging: interactive requests
+//!   go first, and a constant interactive load delays batch work by at most `batch_aging` per
+//!   slot, never indefinitely.
+//! - Each class waits at most its own timeout (`queue_timeout`, `batch_queue_timeout`).
 //! - A waiter that gives up (timeout, client gone) leaves the queue at once (its guard removes
 //!   it); a slot handed to a waiter that vanished in the same instant is passed on.
 //!
@@ -35,8 +38,23 @@ pub struct AdmissionLimits {
     pub max_in_flight: usize,
     /// Requests allowed to wait for a slot; one more is refused at once.
     pub max_queued: usize,
-    /// How long a request may wait for a slot.
+    /// How long an interactive request may wait for a slot.
     pub queue_timeout: Duration,
+    /// How long a batch request may wait for a slot.
+    pub batch_queue_timeout: Duration,
+    /// A batch request that has waited this long takes the next free slot ahead of interactive
+    /// waiters.
+    pub batch_aging: Duration,
+}
+
+impl AdmissionLimits {
+    /// How long a request of `priority` may wait.
+    pub fn queue_timeout_of(&self, priority: Priority) -> Duration {
+        match priority {
+            Priority::Interactive => self.queue_timeout,
+            Priority::Batch => self.batch_queue_timeout,
+        }
+    }
 }
 
 /// The admission queue. Clones share it.
@@ -62,6 +80,7 @@ struct State {
 #[derive(Debug)]
 struct Waiter {
     ticket: u64,
+    since: Instant,
     slot: oneshot::Sender<Permit>,
 }
 
@@ -99,9 +118,17 @@ fn release(shared: Arc<Shared>) {
     loop {
         let waiter = {
             let mut state = shared.lock();
-            let next = state.waiting[0]
-                .pop_front()
-                .or_else(|| state.waiting[1].pop_front());
+            let aging = shared.limits.batch_aging;
+            let aged = state.waiting[1]
+                .front()
+                .is_some_and(|w| w.since.elapsed() >= aging);
+            let next = if aged {
+                state.waiting[1].pop_front()
+            } else {
+                state.waiting[0]
+                    .pop_front()
+                    .or_else(|| state.waiting[1].pop_front())
+            };
             match next {
                 Some(waiter) => waiter,
                 None => {
@@ -194,7 +221,11 @@ impl Admission {
             let ticket = state.next_ticket;
             state.next_ticket += 1;
             let (tx, rx) = oneshot::channel();
-            state.waiting[class].push_back(Waiter { ticket, slot: tx });
+            state.waiting[class].push_back(Waiter {
+                ticket,
+                since: Instant::now(),
+                slot: tx,
+            });
             (ticket, rx)
         };
         let _guard = WaitGuard {
@@ -203,13 +234,16 @@ impl Admission {
             ticket,
         };
         let started = Instant::now();
-        match tokio::time::timeout(limits.queue_timeout, slot).await {
+        let limit = limits.queue_timeout_of(priority);
+        match tokio::time::timeout(limit, slot).await {
             Ok(Ok(permit)) => Ok(permit),
             // The sender lives in the queue until popped and is always used when popped, so
             // this only happens if the queue itself is gone.
             Ok(Err(_)) => Err(RouterError::PipelineLost),
             Err(_) => Err(RouterError::QueueTimeout {
+                priority,
                 waited: started.elapsed(),
+                limit,
             }),
         }
     }
@@ -224,6 +258,8 @@ mod tests {
             max_in_flight: in_flight,
             max_queued: queued,
             queue_timeout: Duration::from_secs(5),
+            batch_queue_timeout: Duration::from_secs(5),
+            batch_aging: Duration::from_secs(60),
         })
     }
 
@@ -299,14 +335,63 @@ mod tests {
             max_in_flight: 1,
             max_queued: 1,
             queue_timeout: Duration::from_millis(100),
+            batch_queue_timeout: Duration::from_millis(300),
+            batch_aging: Duration::from_secs(60),
         });
         let held = a.acquire(Priority::Batch).await.unwrap();
+        let t0 = tokio::time::Instant::now();
         let err = a.acquire(Priority::Batch).await.unwrap_err();
-        assert!(matches!(err, RouterError::QueueTimeout { .. }), "{err}");
+        assert!(
+            matches!(err, RouterError::QueueTimeout { priority: Priority::Batch, limit, .. } if limit == Duration::from_millis(300)),
+            "{err}"
+        );
+        assert_eq!(t0.elapsed(), Duration::from_millis(300), "the batch class's own timeout");
+        assert!(err.to_string().contains("batch"), "{err}");
+        let t1 = tokio::time::Instant::now();
+        let err = a.acquire(Priority::Interactive).await.unwrap_err();
+        assert!(matches!(err, RouterError::QueueTimeout { priority: Priority::Interactive, .. }), "{err}");
+        assert_eq!(t1.elapsed(), Duration::from_millis(100));
         assert_eq!(a.queued(), 0);
         drop(held);
         let again = a.acquire(Priority::Batch).await.unwrap();
         assert_eq!(a.in_flight(), 1);
         drop(again);
+    }
+
+    #[tokio::test]
+    async fn a_batch_waiter_past_its_aging_takes_the_slot_before_interactive_waiters() {
+        let a = Admission::new(AdmissionLimits {
+            max_in_flight: 1,
+            max_queued: 4,
+            queue_timeout: Duration::from_secs(5),
+            batch_queue_timeout: Duration::from_secs(5),
+            batch_aging: Duration::from_millis(50),
+        });
+        let held = a.acquire(Priority::Interactive).await.unwrap();
+        let (order_tx, mut order_rx) = tokio::sync::mpsc::channel(4);
+        let spawn = |name: &'static str, priority| {
+            let (a, order_tx) = (a.clone(), order_tx.clone());
+            tokio::spawn(async move {
+                let permit = a.acquire(priority).await.unwrap();
+                order_tx.send(name).await.unwrap();
+                drop(permit);
+            })
+        };
+        let batch = spawn("batch", Priority::Batch);
+        while a.queued() < 1 {
+            tokio::task::yield_now().await;
+        }
+        // The batch request ages while an interactive one arrives.
+        tokio::time::sleep(Duration::from_millis(80)).await;
+        let interactive = spawn("interactive", Priority::Interactive);
+        while a.queued() < 2 {
+            tokio::task::yield_now().await;
+        }
+        drop(held);
+        let first = order_rx.recv().await;
+        let second = order_rx.recv().await;
+        assert_eq!((first, second), (Some("batch"), Some("interactive")));
+        batch.await.unwrap();
+        interactive.await.unwrap();
     }
 }

@@ -8,6 +8,8 @@
 //!         each pair: Reserve on d, Prefill on p (KV pushed to d), Decode 2 tokens  ── timeout
 //!         pair passing  ⇔  its last probe succeeded (after `failures_to_quarantine`
 //!                          consecutive failures it is failing; one success restores it)
+//!         a timeout while a node of the pair is busy with other work it is making progress
+//!           on (fresh load reports) is inconclusive: not recorded (`result="inconclusive"`)
 //!         node quarantined ⇔ every probed pair it is in is failing → leaves routing
 //!  health: SERVING ⇔ at least one pair passes (HTTP /health 200, gRPC SERVING)
 //! ```
@@ -222,6 +224,27 @@ pub fn quarantine_guard(
     if all { (HashSet::new(), true) } else { (failing, false) }
 }
 
+/// Whether a probe of a pair that timed out says nothing about the pair's health: a node of the
+/// pair is busy with other work (more queued and running than the probe itself) and making
+/// progress, and neither node looks stuck. A probe queued behind real work past its timeout is
+/// not a failure; a node that stopped reporting (frozen, partitioned) or holds work without
+/// computing (a hung engine) still fails it. Reports are the nodes' fresh load reports (`None`:
+/// stale or absent).
+pub fn timeout_is_inconclusive(
+    prefill: Option<&tandem_cluster::LoadReport>,
+    decode: Option<&tandem_cluster::LoadReport>,
+) -> bool {
+    let (Some(p), Some(d)) = (prefill, decode) else {
+        return false;
+    };
+    let work = |r: &tandem_cluster::LoadReport| u64::from(r.queue_len) + u64::from(r.running);
+    let progressing = |r: &tandem_cluster::LoadReport| r.tokens_per_s > 0.0;
+    // Idle (nothing held) or computing: not stuck.
+    let not_stuck = |r: &tandem_cluster::LoadReport| work(r) == 0 || progressing(r);
+    let busy = |r: &tandem_cluster::LoadReport| work(r) > 1 && progressing(r);
+    not_stuck(p) && not_stuck(d) && (busy(p) || busy(d))
+}
+
 /// Debounce for membership-triggered rounds.
 pub const MEMBERSHIP_DEBOUNCE: Duration = Duration::from_millis(200);
 
@@ -297,5 +320,30 @@ mod tests {
             &HashSet::from(["d0".into()]),
         );
         assert_eq!(s.counts(), (2, 2));
+    }
+
+    fn report(queue_len: u32, running: u32, tokens_per_s: f64) -> tandem_cluster::LoadReport {
+        tandem_cluster::LoadReport {
+            queue_len,
+            running,
+            tokens_per_s,
+            ..tandem_cluster::LoadReport::idle("n", tandem_cluster::Role::Decode, 100)
+        }
+    }
+
+    #[test]
+    fn a_timeout_behind_real_work_is_inconclusive_but_a_stuck_or_silent_node_fails() {
+        let idle = report(0, 0, 0.0);
+        let busy = report(3, 8, 900.0);
+        assert!(timeout_is_inconclusive(Some(&idle), Some(&busy)), "queued behind work");
+        assert!(timeout_is_inconclusive(Some(&busy), Some(&idle)));
+        // Only the probe itself there: the node had nothing else to do, the timeout is real.
+        assert!(!timeout_is_inconclusive(Some(&idle), Some(&report(0, 1, 50.0))));
+        // Holding work without computing: a hung engine.
+        assert!(!timeout_is_inconclusive(Some(&report(2, 4, 0.0)), Some(&busy)));
+        assert!(!timeout_is_inconclusive(Some(&report(2, 4, 0.0)), Some(&idle)));
+        // No fresh report (frozen, partitioned): a failure.
+        assert!(!timeout_is_inconclusive(None, Some(&busy)));
+        assert!(!timeout_is_inconclusive(Some(&busy), None));
     }
 }

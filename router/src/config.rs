@@ -73,10 +73,22 @@ pub mod env_names {
     pub const MAX_QUEUED: &str = "TANDEM_MAX_QUEUED";
     /// `--queue-timeout-ms`.
     pub const QUEUE_TIMEOUT_MS: &str = "TANDEM_QUEUE_TIMEOUT_MS";
+    /// `--batch-queue-timeout-ms`.
+    pub const BATCH_QUEUE_TIMEOUT_MS: &str = "TANDEM_BATCH_QUEUE_TIMEOUT_MS";
+    /// `--batch-aging-ms`.
+    pub const BATCH_AGING_MS: &str = "TANDEM_ROUTER_BATCH_AGING_MS";
     /// `--max-attempts`.
     pub const MAX_ATTEMPTS: &str = "TANDEM_MAX_ATTEMPTS";
     /// `--prefill-policy`.
     pub const PREFILL_POLICY: &str = "TANDEM_PREFILL_POLICY";
+    /// `--disaggregation`.
+    pub const DISAGGREGATION: &str = "TANDEM_DISAGGREGATION";
+    /// `--local-prefill-max-tokens`.
+    pub const LOCAL_PREFILL_MAX_TOKENS: &str = "TANDEM_LOCAL_PREFILL_MAX_TOKENS";
+    /// `--local-prefill-busy-max-tokens`.
+    pub const LOCAL_PREFILL_BUSY_MAX_TOKENS: &str = "TANDEM_LOCAL_PREFILL_BUSY_MAX_TOKENS";
+    /// `--local-prefill-busy-ratio`.
+    pub const LOCAL_PREFILL_BUSY_RATIO: &str = "TANDEM_LOCAL_PREFILL_BUSY_RATIO";
     /// `--rpc-timeout-ms`.
     pub const RPC_TIMEOUT_MS: &str = "TANDEM_RPC_TIMEOUT_MS";
     /// `--connect-timeout-ms`.
@@ -157,9 +169,17 @@ pub struct RouterArgs {
     /// Requests waiting for a slot; one more gets 429 / RESOURCE_EXHAUSTED [default: 1024].
     #[arg(long, env = env::MAX_QUEUED)]
     pub max_queued: Option<usize>,
-    /// How long a request may wait for a slot, ms [default: 30000].
+    /// How long an interactive request may wait for a slot, ms; then 429 naming the class
+    /// [default: 30000].
     #[arg(long, env = env::QUEUE_TIMEOUT_MS)]
     pub queue_timeout_ms: Option<u64>,
+    /// How long a batch request may wait for a slot, ms [default: 300000].
+    #[arg(long, env = env::BATCH_QUEUE_TIMEOUT_MS)]
+    pub batch_queue_timeout_ms: Option<u64>,
+    /// A batch request that has waited this long, ms, takes the next free slot ahead of
+    /// interactive waiters (strict priority with aging) [default: 5000].
+    #[arg(long, env = env::BATCH_AGING_MS)]
+    pub batch_aging_ms: Option<u64>,
     /// Attempts per request on retry-safe node failures, first included [default: 3].
     #[arg(long, env = env::MAX_ATTEMPTS)]
     pub max_attempts: Option<u32>,
@@ -168,6 +188,23 @@ pub struct RouterArgs {
     /// [default: prefix-aware].
     #[arg(long, env = env::PREFILL_POLICY, value_enum)]
     pub prefill_policy: Option<crate::routing::PrefillPolicy>,
+    /// `conditional`: the decode node computes short prompts itself (and medium ones when the
+    /// prefill pool is busy), with no KV transfer; `always`: every prompt goes through a
+    /// prefill node [default: conditional].
+    #[arg(long, env = env::DISAGGREGATION, value_enum)]
+    pub disaggregation: Option<crate::routing::DisaggregationMode>,
+    /// With conditional disaggregation, prompts of at most this many tokens are computed by
+    /// the decode node [default: 64, measured: bench/RESULTS.md].
+    #[arg(long, env = env::LOCAL_PREFILL_MAX_TOKENS)]
+    pub local_prefill_max_tokens: Option<u32>,
+    /// The longest prompt the decode node computes because the prefill pool is busy
+    /// [default: 512, or --local-prefill-max-tokens if that is larger].
+    #[arg(long, env = env::LOCAL_PREFILL_BUSY_MAX_TOKENS)]
+    pub local_prefill_busy_max_tokens: Option<u32>,
+    /// The prefill pool is busy when the chosen prefill node has this many times the prompt
+    /// tokens to compute that the decode node would [default: 4].
+    #[arg(long, env = env::LOCAL_PREFILL_BUSY_RATIO)]
+    pub local_prefill_busy_ratio: Option<f64>,
     /// Timeout of Reserve/Release calls, ms [default: 5000].
     #[arg(long, env = env::RPC_TIMEOUT_MS)]
     pub rpc_timeout_ms: Option<u64>,
@@ -269,8 +306,14 @@ impl RouterArgs {
             max_in_flight,
             max_queued,
             queue_timeout_ms,
+            batch_queue_timeout_ms,
+            batch_aging_ms,
             max_attempts,
             prefill_policy,
+            disaggregation,
+            local_prefill_max_tokens,
+            local_prefill_busy_max_tokens,
+            local_prefill_busy_ratio,
             rpc_timeout_ms,
             connect_timeout_ms,
             load_max_age_ms,
@@ -372,6 +415,12 @@ impl RouterArgs {
                     as usize,
                 max_queued: args.max_queued.unwrap_or(1024),
                 queue_timeout: ms("queue-timeout-ms", args.queue_timeout_ms, 30_000)?,
+                batch_queue_timeout: ms(
+                    "batch-queue-timeout-ms",
+                    args.batch_queue_timeout_ms,
+                    300_000,
+                )?,
+                batch_aging: ms("batch-aging-ms", args.batch_aging_ms, 5_000)?,
             },
             api_keys: match &args.api_keys_file {
                 Some(f) => ApiKeys::new(args.api_keys.clone()).with_file(f)?,
@@ -383,6 +432,7 @@ impl RouterArgs {
             },
             max_attempts: nonzero("max-attempts", args.max_attempts.unwrap_or(3) as u64)? as u32,
             prefill_policy: args.prefill_policy.unwrap_or_default(),
+            placement: placement(&args)?,
             rpc_timeout: ms("rpc-timeout-ms", args.rpc_timeout_ms, 5_000)?,
             connect_timeout: ms("connect-timeout-ms", args.connect_timeout_ms, 2_000)?,
             max_report_age: ms("load-max-age-ms", args.load_max_age_ms, 1_000)?,
@@ -540,4 +590,37 @@ mod tests {
             "{err}"
         );
     }
+}
+
+/// The conditional-disaggregation settings, defaults filled and checked.
+fn placement(args: &RouterArgs) -> Result<crate::routing::PlacementSettings, RouterError> {
+    use crate::routing::PlacementSettings as P;
+    let settings = P {
+        mode: args.disaggregation.unwrap_or_default(),
+        max_local_tokens: args.local_prefill_max_tokens.unwrap_or(P::DEFAULT_MAX_LOCAL_TOKENS),
+        // Unset, it is at least --local-prefill-max-tokens.
+        busy_max_local_tokens: args.local_prefill_busy_max_tokens.unwrap_or(
+            P::DEFAULT_BUSY_MAX_LOCAL_TOKENS
+                .max(args.local_prefill_max_tokens.unwrap_or(P::DEFAULT_MAX_LOCAL_TOKENS)),
+        ),
+        busy_ratio: args.local_prefill_busy_ratio.unwrap_or(P::DEFAULT_BUSY_RATIO),
+    };
+    if !(settings.busy_ratio.is_finite() && settings.busy_ratio >= 1.0) {
+        return Err(RouterError::Config {
+            field: "local-prefill-busy-ratio",
+            value: settings.busy_ratio.to_string(),
+            reason: "must be a number of at least 1".into(),
+        });
+    }
+    if settings.busy_max_local_tokens < settings.max_local_tokens {
+        return Err(RouterError::Config {
+            field: "local-prefill-busy-max-tokens",
+            value: settings.busy_max_local_tokens.to_string(),
+            reason: format!(
+                "is below --local-prefill-max-tokens ({})",
+                settings.max_local_tokens
+            ),
+        });
+    }
+    Ok(settings)
 }

@@ -181,11 +181,15 @@ pub enum RouterError {
         /// The key's limits and what is left of them (the `x-ratelimit-*` headers).
         status: RateLimitStatus,
     },
-    /// The request waited in the admission queue for longer than allowed.
-    #[error("overloaded: waited {waited:?} in the admission queue; retry later")]
+    /// The request waited in the admission queue for longer than its class allows.
+    #[error("overloaded: this {} request waited {waited:?} in the admission queue (the {} limit is {limit:?}); retry later", priority.as_str(), priority.as_str())]
     QueueTimeout {
+        /// Its class.
+        priority: crate::request::Priority,
         /// How long it waited.
         waited: Duration,
+        /// The class's limit.
+        limit: Duration,
     },
     /// No node of `role` is registered and accepting work.
     #[error("no {role} node is available; retry later")]

@@ -14,6 +14,7 @@
 //! | `tandem_router_output_tokens_total` | counter | model, priority | tokens sent to clients |
 //! | `tandem_router_recoveries_total` | counter | kind | retry, reprefill, migration, reserve_refused, release |
 //! | `tandem_router_routing_picks_total` | counter | role, source | node choices from load reports or the fallback |
+//! | `tandem_router_prefill_placements_total` | counter | site, reason | where attempts' prompts were computed: `prefill_node` or `decode_node` (conditional disaggregation), and why |
 //! | `tandem_router_load_fallback_entered_total` | counter | role | switches to in-flight routing |
 //! | `tandem_router_nodes` | gauge | role | nodes accepting work |
 //! | `tandem_router_in_flight` | gauge | role, node | this router's requests per node |
@@ -25,7 +26,7 @@
 //! | `tandem_router_key_node_seconds_total` | counter | key, pool | engine time per key id and pool |
 //! | `tandem_router_canary_pairs` / `_pairs_passing` | gauge | – | pairs probed / passing their last probe |
 //! | `tandem_router_canary_pool_all_failing` | gauge | role | 1 while every node of the pool fails the canary (routed to anyway: a canary never empties a pool) |
-//! | `tandem_router_canary_probes_total` | counter | result | canary probes, ok or failed |
+//! | `tandem_router_canary_probes_total` | counter | result | canary probes: ok, failed, or inconclusive (timed out behind real work the nodes are making progress on) |
 //! | `tandem_router_canary_duration_seconds` | histogram | – | one canary probe |
 //! | `tandem_trace_*` | counter | – | span export (see `tandem_telemetry`) |
 
@@ -98,6 +99,15 @@ pub struct ResultLabels {
     pub result: &'static str,
 }
 
+/// Labels of the placement counter.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PlacementLabels {
+    /// `prefill_node` or `decode_node`.
+    pub site: &'static str,
+    /// [`PlacementReason::as_str`](crate::routing::PlacementReason::as_str).
+    pub reason: &'static str,
+}
+
 /// Labels of the failure counter.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabels {
@@ -131,6 +141,7 @@ pub struct RouterMetrics {
     cached_input_tokens: Family<RequestLabels, Counter>,
     output_tokens: Family<RequestLabels, Counter>,
     failures: Family<ReasonLabels, Counter>,
+    placements: Family<PlacementLabels, Counter>,
     canary_seconds: Histogram,
     canary_probes: Family<ResultLabels, Counter>,
     key_requests: Family<KeyLabels, Counter>,
@@ -165,6 +176,7 @@ impl RouterMetrics {
             cached_input_tokens: Family::default(),
             output_tokens: Family::default(),
             failures: Family::default(),
+            placements: Family::default(),
             key_requests: Family::default(),
             key_tokens: Family::default(),
             key_node_seconds: Family::default(),
@@ -226,6 +238,11 @@ impl RouterMetrics {
             "tandem_router_request_failures",
             "Admitted requests that failed, by reason",
             self.failures.clone(),
+        );
+        r.register(
+            "tandem_router_prefill_placements",
+            "Where attempts' prompts were computed (prefill node or decode node), and why",
+            self.placements.clone(),
         );
         r.register(
             "tandem_router_canary_duration_seconds",
@@ -401,6 +418,23 @@ impl RouterMetrics {
         let result = if ok { "ok" } else { "failed" };
         self.canary_probes
             .get_or_create(&ResultLabels { result })
+            .inc();
+    }
+
+    /// An attempt's prompt was placed (conditional disaggregation).
+    pub fn placement(&self, placement: crate::routing::Placement) {
+        self.placements
+            .get_or_create(&PlacementLabels {
+                site: placement.site(),
+                reason: placement.reason().as_str(),
+            })
+            .inc();
+    }
+
+    /// A canary probe timed out behind real work (no verdict on its pair).
+    pub fn canary_inconclusive(&self) {
+        self.canary_probes
+            .get_or_create(&ResultLabels { result: "inconclusive" })
             .inc();
     }
 

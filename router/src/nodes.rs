@@ -184,21 +184,37 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub struct Dispatch {
     entry: Arc<NodeEntry>,
     ticket: u64,
+    load: Option<LoadEstimate>,
+    work: u64,
 }
 
 impl Dispatch {
     /// Records a dispatch of `work` (KV blocks to a decode node, uncached prompt tokens to a
-    /// prefill node) until the node's next load report covers it.
-    fn new(entry: Arc<NodeEntry>, work: u64) -> Self {
+    /// prefill node) until the node's next load report covers it; `load` is the node's
+    /// estimate the choice was made on.
+    fn new(entry: Arc<NodeEntry>, work: u64, load: Option<LoadEstimate>) -> Self {
         let ticket = entry.next_ticket.fetch_add(1, Ordering::Relaxed);
         entry.in_flight.fetch_add(1, Ordering::SeqCst);
         lock(&entry.dispatches).push((ticket, Instant::now(), work));
-        Self { entry, ticket }
+        Self { entry, ticket, load, work }
     }
 
     /// The node.
     pub fn node(&self) -> &Arc<NodeEntry> {
         &self.entry
+    }
+
+    /// The node's load when it was chosen (its fresh report plus this router's dispatches
+    /// since), before this dispatch; `None` when the pool routed by in-flight counts or the
+    /// node was named (canary).
+    pub fn load(&self) -> Option<LoadEstimate> {
+        self.load
+    }
+
+    /// The work this dispatch brought: KV blocks (decode), or the prompt tokens the node
+    /// still has to compute, its cached prefix out (prefill).
+    pub fn work(&self) -> u64 {
+        self.work
     }
 }
 
@@ -334,7 +350,7 @@ impl NodePool {
             .get(node_id)
             .is_some_and(|n| n.accepts_work());
         match state.entries.get(node_id) {
-            Some(entry) if accepting => Ok(Dispatch::new(Arc::clone(entry), 0)),
+            Some(entry) if accepting => Ok(Dispatch::new(Arc::clone(entry), 0, None)),
             _ => Err(RouterError::NoNodes { role: self.role }),
         }
     }
@@ -383,6 +399,15 @@ impl NodePool {
             .collect();
         out.sort_by(|a, b| a.0.cmp(&b.0));
         out
+    }
+
+    /// `node_id`'s latest load report, if it is fresh (`--load-max-age-ms`).
+    pub fn fresh_report(&self, node_id: &str) -> Option<tandem_cluster::LoadReport> {
+        let loads = self.loads.borrow();
+        loads
+            .get(node_id)
+            .filter(|r| r.is_fresh(self.max_report_age))
+            .map(|r| r.report.clone())
     }
 
     /// Registered nodes that accept work, with this router's in-flight count on each.
@@ -502,7 +527,7 @@ impl NodePool {
             // What the node will compute: the prompt less the prefix it caches.
             Role::Prefill => demand.prompt_tokens.saturating_sub(chosen.cached_tokens),
         };
-        Ok(Dispatch::new(entry, work))
+        Ok(Dispatch::new(entry, work, chosen.load))
     }
 
     /// A fresh report plus this router's dispatches to the node since it arrived (each with

@@ -3,31 +3,10 @@
 
 mod common;
 
-use common::fakes::{expected_output, start_decode, start_prefill};
-use common::{MemoryCluster, http, init_tracing, model, options};
+use common::fakes::{cluster_with_one_pair, expected_output, start_decode, start_prefill};
+use common::{MemoryCluster, chat_prompt_len, http, init_tracing, model, options, prompt_tokens};
 use serde_json::Value;
 use tandem_router::ApiKeys;
-
-async fn cluster_with_one_pair() -> (MemoryCluster, Vec<Box<dyn std::any::Any>>) {
-    let mut cluster = MemoryCluster::new();
-    let p = start_prefill("p0").await;
-    let d = start_decode("d0").await;
-    cluster.register(p.info()).await;
-    cluster.register(d.info()).await;
-    (cluster, vec![Box::new(p), Box::new(d)])
-}
-
-fn prompt_len(text: &str) -> usize {
-    model().tokenizer.encode(text).len()
-}
-
-fn chat_prompt_len(content: &str) -> usize {
-    let tokenizer = &model().tokenizer;
-    let text = tokenizer
-        .apply_chat_template(&[tandem_tokenizer::ChatMessage::new("user", content)], true)
-        .unwrap();
-    tokenizer.encode(&text).len()
-}
 
 fn assert_usage(usage: &Value, prompt: usize, completion: u32) {
     assert_eq!(usage["prompt_tokens"], prompt as u64, "{usage}");
@@ -61,7 +40,7 @@ async fn non_streamed_completion_and_chat_answer_openai_shaped_json_with_usage()
     .await;
     assert_eq!(response.status, 200, "{}", response.body);
     let json = response.json();
-    let (_, text) = expected_output(prompt_len(prompt), 5);
+    let (_, text) = expected_output(prompt_tokens(prompt), 5);
     assert_eq!(json["object"], "text_completion");
     assert!(json["id"].as_str().unwrap().starts_with("cmpl-"), "{json}");
     assert!(json["created"].as_u64().unwrap() > 0);
@@ -70,7 +49,7 @@ async fn non_streamed_completion_and_chat_answer_openai_shaped_json_with_usage()
     assert_eq!(json["choices"][0]["text"], text);
     assert_eq!(json["choices"][0]["finish_reason"], "length");
     assert!(json["choices"][0]["logprobs"].is_null());
-    assert_usage(&json["usage"], prompt_len(prompt), 5);
+    assert_usage(&json["usage"], prompt_tokens(prompt), 5);
 
     let body = r#"{"model": "smollm2", "messages": [{"role": "user", "content": "Hi!"}], "max_completion_tokens": 4}"#;
     let response = http(
@@ -123,7 +102,7 @@ async fn streamed_completion_is_sse_chunks_then_done() {
         .iter()
         .map(|d| serde_json::from_str(d).unwrap())
         .collect();
-    let (_, expected) = expected_output(prompt_len(prompt), 6);
+    let (_, expected) = expected_output(prompt_tokens(prompt), 6);
     let mut text = String::new();
     for chunk in &chunks {
         assert_eq!(chunk["object"], "text_completion", "{chunk}");

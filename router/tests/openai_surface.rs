@@ -6,28 +6,11 @@ mod common;
 
 use std::time::Duration;
 
-use common::fakes::{expected_output, fake_logprob, start_decode, start_prefill};
-use common::{MemoryCluster, http, init_tracing, model, options};
+use common::fakes::{cluster_with_one_pair, expected_output, fake_logprob};
+use common::{chat_prompt_len, http, init_tracing, model, options};
 use serde_json::Value;
 use tandem_cluster::Role;
 use tandem_proto::v1 as pb;
-
-async fn cluster_with_one_pair() -> (MemoryCluster, Vec<Box<dyn std::any::Any>>) {
-    let mut cluster = MemoryCluster::new();
-    let p = start_prefill("p0").await;
-    let d = start_decode("d0").await;
-    cluster.register(p.info()).await;
-    cluster.register(d.info()).await;
-    (cluster, vec![Box::new(p), Box::new(d)])
-}
-
-fn chat_prompt_len(content: &str) -> usize {
-    let tokenizer = &model().tokenizer;
-    let text = tokenizer
-        .apply_chat_template(&[tandem_tokenizer::ChatMessage::new("user", content)], true)
-        .unwrap();
-    tokenizer.encode(&text).len()
-}
 
 fn token_text(id: u32) -> String {
     String::from_utf8_lossy(model().tokenizer.token_bytes(id).unwrap()).into_owned()

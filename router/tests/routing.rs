@@ -400,3 +400,63 @@ async fn prefix_aware_routing_sends_a_prompt_where_its_prefix_is_cached_until_a_
         "{metrics}"
     );
 }
+
+#[tokio::test]
+async fn conditional_disaggregation_places_short_prompts_and_busy_prefill_pools_on_the_decode_node()
+{
+    init_tracing();
+    let mut cluster = MemoryCluster::new();
+    let p = start_prefill("p0").await;
+    let d = start_decode("d0").await;
+    cluster.register(p.info()).await;
+    cluster.register(d.info()).await;
+    let loads = cluster.loads.clone();
+    loads.set(Role::Prefill, "p0", Duration::ZERO, |_| {});
+    loads.set(Role::Decode, "d0", Duration::ZERO, |_| {});
+    let mut opts = options();
+    opts.placement = tandem_router::routing::PlacementSettings {
+        max_local_tokens: 8,
+        busy_max_local_tokens: 64,
+        ..Default::default()
+    };
+    let router = cluster.router(opts).await;
+    let prefills = || {
+        (
+            p.behaviour.prefill_calls.load(Ordering::SeqCst),
+            d.behaviour.prefill_here_calls.load(Ordering::SeqCst),
+        )
+    };
+    let long = "a prompt of more than eight tokens, sent through the prefill node";
+    let medium = "twenty or so tokens: short of the busy cap, over the short threshold";
+    assert!(prompt_tokens("hi") <= 8 && prompt_tokens(long) > 8 && prompt_tokens(medium) <= 64);
+
+    // Short: the decode node computes it, the prefill node sees nothing; same output.
+    let out = generate(&router, "hi", 3).await.expect("served");
+    assert_eq!(out.ids, expected_output(prompt_tokens("hi"), 3).0);
+    assert_eq!(prefills(), (0, 1));
+    // Longer, idle prefill node: through it.
+    generate(&router, long, 3).await.expect("served");
+    assert_eq!(prefills(), (1, 1));
+    // The prefill node reports a queue far longer than the decode node's: the medium prompt
+    // stays on the decode node.
+    loads.set(Role::Prefill, "p0", Duration::ZERO, |r| r.pending_prompt_tokens = 10_000);
+    generate(&router, medium, 3).await.expect("served");
+    assert_eq!(prefills(), (1, 2));
+    // A stale report is no evidence of a busy pool.
+    loads.set(Role::Prefill, "p0", Duration::from_secs(3600), |r| {
+        r.pending_prompt_tokens = 10_000
+    });
+    generate(&router, medium, 3).await.expect("served");
+    assert_eq!(prefills(), (2, 2));
+
+    let metrics = http(router.http_addr, "GET", "/metrics", None, None).await.body;
+    for (series, n) in [
+        ("site=\"decode_node\",reason=\"short_prompt\"", 1),
+        ("site=\"decode_node\",reason=\"prefill_busy\"", 1),
+        ("site=\"prefill_node\",reason=\"long_prompt\"", 2),
+    ] {
+        let line = format!("tandem_router_prefill_placements_total{{{series}}} {n}");
+        assert!(metrics.contains(&line), "{line} in\n{metrics}");
+    }
+}
+

@@ -90,6 +90,15 @@ pub struct UpArgs {
     /// least-loaded, round-robin, power-of-two [default: the router's, prefix-aware].
     #[arg(long, value_enum)]
     pub prefill_policy: Option<tandem_router::routing::PrefillPolicy>,
+    /// Whether the router lets decode nodes compute short prompts themselves
+    /// (`tandem router --disaggregation`): conditional or always [default: the router's,
+    /// conditional].
+    #[arg(long, value_enum)]
+    pub disaggregation: Option<tandem_router::routing::DisaggregationMode>,
+    /// With conditional disaggregation, the longest prompt the decode node computes itself
+    /// (`tandem router --local-prefill-max-tokens`) [default: the router's].
+    #[arg(long)]
+    pub local_prefill_max_tokens: Option<u32>,
     /// Start a real Prometheus (Debian `prometheus`) that scrapes every process of the cluster
     /// (targets kept current from etcd) and loads deploy/observability's alert rules.
     #[arg(long)]
@@ -324,6 +333,14 @@ pub fn start(
         use clap::ValueEnum;
         let name = policy.to_possible_value().expect("no skipped variants");
         a.extend(["--prefill-policy".into(), name.get_name().to_string()]);
+    }
+    if let Some(mode) = args.disaggregation {
+        use clap::ValueEnum;
+        let name = mode.to_possible_value().expect("no skipped variants");
+        a.extend(["--disaggregation".into(), name.get_name().to_string()]);
+    }
+    if let Some(n) = args.local_prefill_max_tokens {
+        a.extend(["--local-prefill-max-tokens".into(), n.to_string()]);
     }
     cluster.procs.spawn("router", &me, &a)?;
 

@@ -140,6 +140,12 @@ impl Cluster {
     /// (`grpc ADDR` / `http ADDR`), so no other process can take a port between choosing and
     /// binding it.
     pub fn router(&mut self, extra: &[&str]) {
+        self.router_named("router", extra);
+    }
+
+    /// [`router`](Self::router) as process `name` (a second router on the same cluster); the
+    /// cluster's addresses become its own.
+    pub fn router_named(&mut self, name: &str, extra: &[&str]) {
         let mut a = vec!["router".to_string()];
         a.extend(self.common_args());
         a.extend([
@@ -149,7 +155,7 @@ impl Cluster {
             "127.0.0.1:0".into(),
         ]);
         a.extend(extra.iter().map(|s| s.to_string()));
-        self.spawn("router", a);
+        self.spawn(name, a);
         let deadline = Instant::now() + WAIT;
         let me = self.procs.len() - 1;
         loop {

@@ -306,6 +306,7 @@ impl Router {
                 priority: 0,
                 cached_prompt_tokens: first.cached_prompt_tokens,
                 first_token_logprob: first.logprob.clone(),
+                prefill_here: false,
             })
             .await?
             .into_inner();

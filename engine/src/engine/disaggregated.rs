@@ -6,7 +6,8 @@
 //!   pushed to a decode node and then given back with [`Engine::release_held`].
 //! - Decode node: [`Engine::reserve`] takes blocks for the KV a prefill node will push;
 //!   [`Engine::add_prefilled`] adopts them and continues the request from the first token
-//!   sampled there; [`Engine::release_reservation`] returns a reservation never adopted.
+//!   sampled there; [`Engine::release_reservation`] returns a reservation never adopted;
+//!   [`Engine::add_local`] computes the prompt here instead (conditional disaggregation).
 //!
 //! # Invariants
 //! - Held and reserved blocks belong to no sequence: they are the caller's until
@@ -128,6 +129,37 @@ impl Engine {
             self.sched.remove(id);
         }
         Ok(out)
+    }
+
+    /// Runs a request whose blocks were reserved for pushed KV on this engine instead, prompt
+    /// and all (conditional disaggregation: a decode node prefilling a short prompt itself).
+    /// The reservation's blocks go back to the pool and the request is queued as
+    /// [`add_request`](Self::add_request) queues one, so this engine's prefix cache serves what
+    /// it holds; the reservation only vouched that the blocks exist. Nothing changes on error,
+    /// except that an unknown or too small reservation stays as it was.
+    pub fn add_local(&mut self, req: Request, reservation_id: u64, now: Instant) -> Result<(), EngineError> {
+        self.validate(&req)?;
+        let blocks = self.reservations.get(&reservation_id).ok_or(EngineError::UnknownReservation(reservation_id))?;
+        let need = (req.prompt.len() + req.params.max_new_tokens).div_ceil(self.pool.layout().block_size_tokens);
+        if blocks.len() < need {
+            return Err(EngineError::InvalidRequest {
+                field: "reservation_id",
+                value: reservation_id.to_string(),
+                reason: format!("holds {} blocks, the request needs {need}", blocks.len()),
+            });
+        }
+        let blocks = self.reservations.remove(&reservation_id).expect("checked above");
+        self.sched.release_blocks(&blocks);
+        if let Err(e) = self.sched.add(req.id, req.prompt.clone(), req.params.max_new_tokens, req.priority, now) {
+            // Put the reservation back as it was: the blocks were free a moment ago.
+            let again = self.sched.reserve_blocks(blocks.len() * self.pool.layout().block_size_tokens);
+            if let Some(b) = again {
+                self.reservations.insert(reservation_id, b);
+            }
+            return Err(e);
+        }
+        self.insert_state(req, false);
+        Ok(())
     }
 
     /// Live reservations' blocks (tests: block accounting).

@@ -28,7 +28,7 @@ impl Engine {
     /// [`step`](Self::step), calling `on_layer` as each layer's KV of the step's chunks lands in
     /// the pool (layer-wise KV streaming).
     pub fn step_observed(&mut self, on_layer: &mut dyn FnMut(LayerDone<'_>)) -> Result<Vec<StepOutput>, EngineError> {
-        let plan = self.sched.schedule();
+        let plan = self.sched.schedule(Instant::now());
         self.stats.preemptions += plan.preempted.len() as u64;
         if plan.chunks.is_empty() {
             return Ok(Vec::new());

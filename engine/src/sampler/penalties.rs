@@ -63,18 +63,15 @@ impl Penalties {
     pub(super) fn apply(&self, logits: &mut [f32]) {
         if self.repetition != 1.0 {
             let r = self.repetition;
-            let seen = self.prompt.iter().chain(self.output.keys());
-            for &t in seen {
+            // Each token of prompt ∪ output once: the (deduplicated) prompt, then the output
+            // tokens it does not hold.
+            let output_only = self
+                .output
+                .keys()
+                .filter(|t| self.prompt.binary_search(t).is_err());
+            for &t in self.prompt.iter().chain(output_only) {
                 if let Some(l) = logits.get_mut(t as usize) {
                     *l = if *l > 0.0 { *l / r } else { *l * r };
-                }
-            }
-            // A token both in the prompt and the output was penalised twice above: undo one.
-            for &t in self.output.keys() {
-                if self.prompt.binary_search(&t).is_ok()
-                    && let Some(l) = logits.get_mut(t as usize)
-                {
-                    *l = if *l > 0.0 { *l * r } else { *l / r };
                 }
             }
         }

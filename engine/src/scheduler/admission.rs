@@ -5,10 +5,12 @@
 //! a prefill node) at the front of its class, ahead of new work. [`Scheduler::wait_hint`] is the
 //! wait window that lets a first batch gather before a step.
 //!
-//! In each step that preempted nothing, waiting sequences are admitted: interactive before batch,
-//! first-come first-served within a class, preferring (among the first 16 of a queue) sequences
-//! in the same length bucket as the first one admitted this step, reusing cached prefix blocks
-//! where the prefix cache has them. Admission stops, keeping queue order, at the first sequence
+//! In each step that preempted nothing, waiting sequences are admitted: batch sequences that
+//! have waited `batch_aging` first (strict priority with aging: batch work is never starved),
+//! then interactive before batch, first-come first-served within a class, preferring (among the
+//! first 16 of a queue) sequences in the same length bucket of the class as the class's first
+//! one admitted this step, reusing cached prefix blocks where the prefix cache has them. Each
+//! class has its own wait window and buckets ([`super::ClassPolicy`]). Admission stops, keeping queue order, at the first sequence
 //! whose blocks are not free, or when `max_num_seqs` run or the step's token budget is spent.
 //!
 //! # Invariants
@@ -120,53 +122,67 @@ impl Scheduler {
         Ok(())
     }
 
-    /// How long the caller should wait before the next step to gather a batch (the wait window),
-    /// or `None` to step now (or nothing to do).
+    /// How long the caller should wait before the next step to gather a batch (the wait window
+    /// of each class with waiters, the earliest deadline), or `None` to step now (or nothing to
+    /// do). A class whose window is 0 steps at once.
     pub fn wait_hint(&self, now: Instant) -> Option<Duration> {
-        if !self.running.is_empty() || self.cfg.max_wait.is_zero() {
+        if !self.running.is_empty() {
             return None;
         }
-        let waiting = self.waiting.iter().flatten().map(|id| &self.seqs[id]);
-        let (mut oldest, mut tokens, mut n) = (None::<Instant>, 0usize, 0usize);
-        for s in waiting {
-            oldest = Some(oldest.map_or(s.arrived_at, |o: Instant| o.min(s.arrived_at)));
-            tokens += s.tokens.len();
-            n += 1;
+        let (mut deadline, mut tokens, mut n) = (None::<Instant>, 0usize, 0usize);
+        for (c, queue) in self.waiting.iter().enumerate() {
+            let window = self.cfg.classes[c].max_wait;
+            for s in queue.iter().map(|id| &self.seqs[id]) {
+                let d = s.arrived_at + window;
+                deadline = Some(deadline.map_or(d, |o: Instant| o.min(d)));
+                tokens += s.tokens.len();
+                n += 1;
+            }
         }
-        let oldest = oldest?;
+        let deadline = deadline?;
         if tokens >= self.cfg.max_tokens_per_step || n >= self.cfg.max_num_seqs {
             return None;
         }
-        let deadline = oldest + self.cfg.max_wait;
         (deadline > now).then(|| deadline - now)
     }
 
-    fn bucket(&self, tokens: usize) -> usize {
-        self.cfg.length_buckets.iter().position(|&b| tokens <= b).unwrap_or(self.cfg.length_buckets.len())
+    /// Class `c`'s bucket of a sequence with `tokens` tokens left to compute.
+    fn bucket(&self, c: usize, tokens: usize) -> usize {
+        let b = &self.buckets[c];
+        b.iter().position(|&bound| tokens <= bound).unwrap_or(b.len())
     }
 
     /// Admits waiting sequences into the step (after the running ones took their share of
-    /// `budget`), appending their first chunks to `chunks`.
-    pub(super) fn admit_waiting(&mut self, mut budget: usize, chunks: &mut Vec<ScheduledChunk>) {
-        let mut head_bucket = None;
-        'classes: for c in 0..2 {
-            while self.running.len() < self.cfg.max_num_seqs && budget > 0 && !self.waiting[c].is_empty() {
-                let pick = self.pick_waiting(c, head_bucket);
+    /// `budget`), appending their first chunks to `chunks`: batch sequences waiting since
+    /// `batch_aging` before `now` first, then interactive, then batch.
+    pub(super) fn admit_waiting(&mut self, mut budget: usize, now: Instant, chunks: &mut Vec<ScheduledChunk>) {
+        let mut head_bucket = [None, None];
+        let aging = self.cfg.batch_aging;
+        let aged = |s: &Scheduler| {
+            s.waiting[1].front().is_some_and(|id| now.saturating_duration_since(s.seqs[id].arrived_at) >= aging)
+        };
+        // (class, only the aged head): the aged batch sequences, then each class in order.
+        'passes: for (c, aged_only) in [(1, true), (0, false), (1, false)] {
+            while self.running.len() < self.cfg.max_num_seqs
+                && budget > 0
+                && !self.waiting[c].is_empty()
+                && (!aged_only || aged(self))
+            {
+                let pick = if aged_only { 0 } else { self.pick_waiting(c, head_bucket[c]) };
                 let id = self.waiting[c][pick];
                 match self.try_admit(id, budget) {
                     Some(chunk) => {
                         self.waiting[c].remove(pick);
-                        head_bucket.get_or_insert(self.bucket(chunk.len));
+                        head_bucket[c].get_or_insert(self.bucket(c, chunk.len));
                         budget -= chunk.len;
                         chunks.push(chunk);
                     }
-                    None => break 'classes, // no room: keep order, stop admitting
+                    None => break 'passes, // no room: keep order, stop admitting
                 }
             }
         }
         self.sort_running();
     }
-
 
     /// Index in waiting queue `c` of the next sequence to admit: the first one in `bucket` among
     /// the first 16, else the head.
@@ -177,7 +193,7 @@ impl Scheduler {
             .take(16)
             .position(|id| {
                 let s = &self.seqs[id];
-                self.bucket(s.tokens.len() - s.num_computed) == b
+                self.bucket(c, s.tokens.len() - s.num_computed) == b
             })
             .unwrap_or(0)
     }
@@ -237,7 +253,7 @@ mod tests {
 
     use crate::error::EngineError;
     use crate::scheduler::tests::{run_step, sched};
-    use crate::scheduler::{Priority, Scheduler, SchedulerConfig};
+    use crate::scheduler::{ClassPolicy, Priority, Scheduler, SchedulerConfig};
 
     #[test]
     fn interactive_is_admitted_before_batch() {
@@ -273,13 +289,63 @@ mod tests {
         assert_eq!(s.block_table(1).unwrap()[..3], s.block_table(2).unwrap()[..3]);
     }
 
+    fn windows(interactive_ms: u64, batch_ms: u64) -> SchedulerConfig {
+        SchedulerConfig {
+            classes: [
+                ClassPolicy { max_wait: Duration::from_millis(interactive_ms), length_buckets: vec![] },
+                ClassPolicy { max_wait: Duration::from_millis(batch_ms), length_buckets: vec![] },
+            ],
+            ..Default::default()
+        }
+    }
+
     #[test]
     fn wait_window_holds_a_small_first_batch_until_it_expires() {
-        let cfg = SchedulerConfig { max_wait: Duration::from_millis(5), ..Default::default() };
-        let mut s = Scheduler::new(cfg, 64, 4).unwrap();
+        let mut s = Scheduler::new(windows(5, 5), 64, 4).unwrap();
         let t0 = Instant::now();
         s.add(1, vec![1; 4], 4, Priority::Interactive, t0).unwrap();
         assert_eq!(s.wait_hint(t0), Some(Duration::from_millis(5)));
         assert_eq!(s.wait_hint(t0 + Duration::from_millis(5)), None);
+    }
+
+    #[test]
+    fn each_class_has_its_own_wait_window() {
+        let mut s = Scheduler::new(windows(0, 20), 64, 4).unwrap();
+        let t0 = Instant::now();
+        s.add(1, vec![1; 4], 4, Priority::Batch, t0).unwrap();
+        assert_eq!(s.wait_hint(t0), Some(Duration::from_millis(20)), "batch waits for company");
+        let t1 = t0 + Duration::from_millis(3);
+        s.add(2, vec![2; 4], 4, Priority::Interactive, t1).unwrap();
+        assert_eq!(s.wait_hint(t1), None, "an interactive arrival steps at once");
+    }
+
+    #[test]
+    fn batch_work_waiting_past_its_aging_goes_before_interactive_work() {
+        // One sequence a step (budget 4): interactive first while the batch one is young.
+        let cfg = SchedulerConfig { max_tokens_per_step: 4, batch_aging: Duration::from_secs(2), ..Default::default() };
+        let mut s = Scheduler::new(cfg, 64, 4).unwrap();
+        let t0 = Instant::now();
+        s.add(1, vec![1; 4], 4, Priority::Batch, t0).unwrap();
+        s.add(2, vec![2; 4], 4, Priority::Interactive, t0).unwrap();
+        s.add(3, vec![3; 4], 4, Priority::Interactive, t0).unwrap();
+        let first = s.schedule(t0 + Duration::from_millis(10));
+        assert_eq!(first.chunks[0].seq_id, 2, "strict priority while the batch request is young");
+        s.remove(2);
+        let later = s.schedule(t0 + Duration::from_secs(2));
+        assert_eq!(later.chunks[0].seq_id, 1, "aged: ahead of the waiting interactive request");
+    }
+
+    #[test]
+    fn length_buckets_derive_from_the_context_length_unless_set() {
+        assert_eq!(ClassPolicy::interactive().length_buckets_for(Priority::Interactive, 8192), [128, 512, 2048]);
+        assert_eq!(ClassPolicy::batch().length_buckets_for(Priority::Batch, 8192), [512, 2048]);
+        assert_eq!(ClassPolicy::interactive().length_buckets_for(Priority::Interactive, 2048), [32, 128, 512]);
+        let own = ClassPolicy { max_wait: Duration::ZERO, length_buckets: vec![64, 256] };
+        assert_eq!(own.length_buckets_for(Priority::Interactive, 8192), [64, 256]);
+        let bad = SchedulerConfig {
+            classes: [ClassPolicy { max_wait: Duration::ZERO, length_buckets: vec![256, 64] }, ClassPolicy::batch()],
+            ..Default::default()
+        };
+        assert!(matches!(bad.validate(), Err(EngineError::InvalidConfig { field: "length_buckets", .. })));
     }
 }

@@ -7,9 +7,11 @@
 //! blocks are released and it returns to the front of its waiting queue with its generated tokens
 //! appended to its prompt, to be re-prefilled later (the kernels are batch-invariant, so the
 //! recomputed KV, and hence the output, is bitwise what it would have been).
-//! Then, if nothing was preempted, waiting sequences are admitted: interactive before batch,
-//! first-come first-served within a class, preferring sequences in the same length bucket as the
-//! first one admitted this step, reusing cached prefix blocks where the prefix cache has them.
+//! Then, if nothing was preempted, waiting sequences are admitted: batch sequences that have
+//! waited `batch_aging` first (aging: batch work is never starved), then interactive before
+//! batch, first-come first-served within a class, preferring sequences in the same length bucket
+//! (the class's own, [`ClassPolicy`]) as the class's first one admitted this step, reusing cached
+//! prefix blocks where the prefix cache has them.
 //!
 //! # Invariants
 //! - No deadlock: a request is admitted only if prompt + max new tokens fit the whole pool, and
@@ -66,11 +68,11 @@ pub struct SchedulerConfig {
     pub max_tokens_per_step: usize,
     /// Requests waiting to be admitted; more are refused with `QueueFull`.
     pub max_waiting: usize,
-    /// When idle, wait up to this long after the first arrival before starting a step, to batch
-    /// requests that arrive together (0 = start at once).
-    pub max_wait: Duration,
-    /// Upper bounds (tokens) of the prompt-length buckets used to group admissions.
-    pub length_buckets: Vec<usize>,
+    /// How each priority class is batched: interactive, then batch.
+    pub classes: [ClassPolicy; 2],
+    /// A batch request that has waited this long is admitted ahead of interactive ones, so a
+    /// constant interactive load never starves batch work.
+    pub batch_aging: Duration,
     /// Reuse KV of full blocks whose chained hash matches an earlier request's.
     pub enable_prefix_caching: bool,
     /// Longest sequence (prompt + output) accepted.
@@ -83,17 +85,67 @@ impl Default for SchedulerConfig {
             max_num_seqs: 64,
             max_tokens_per_step: 512,
             max_waiting: 1024,
-            max_wait: Duration::ZERO,
-            length_buckets: vec![128, 512, 2048],
+            classes: [ClassPolicy::interactive(), ClassPolicy::batch()],
+            batch_aging: Duration::from_secs(2),
             enable_prefix_caching: true,
             max_model_len: 8192,
         }
     }
 }
 
+/// How one priority class is batched (an SLO class: latency for interactive, throughput for
+/// batch).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClassPolicy {
+    /// When idle, wait up to this long after the class's oldest waiting arrival before a step,
+    /// so requests arriving together share it (0 = step at once).
+    pub max_wait: Duration,
+    /// Upper bounds (tokens) of the prompt-length buckets the class's admissions are grouped
+    /// by; empty: derived from `max_model_len` ([`ClassPolicy::length_buckets_for`]).
+    pub length_buckets: Vec<usize>,
+}
+
+impl ClassPolicy {
+    /// Interactive defaults: no wait window, buckets derived from the context length.
+    pub fn interactive() -> Self {
+        ClassPolicy { max_wait: Duration::ZERO, length_buckets: Vec::new() }
+    }
+
+    /// Batch defaults: a 20 ms window (throughput over latency), buckets derived from the
+    /// context length.
+    pub fn batch() -> Self {
+        ClassPolicy { max_wait: Duration::from_millis(20), length_buckets: Vec::new() }
+    }
+
+    /// The buckets this class uses under `max_model_len`: its own, or derived from the context
+    /// length: interactive `max_model_len / 64, / 16, / 4` (128, 512, 2048 at 8,192), batch
+    /// the coarser `/ 16, / 4`; bounds under 16 tokens are dropped.
+    pub fn length_buckets_for(&self, priority: Priority, max_model_len: usize) -> Vec<usize> {
+        if !self.length_buckets.is_empty() {
+            return self.length_buckets.clone();
+        }
+        let divisors: &[usize] = match priority {
+            Priority::Interactive => &[64, 16, 4],
+            Priority::Batch => &[16, 4],
+        };
+        let mut b: Vec<usize> = divisors.iter().map(|d| max_model_len / d).filter(|&n| n >= 16).collect();
+        b.dedup();
+        b
+    }
+}
+
 impl SchedulerConfig {
     /// Rejects values that would stall the scheduler.
     pub fn validate(&self) -> Result<(), EngineError> {
+        for (class, c) in ["interactive", "batch"].iter().zip(&self.classes) {
+            if c.length_buckets.windows(2).any(|w| w[0] >= w[1]) || c.length_buckets.contains(&0) {
+                return Err(EngineError::InvalidConfig {
+                    field: "length_buckets",
+                    value: format!("{class}: {:?}", c.length_buckets),
+                    reason: "bounds must be positive and increasing".into(),
+                });
+            }
+        }
         for (field, v) in [
             ("max_num_seqs", self.max_num_seqs),
             ("max_tokens_per_step", self.max_tokens_per_step),
@@ -162,6 +214,8 @@ impl Sequence {
 #[derive(Debug)]
 pub struct Scheduler {
     cfg: SchedulerConfig,
+    /// Each class's length buckets (its own, or derived from `max_model_len`).
+    buckets: [Vec<usize>; 2],
     blocks: BlockManager,
     block_size: usize,
     seqs: HashMap<u64, Sequence>,
@@ -181,7 +235,10 @@ impl Scheduler {
     /// A scheduler over `num_blocks` KV blocks of `block_size` tokens.
     pub fn new(cfg: SchedulerConfig, num_blocks: usize, block_size: usize) -> Result<Self, EngineError> {
         cfg.validate()?;
+        let buckets = [Priority::Interactive, Priority::Batch]
+            .map(|p| cfg.classes[class(p)].length_buckets_for(p, cfg.max_model_len));
         Ok(Scheduler {
+            buckets,
             cfg,
             blocks: BlockManager::new(num_blocks),
             block_size,
@@ -264,8 +321,9 @@ impl Scheduler {
         self.running.sort_by_key(|id| (seqs[id].priority, seqs[id].arrival));
     }
 
-    /// Decides the next step's work.
-    pub fn schedule(&mut self) -> SchedulerOutput {
+    /// Decides the next step's work at time `now` (batch waiters older than `batch_aging` go
+    /// first).
+    pub fn schedule(&mut self, now: Instant) -> SchedulerOutput {
         let mut out = SchedulerOutput::default();
         let mut budget = self.cfg.max_tokens_per_step;
 
@@ -292,7 +350,7 @@ impl Scheduler {
 
         // 2. Admit waiting sequences, unless this step had to preempt (no room).
         if out.preempted.is_empty() {
-            self.admit_waiting(budget, &mut out.chunks);
+            self.admit_waiting(budget, now, &mut out.chunks);
         }
         out
     }
@@ -416,7 +474,7 @@ mod tests {
     /// One step in which every scheduled chunk completes (sampling token 7), then the block
     /// accounting check.
     pub(super) fn run_step(s: &mut Scheduler) -> SchedulerOutput {
-        let out = s.schedule();
+        let out = s.schedule(Instant::now());
         for c in &out.chunks {
             s.on_chunk_done(c, c.want_logits.then_some(7));
         }

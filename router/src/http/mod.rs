@@ -21,6 +21,7 @@
 //! full, every attempt failed) is an ordinary error response, never a 200 with an error inside.
 
 mod completions;
+mod sse;
 mod error;
 mod logprobs;
 mod usage;

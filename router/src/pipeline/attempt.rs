@@ -4,6 +4,8 @@
 //! ```text
 //!  pick decode ─▶ Reserve ─RESOURCE_EXHAUSTED/unreachable─▶ next decode node (each once)
 //!       │ Reservation (armed: target, dispatch count, release duty in one owner)
+//!  place: short prompt (or busy prefill pool)? ─yes─▶ Decode(reservation, prefill_here)
+//!       │ no                                          (the decode node computes the prompt)
 //!  pick prefill ─▶ Prefill stream ─▶ FirstToken
 //!       │                              │
 //!       │                   Decode(reservation, first token) stream
@@ -42,7 +44,8 @@ mod reserve;
 use super::{GenerationEvent, Inner};
 use crate::error::{RouterError, Step};
 use crate::request::PreparedRequest;
-use crate::routing::Demand;
+use crate::routing::placement::{self, PlacementInput};
+use crate::routing::{Demand, Placement, PlacementReason};
 
 /// What the attempts of one request share.
 pub(super) struct AttemptState<'a> {
@@ -238,41 +241,104 @@ impl<'a> AttemptState<'a> {
         let reservation = self
             .reserve(demand, prompt_ids.len() as u32, sampling.max_tokens)
             .await?;
-        // 2. Prefill: the prompt, its first token, the KV pushed into the reservation.
-        let prefill = self
-            .start_prefill(demand, &prompt_ids, &sampling, reservation.target())
-            .await?;
-        // 3. Decode from the pushed KV; the node waits for every block to arrive and verify.
-        let cached_prompt_tokens = *self
-            .cached_prompt_tokens
-            .get_or_insert(prefill.first.cached_prompt_tokens);
+        // 2. Where the prompt is computed: a prefill node, or the decode node itself.
+        let (placement, prefill_node) = self.place(demand, &prompt_ids, &reservation)?;
+        // 3. Prefill: the prompt, its first token, the KV pushed into the reservation.
+        let (prefill, cached_prompt_tokens) = match prefill_node {
+            Some(dispatch) => {
+                let prefill = self
+                    .start_prefill(dispatch, &prompt_ids, &sampling, reservation.target())
+                    .await?;
+                let cached = *self
+                    .cached_prompt_tokens
+                    .get_or_insert(prefill.first.cached_prompt_tokens);
+                (Some(prefill), Some(cached))
+            }
+            // Known from the decode node's final message.
+            None => (None, self.cached_prompt_tokens),
+        };
+        // 4. Decode from the pushed KV (the node waits for every block to arrive and verify),
+        //    or from the prompt computed there.
         let decode = self
-            .start_decode(&reservation, prompt_ids, sampling, &prefill.first)
+            .start_decode(&reservation, prompt_ids, sampling, prefill.as_ref().map(|p| &p.first), placement)
             .await?;
-        // 4. Drive both streams to the end.
+        // 5. Drive both streams to the end.
         self.forward(prefill, decode, reservation, tokens_before, cached_prompt_tokens)
             .await
     }
 
-    /// Picks a prefill node (one that has not failed this request, if possible), sends it the
-    /// prompt with the reservation, and waits for the first token.
-    async fn start_prefill(
+    /// Decides where the prompt is computed (see [`crate::routing::placement`]): a short one
+    /// on the decode node at once; a longer one after the prefill node is chosen, on the decode
+    /// node only if that prefill node is busy. Returns the chosen prefill node, if any.
+    fn place(
         &mut self,
         demand: Demand,
+        prompt_ids: &[u32],
+        reservation: &Reservation,
+    ) -> Result<(Placement, Option<crate::nodes::Dispatch>), RouterError> {
+        let settings = &self.inner.options.placement;
+        let mut input = PlacementInput {
+            prompt_tokens: prompt_ids.len() as u64,
+            prefill_work_tokens: None,
+            decode_pending_tokens: reservation.node_load().map(|l| l.pending_prompt_tokens),
+            pinned: self.pin.is_some(),
+        };
+        let mut placement = placement::decide(settings, input);
+        let mut prefill_node = None;
+        if !placement.is_local() {
+            let dispatch = self.pick_prefill(demand, prompt_ids)?;
+            if placement.reason() == PlacementReason::LongPrompt {
+                input.prefill_work_tokens = dispatch
+                    .load()
+                    .map(|l| l.pending_prompt_tokens + dispatch.work());
+                placement = placement::decide(settings, input);
+            }
+            // Dropping a dispatch the decode node takes over uncounts it.
+            prefill_node = Some(dispatch).filter(|_| !placement.is_local());
+        }
+        if self.counted {
+            self.inner.metrics.placement(placement);
+        }
+        tracing::debug!(
+            request_id = %self.request.request_id,
+            prompt_tokens = input.prompt_tokens,
+            prefill_work_tokens = ?input.prefill_work_tokens,
+            decode_pending_tokens = ?input.decode_pending_tokens,
+            site = placement.site(),
+            reason = placement.reason().as_str(),
+            "prompt placed"
+        );
+        Ok((placement, prefill_node))
+    }
+
+    /// Picks a prefill node (the pinned one, else one that has not failed this request if
+    /// possible) and counts the request on it.
+    fn pick_prefill(
+        &self,
+        demand: Demand,
+        prompt_ids: &[u32],
+    ) -> Result<crate::nodes::Dispatch, RouterError> {
+        let pool = &self.inner.prefill;
+        match &self.pin {
+            Some((prefill, _)) => pool.dispatch_to(prefill),
+            None => match pool.pick_for(demand, &self.failed_prefill, prompt_ids) {
+                Err(RouterError::NoNodes { .. }) if !self.failed_prefill.is_empty() => {
+                    pool.pick_for(demand, &HashSet::new(), prompt_ids)
+                }
+                other => other,
+            },
+        }
+    }
+
+    /// Sends the prompt with the reservation to the chosen prefill node, and waits for the
+    /// first token.
+    async fn start_prefill(
+        &mut self,
+        dispatch: crate::nodes::Dispatch,
         prompt_ids: &[u32],
         sampling: &pb::SamplingParams,
         target: &pb::KvTarget,
     ) -> Result<PrefillCall, RouterError> {
-        let inner = self.inner;
-        let dispatch = match &self.pin {
-            Some((prefill, _)) => inner.prefill.dispatch_to(prefill)?,
-            None => match inner.prefill.pick_for(demand, &self.failed_prefill, prompt_ids) {
-                Err(RouterError::NoNodes { .. }) if !self.failed_prefill.is_empty() => {
-                    inner.prefill.pick_for(demand, &HashSet::new(), prompt_ids)?
-                }
-                other => other?,
-            },
-        };
         let node_id = dispatch.node().node_id();
         let span = tracing::info_span!(
             "router.prefill",
@@ -333,13 +399,15 @@ impl<'a> AttemptState<'a> {
         })
     }
 
-    /// Starts the Decode call for the reservation with the prefill's first token.
+    /// Starts the Decode call for the reservation: with the prefill's first token, or (no
+    /// prefill node) asking the decode node to compute the prompt itself.
     async fn start_decode(
         &mut self,
         reservation: &Reservation,
         prompt_ids: Vec<u32>,
         sampling: pb::SamplingParams,
-        first: &pb::FirstToken,
+        first: Option<&pb::FirstToken>,
+        placement: Placement,
     ) -> Result<DecodeCall, RouterError> {
         let (node_id, target) = (reservation.node_id(), reservation.target());
         let mut client = reservation.client();
@@ -348,6 +416,8 @@ impl<'a> AttemptState<'a> {
             otel.kind = "client",
             tandem.node_id = %node_id,
             tandem.reservation_id = target.reservation_id,
+            tandem.prefill.site = placement.site(),
+            tandem.prefill.reason = placement.reason().as_str(),
             tandem.output_tokens = tracing::field::Empty,
         );
         let request = pb::DecodeRequest {
@@ -355,11 +425,12 @@ impl<'a> AttemptState<'a> {
             reservation_id: target.reservation_id,
             epoch: target.epoch,
             prompt_token_ids: prompt_ids,
-            first_token_id: first.token_id,
+            first_token_id: first.map_or(0, |f| f.token_id),
             sampling: Some(sampling),
             priority: self.request.priority.to_proto() as i32,
-            cached_prompt_tokens: first.cached_prompt_tokens,
-            first_token_logprob: first.logprob.clone(),
+            cached_prompt_tokens: first.map_or(0, |f| f.cached_prompt_tokens),
+            first_token_logprob: first.and_then(|f| f.logprob.clone()),
+            prefill_here: first.is_none(),
         };
         let call = tonic::Request::from_parts(call_metadata(&span), Default::default(), request);
         match client.decode(call).instrument(span.clone()).await {

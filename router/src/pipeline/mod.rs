@@ -92,6 +92,8 @@ pub struct RouterOptions {
     pub cost: CostModel,
     /// How prefill nodes are chosen.
     pub prefill_policy: crate::routing::PrefillPolicy,
+    /// Which prompts the decode node computes itself (conditional disaggregation).
+    pub placement: crate::routing::PlacementSettings,
 }
 
 /// Where a router keeps what it shares with the other routers.
@@ -249,8 +251,18 @@ impl Router {
                 "no KV events: prefill routing cannot see what nodes have cached (every prompt counts as uncached)"
             ),
         }
+        // Unique per router: request ids and the rate limiter's holder name come from it. Pid
+        // and start time alone collide for two routers of one process started in the same
+        // millisecond (or of two hosts), which made them one holder of a key's slots.
+        let nonce = {
+            use std::hash::{BuildHasher, Hasher};
+            static STARTED: AtomicU64 = AtomicU64::new(0);
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u64(STARTED.fetch_add(1, Ordering::Relaxed));
+            h.finish() & 0xffff
+        };
         let id_prefix = format!(
-            "{:x}{:x}",
+            "{:x}{:x}{nonce:04x}",
             std::process::id(),
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)

@@ -63,14 +63,26 @@ impl Router {
                 tandem.decode_node = %d,
                 tandem.round = round,
             );
-            let result =
-                match tokio::time::timeout(settings.timeout, self.probe(p, d, round, n).instrument(span.clone()))
-                    .await
-                {
-                    Ok(Ok(())) => Ok(started.elapsed()),
-                    Ok(Err(e)) => Err(format!("{}: {e}", e.kind())),
-                    Err(_) => Err(format!("timeout: no answer within {:?}", settings.timeout)),
-                };
+            let outcome =
+                tokio::time::timeout(settings.timeout, self.probe(p, d, round, n).instrument(span.clone()))
+                    .await;
+            let timed_out = outcome.is_err();
+            let result = match outcome {
+                Ok(Ok(())) => Ok(started.elapsed()),
+                Ok(Err(e)) => Err(format!("{}: {e}", e.kind())),
+                Err(_) => Err(format!("timeout: no answer within {:?}", settings.timeout)),
+            };
+            if timed_out
+                && canary::timeout_is_inconclusive(
+                    inner.prefill.fresh_report(p).as_ref(),
+                    inner.decode.fresh_report(d).as_ref(),
+                )
+            {
+                // Queued behind real work that is making progress: no verdict on the pair.
+                tracing::debug!(prefill = %p, decode = %d, "canary probe timed out behind real work; inconclusive");
+                inner.metrics.canary_inconclusive();
+                continue;
+            }
             if let Err(e) = &result {
                 tandem_telemetry::trace::propagation::mark_error(&span, "canary_failed", e);
                 tracing::debug!(prefill = %p, decode = %d, error = %e, "canary probe failed");

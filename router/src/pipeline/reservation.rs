@@ -37,7 +37,7 @@ pub(super) struct Reservation {
     client: DecodeClient<Channel>,
     node_id: String,
     /// Counts the request (and its blocks) on the node while the reservation lives.
-    _dispatch: Dispatch,
+    dispatch: Dispatch,
     rpc_timeout: Duration,
     stats: Arc<RouterStats>,
     armed: bool,
@@ -56,11 +56,17 @@ impl Reservation {
             node_id: dispatch.node().node_id(),
             target,
             client,
-            _dispatch: dispatch,
+            dispatch,
             rpc_timeout,
             stats,
             armed: true,
         }
+    }
+
+    /// The decode node's load when it was chosen (conditional disaggregation weighs its
+    /// pending prompt tokens).
+    pub(super) fn node_load(&self) -> Option<crate::routing::LoadEstimate> {
+        self.dispatch.load()
     }
 
     /// Where the prefill node pushes the KV, and what the Decode call presents.

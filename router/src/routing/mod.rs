@@ -10,6 +10,9 @@
 //! | [`PowerOfTwoPolicy`] | prefill | two nodes at random, the less loaded | `prefill_policies.rs` |
 //! | [`LeastInFlightPolicy`] | either | the router's own in-flight counts | `in_flight.rs` |
 //!
+//! Whether a prompt needs a prefill node at all is [`placement`]'s decision (conditional
+//! disaggregation).
+//!
 //! The node pool ([`crate::nodes`]) builds one [`Candidate`] per node that accepts work and
 //! decides the mode: when *every* candidate has a fresh load report it asks the role's
 //! load policy, otherwise (a report stale or absent: NATS down, a node just joined) it asks
@@ -24,12 +27,14 @@
 
 mod decode_blocks;
 mod in_flight;
+pub mod placement;
 mod prefill_policies;
 mod prefill_queue;
 pub mod prefix_index;
 
 pub use decode_blocks::FreeBlocksDecodePolicy;
 pub use in_flight::LeastInFlightPolicy;
+pub use placement::{DisaggregationMode, Placement, PlacementReason, PlacementSettings};
 pub use prefill_policies::{PowerOfTwoPolicy, PrefillPolicy, PrefixAwarePolicy, RoundRobinPolicy};
 pub use prefill_queue::ShortestQueuePrefillPolicy;
 pub use prefix_index::PrefixIndex;

@@ -5,7 +5,8 @@
 //! Canned output, a fake "model" whose next token depends only on the sequence length: after
 //! `n` tokens comes `next_token(n) = 100 + n % 50`. The prefill node's first token is
 //! `next_token(prompt.len())`; the decode node streams `max_tokens` tokens from there (the
-//! first one included, one per batch), each with the text `t{id} `, and finishes with `length`.
+//! first one included, one per batch; computed itself when asked to `prefill_here`), each with
+//! the text `t{id} `, and finishes with `length`.
 //! So a stream re-prefilled from prompt + output so far continues exactly (as greedy decoding
 //! of a real model would).
 
@@ -80,6 +81,8 @@ pub struct DecodeBehaviour {
     pub reserve_calls: AtomicU32,
     /// Decode calls received.
     pub decode_calls: AtomicU32,
+    /// Of those, calls asking this node to compute the prompt itself (`prefill_here`).
+    pub prefill_here_calls: AtomicU32,
     /// Reservation ids released (Release calls).
     pub released: Mutex<Vec<u64>>,
     /// Decode streams that saw their caller go away before finishing.
@@ -214,6 +217,9 @@ impl Decode for DecodeService {
             return Err(Status::data_loss("block 0 failed its checksum (fake)"));
         }
         let r = request.into_inner();
+        if r.prefill_here {
+            self.b.prefill_here_calls.fetch_add(1, Ordering::SeqCst);
+        }
         let max_tokens = r.sampling.as_ref().map(|s| s.max_tokens).unwrap_or(1).max(1);
         let logprobs = r.sampling.as_ref().is_some_and(|s| s.logprobs);
         let first_logprob = r.first_token_logprob.clone();
@@ -242,7 +248,7 @@ impl Decode for DecodeService {
                         }
                     }
                 }
-                let id = if i == 0 {
+                let id = if i == 0 && !r.prefill_here {
                     r.first_token_id
                 } else {
                     next_token(prompt_tokens as usize + i as usize)
@@ -373,6 +379,17 @@ async fn bind() -> (TcpListener, String) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind port 0");
     let addr = format!("http://{}", listener.local_addr().unwrap());
     (listener, addr)
+}
+
+/// A [`MemoryCluster`](super::MemoryCluster) with one fake prefill node `p0` and one fake
+/// decode node `d0`, registered; keep the returned nodes alive while the test runs.
+pub async fn cluster_with_one_pair() -> (super::MemoryCluster, Vec<Box<dyn std::any::Any>>) {
+    let mut cluster = super::MemoryCluster::new();
+    let p = start_prefill("p0").await;
+    let d = start_decode("d0").await;
+    cluster.register(p.info()).await;
+    cluster.register(d.info()).await;
+    (cluster, vec![Box::new(p), Box::new(d)])
 }
 
 /// Starts a fake decode node.

@@ -58,6 +58,8 @@ pub fn options() -> RouterOptions {
             max_in_flight: 64,
             max_queued: 64,
             queue_timeout: Duration::from_secs(10),
+            batch_queue_timeout: Duration::from_secs(10),
+            batch_aging: Duration::from_secs(5),
         },
         api_keys: ApiKeys::default(),
         max_attempts: 3,
@@ -68,6 +70,7 @@ pub fn options() -> RouterOptions {
         canary: tandem_router::canary::CanarySettings::disabled(),
         cost: Default::default(),
         prefill_policy: Default::default(),
+        placement: tandem_router::routing::PlacementSettings::always(),
     }
 }
 
@@ -462,6 +465,15 @@ pub async fn generate(
 /// Token count of `prompt` (plain text).
 pub fn prompt_tokens(prompt: &str) -> usize {
     model().tokenizer.encode(prompt).len()
+}
+
+/// Token count of a one-message chat of `content` from the user, in the model's template.
+pub fn chat_prompt_len(content: &str) -> usize {
+    let tokenizer = &model().tokenizer;
+    let text = tokenizer
+        .apply_chat_template(&[tandem_tokenizer::ChatMessage::new("user", content)], true)
+        .unwrap();
+    tokenizer.encode(&text).len()
 }
 
 /// splitmix64: the test's only randomness (fuzz mutations, simulation plans), reproducible from

@@ -24,7 +24,7 @@ use std::collections::{BinaryHeap, VecDeque};
 use std::time::{Duration, Instant};
 
 use tandem_cluster::Role;
-use tandem_engine::scheduler::{Priority, ScheduledChunk, Scheduler, SchedulerConfig};
+use tandem_engine::scheduler::{ClassPolicy, Priority, ScheduledChunk, Scheduler, SchedulerConfig};
 use tandem_planner::{NodeLoad, Observation, PlannerConfig, PlannerMemory, PoolObservation, decide};
 use tandem_router::routing::{
     Candidate, Demand, FreeBlocksDecodePolicy, LoadEstimate, RoutingPolicy, ShortestQueuePrefillPolicy,
@@ -268,8 +268,12 @@ impl Sim {
                         max_num_seqs: 64,
                         max_tokens_per_step: self.cfg.max_tokens_per_step as usize,
                         max_waiting: 4096,
-                        max_wait: Duration::ZERO,
-                        length_buckets: vec![],
+                        // One bucket, no window: admission in arrival order.
+                        classes: std::array::from_fn(|_| ClassPolicy {
+                            max_wait: Duration::ZERO,
+                            length_buckets: vec![usize::MAX],
+                        }),
+                        batch_aging: Duration::from_secs(2),
                         enable_prefix_caching: false,
                         max_model_len: 1 << 20,
                     },

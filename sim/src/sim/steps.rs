@@ -43,9 +43,10 @@ impl Sim {
         let roof = self.steps.clone();
         let max_batch = self.cfg.max_batch;
         let budget = self.cfg.max_tokens_per_step;
+        let now = self.base + std::time::Duration::from_secs_f64(self.now);
         let step_s = match &mut self.insts[i].kind {
             Kind::Prefill { sched, step } => {
-                let out = sched.schedule();
+                let out = sched.schedule(now);
                 *step = out.chunks;
                 if step.is_empty() {
                     return;

@@ -17,7 +17,8 @@ use crate::pipeline::{FinishReason, GenerationEvent, GenerationFinal, Usage};
 
 /// The state of [`AttemptState::forward`] between messages.
 struct Forwarding {
-    prefill_node: String,
+    /// `None` when the decode node computed the prompt (conditional disaggregation).
+    prefill_node: Option<String>,
     decode_node: String,
     /// The prefill call's dispatch count and span, until its push is acknowledged.
     prefill_open: Option<(crate::nodes::Dispatch, tracing::Span)>,
@@ -26,7 +27,9 @@ struct Forwarding {
     /// Tokens the client had before this attempt (a migration continues from them).
     tokens_before: u32,
     tokens_here: u32,
-    cached_prompt_tokens: u32,
+    /// From the prefill node's first token; `None` until the decode node's final message says
+    /// (it computed the prompt).
+    cached_prompt_tokens: Option<u32>,
     /// Once the stream produces, the decode node must speak within this.
     idle: std::time::Duration,
     stall_at: Option<tokio::time::Instant>,
@@ -47,35 +50,40 @@ impl AttemptState<'_> {
     /// the idle timeout once the stream is producing is [`Self::stalled`].
     pub(super) async fn forward(
         &mut self,
-        prefill: PrefillCall,
+        prefill: Option<PrefillCall>,
         decode: DecodeCall,
         reservation: Reservation,
         tokens_before: u32,
-        cached_prompt_tokens: u32,
+        cached_prompt_tokens: Option<u32>,
     ) -> Result<(), RouterError> {
-        let PrefillCall {
-            dispatch,
-            node_id: prefill_node,
-            stream: mut prefill_stream,
-            span: prefill_span,
-            ..
-        } = prefill;
         let DecodeCall {
             node_id: decode_node,
             stream: mut decode_stream,
             span: decode_span,
         } = decode;
+        let idle = self.inner.options.stream_idle_timeout;
+        let (prefill_node, mut prefill_stream, prefill_open, stall_at) = match prefill {
+            Some(PrefillCall {
+                dispatch,
+                node_id,
+                stream,
+                span,
+                ..
+            }) => (Some(node_id), Some(stream), Some((dispatch, span)), None),
+            // The decode node computes the prompt: it is producing from the start.
+            None => (None, None, None, Some(tokio::time::Instant::now() + idle)),
+        };
         let mut f = Forwarding {
             prefill_node,
             decode_node,
-            prefill_open: Some((dispatch, prefill_span)),
+            prefill_open,
             decode_span,
             reservation,
             tokens_before,
             tokens_here: 0,
             cached_prompt_tokens,
-            idle: self.inner.options.stream_idle_timeout,
-            stall_at: None,
+            idle,
+            stall_at,
         };
         let result = loop {
             let stall_at = f.stall_at;
@@ -87,7 +95,8 @@ impl AttemptState<'_> {
             };
             let next = tokio::select! {
                 () = stall => Next::End(Err(self.stalled(&f))),
-                message = prefill_stream.message(), if f.prefill_open.is_some() => {
+                message = async { prefill_stream.as_mut().expect("open").message().await },
+                    if f.prefill_open.is_some() => {
                     self.on_prefill(&mut f, message)
                 }
                 message = decode_stream.message() => self.on_decode(&mut f, message).await,
@@ -127,7 +136,9 @@ impl AttemptState<'_> {
         f: &mut Forwarding,
         message: Result<Option<pb::PrefillResponse>, tonic::Status>,
     ) -> Next {
-        let protocol = PrefillCall::protocol(&f.prefill_node);
+        // Read only while a prefill node takes part (`prefill_open`).
+        let prefill_node = f.prefill_node.clone().unwrap_or_default();
+        let protocol = PrefillCall::protocol(&prefill_node);
         match message {
             Ok(Some(pb::PrefillResponse {
                 event: Some(pb::prefill_response::Event::KvPushed(pushed)),
@@ -145,8 +156,8 @@ impl AttemptState<'_> {
             Ok(Some(_)) => Next::End(Err(protocol("sent a second first_token"))),
             Ok(None) => Next::End(Err(protocol("stream ended before kv_pushed"))),
             Err(status) => {
-                self.failed_prefill.insert(f.prefill_node.clone());
-                let e = RouterError::node(Role::Prefill, &f.prefill_node, Step::Prefill, &status);
+                self.failed_prefill.insert(prefill_node.clone());
+                let e = RouterError::node(Role::Prefill, &prefill_node, Step::Prefill, &status);
                 if let Some((_, span)) = &f.prefill_open {
                     propagation::mark_error(span, e.kind(), &e);
                 }
@@ -210,12 +221,17 @@ impl AttemptState<'_> {
                     .unwrap_or(f.tokens_here)
                     + f.tokens_before;
                 f.decode_span.record("tandem.output_tokens", f.tokens_here);
+                // A prompt the decode node computed: its own prefix cache's hits.
+                let cached_prompt_tokens = *self.cached_prompt_tokens.get_or_insert(
+                    f.cached_prompt_tokens
+                        .unwrap_or_else(|| done.usage.map_or(0, |u| u.cached_prompt_tokens)),
+                );
                 let request = self.request;
                 let last = GenerationEvent::Final(GenerationFinal {
                     finish_reason: FinishReason::from_proto(done.finish_reason),
                     usage: Usage {
                         prompt_tokens: request.prompt_tokens(),
-                        cached_prompt_tokens: f.cached_prompt_tokens,
+                        cached_prompt_tokens,
                         completion_tokens,
                     },
                     request_id: request.request_id.clone(),
@@ -239,7 +255,9 @@ impl AttemptState<'_> {
                 ) {
                     // The decode node checked the KV and refused it: its sender is the suspect
                     // too, so the re-prefill avoids both while others exist.
-                    self.failed_prefill.insert(f.prefill_node.clone());
+                    if let Some(node) = &f.prefill_node {
+                        self.failed_prefill.insert(node.clone());
+                    }
                 }
                 Next::End(Err(e))
             }
