@@ -432,7 +432,12 @@ impl RouterArgs {
             },
             max_attempts: nonzero("max-attempts", args.max_attempts.unwrap_or(3) as u64)? as u32,
             prefill_policy: args.prefill_policy.unwrap_or_default(),
-            placement: placement(&args)?,
+            placement: crate::routing::PlacementSettings::from_flags(
+                args.disaggregation,
+                args.local_prefill_max_tokens,
+                args.local_prefill_busy_max_tokens,
+                args.local_prefill_busy_ratio,
+            )?,
             rpc_timeout: ms("rpc-timeout-ms", args.rpc_timeout_ms, 5_000)?,
             connect_timeout: ms("connect-timeout-ms", args.connect_timeout_ms, 2_000)?,
             max_report_age: ms("load-max-age-ms", args.load_max_age_ms, 1_000)?,
@@ -590,37 +595,4 @@ mod tests {
             "{err}"
         );
     }
-}
-
-/// The conditional-disaggregation settings, defaults filled and checked.
-fn placement(args: &RouterArgs) -> Result<crate::routing::PlacementSettings, RouterError> {
-    use crate::routing::PlacementSettings as P;
-    let settings = P {
-        mode: args.disaggregation.unwrap_or_default(),
-        max_local_tokens: args.local_prefill_max_tokens.unwrap_or(P::DEFAULT_MAX_LOCAL_TOKENS),
-        // Unset, it is at least --local-prefill-max-tokens.
-        busy_max_local_tokens: args.local_prefill_busy_max_tokens.unwrap_or(
-            P::DEFAULT_BUSY_MAX_LOCAL_TOKENS
-                .max(args.local_prefill_max_tokens.unwrap_or(P::DEFAULT_MAX_LOCAL_TOKENS)),
-        ),
-        busy_ratio: args.local_prefill_busy_ratio.unwrap_or(P::DEFAULT_BUSY_RATIO),
-    };
-    if !(settings.busy_ratio.is_finite() && settings.busy_ratio >= 1.0) {
-        return Err(RouterError::Config {
-            field: "local-prefill-busy-ratio",
-            value: settings.busy_ratio.to_string(),
-            reason: "must be a number of at least 1".into(),
-        });
-    }
-    if settings.busy_max_local_tokens < settings.max_local_tokens {
-        return Err(RouterError::Config {
-            field: "local-prefill-busy-max-tokens",
-            value: settings.busy_max_local_tokens.to_string(),
-            reason: format!(
-                "is below --local-prefill-max-tokens ({})",
-                settings.max_local_tokens
-            ),
-        });
-    }
-    Ok(settings)
 }

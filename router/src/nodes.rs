@@ -42,6 +42,9 @@ use crate::routing::{
 use tandem_kv_layout::prefix::prompt_block_hashes;
 use crate::stats::{RouterStats, bump};
 
+mod dispatch;
+pub use dispatch::Dispatch;
+
 /// How the pool connects to nodes and judges their reports.
 #[derive(Clone, Debug)]
 pub struct ChannelSettings {
@@ -177,52 +180,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Every critical section here is a single read or update, so a poisoned lock still holds
     // consistent data.
     m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// A request counted on a node; dropping it uncounts it.
-#[derive(Debug)]
-pub struct Dispatch {
-    entry: Arc<NodeEntry>,
-    ticket: u64,
-    load: Option<LoadEstimate>,
-    work: u64,
-}
-
-impl Dispatch {
-    /// Records a dispatch of `work` (KV blocks to a decode node, uncached prompt tokens to a
-    /// prefill node) until the node's next load report covers it; `load` is the node's
-    /// estimate the choice was made on.
-    fn new(entry: Arc<NodeEntry>, work: u64, load: Option<LoadEstimate>) -> Self {
-        let ticket = entry.next_ticket.fetch_add(1, Ordering::Relaxed);
-        entry.in_flight.fetch_add(1, Ordering::SeqCst);
-        lock(&entry.dispatches).push((ticket, Instant::now(), work));
-        Self { entry, ticket, load, work }
-    }
-
-    /// The node.
-    pub fn node(&self) -> &Arc<NodeEntry> {
-        &self.entry
-    }
-
-    /// The node's load when it was chosen (its fresh report plus this router's dispatches
-    /// since), before this dispatch; `None` when the pool routed by in-flight counts or the
-    /// node was named (canary).
-    pub fn load(&self) -> Option<LoadEstimate> {
-        self.load
-    }
-
-    /// The work this dispatch brought: KV blocks (decode), or the prompt tokens the node
-    /// still has to compute, its cached prefix out (prefill).
-    pub fn work(&self) -> u64 {
-        self.work
-    }
-}
-
-impl Drop for Dispatch {
-    fn drop(&mut self) {
-        self.entry.in_flight.fetch_sub(1, Ordering::SeqCst);
-        lock(&self.entry.dispatches).retain(|(t, _, _)| *t != self.ticket);
-    }
 }
 
 /// The nodes of one role.

@@ -31,89 +31,42 @@
 
 mod attempt;
 mod choices;
+mod options;
 mod events;
 mod probe;
 mod reservation;
 mod task;
 
 pub use choices::{ChoiceEvent, Choices, MAX_CHOICES};
+pub use options::{RequestContext, RouterOptions, Stores};
 pub use events::{FinishReason, GenerationEvent, GenerationFinal, GenerationStream, Usage};
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use tandem_cluster::{Discovery, LoadSignals, MemoryRateLimitStore, RateLimitStore, Role, UsageStore};
-use tandem_telemetry::trace::propagation::{self, RemoteParent};
+use tandem_cluster::{Discovery, LoadSignals, Role};
+use tandem_telemetry::trace::propagation;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::admission::{Admission, AdmissionLimits};
+use crate::admission::Admission;
 use crate::keys::{ApiKeys, KeyIdentity};
-use crate::canary::{CanarySettings, CanaryState};
-use crate::usage::{CostModel, Ledger};
+use crate::canary::CanaryState;
+use crate::usage::Ledger;
 use crate::error::RouterError;
 use crate::metrics::RouterMetrics;
 use crate::model::ServedModel;
 use crate::ratelimit::RateLimiter;
 use crate::nodes::{ChannelSettings, NodePool};
-use crate::request::{GenerateRequest, TokenLimits, prepare};
+use crate::request::{GenerateRequest, prepare};
 use crate::routing::{FreeBlocksDecodePolicy, PrefixIndex};
 use crate::stats::{RouterStats, StatsSnapshot, bump};
 
 
 /// Events buffered between a request's task and its client.
 const EVENT_BUFFER: usize = 16;
-
-/// Router settings other than the model and the control plane.
-#[derive(Clone, Debug)]
-pub struct RouterOptions {
-    /// Output limits.
-    pub tokens: TokenLimits,
-    /// Admission queue limits.
-    pub admission: AdmissionLimits,
-    /// Accepted API keys (empty: no authentication).
-    pub api_keys: ApiKeys,
-    /// Attempts per request (first try included) on retry-safe failures.
-    pub max_attempts: u32,
-    /// Timeout of unary node calls (Reserve, Release).
-    pub rpc_timeout: Duration,
-    /// Timeout of connecting to a node.
-    pub connect_timeout: Duration,
-    /// Load reports older than this are stale (routing falls back to in-flight counts).
-    pub max_report_age: Duration,
-    /// Once a stream is producing (KV pushed, or tokens flowing), the longest silence from the
-    /// decode node before it counts as stalled and the request migrates.
-    pub stream_idle_timeout: Duration,
-    /// The canary (health that runs real inference).
-    pub canary: CanarySettings,
-    /// The cost of a node-hour per pool (`/v1/usage` prices usage with it).
-    pub cost: CostModel,
-    /// How prefill nodes are chosen.
-    pub prefill_policy: crate::routing::PrefillPolicy,
-    /// Which prompts the decode node computes itself (conditional disaggregation).
-    pub placement: crate::routing::PlacementSettings,
-}
-
-/// Where a router keeps what it shares with the other routers.
-#[derive(Clone, Debug)]
-pub struct Stores {
-    /// The usage ledger.
-    pub usage: Arc<dyn UsageStore>,
-    /// The per-key rate limits' buckets.
-    pub limits: Arc<dyn RateLimitStore>,
-}
-
-impl Stores {
-    /// In-process stores: usage and limits of this router alone (tests, one-router setups).
-    pub fn memory() -> Self {
-        Stores {
-            usage: Arc::new(tandem_cluster::MemoryUsageStore::default()),
-            limits: Arc::new(MemoryRateLimitStore::default()),
-        }
-    }
-}
 
 /// Shared state of a router.
 #[derive(Debug)]
@@ -644,24 +597,6 @@ async fn follow_kv_events(
                 let view = members.borrow_and_update().clone();
                 index.retain(|id| view.contains_key(id));
             }
-        }
-    }
-}
-
-/// What an ingress knows about a request beyond its body.
-#[derive(Clone, Debug)]
-pub struct RequestContext {
-    /// The caller's W3C trace context (HTTP headers, gRPC metadata); none starts a new trace.
-    pub parent: RemoteParent,
-    /// Who is calling (usage is counted under its id).
-    pub key: KeyIdentity,
-}
-
-impl Default for RequestContext {
-    fn default() -> Self {
-        RequestContext {
-            parent: RemoteParent::none(),
-            key: KeyIdentity::anonymous(),
         }
     }
 }

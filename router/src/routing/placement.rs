@@ -55,6 +55,43 @@ impl PlacementSettings {
     /// Default `--local-prefill-busy-ratio`.
     pub const DEFAULT_BUSY_RATIO: f64 = 4.0;
 
+    /// The settings the router's flags give (`None`: the default), checked: the ratio is a
+    /// number ≥ 1, and the busy cap is not below the short-prompt threshold (unset, it rises to
+    /// meet it).
+    pub fn from_flags(
+        mode: Option<DisaggregationMode>,
+        max_local_tokens: Option<u32>,
+        busy_max_local_tokens: Option<u32>,
+        busy_ratio: Option<f64>,
+    ) -> Result<Self, crate::RouterError> {
+        let max_local_tokens = max_local_tokens.unwrap_or(Self::DEFAULT_MAX_LOCAL_TOKENS);
+        let settings = PlacementSettings {
+            mode: mode.unwrap_or_default(),
+            max_local_tokens,
+            busy_max_local_tokens: busy_max_local_tokens
+                .unwrap_or(Self::DEFAULT_BUSY_MAX_LOCAL_TOKENS.max(max_local_tokens)),
+            busy_ratio: busy_ratio.unwrap_or(Self::DEFAULT_BUSY_RATIO),
+        };
+        if !(settings.busy_ratio.is_finite() && settings.busy_ratio >= 1.0) {
+            return Err(crate::RouterError::Config {
+                field: "local-prefill-busy-ratio",
+                value: settings.busy_ratio.to_string(),
+                reason: "must be a number of at least 1".into(),
+            });
+        }
+        if settings.busy_max_local_tokens < settings.max_local_tokens {
+            return Err(crate::RouterError::Config {
+                field: "local-prefill-busy-max-tokens",
+                value: settings.busy_max_local_tokens.to_string(),
+                reason: format!(
+                    "is below --local-prefill-max-tokens ({})",
+                    settings.max_local_tokens
+                ),
+            });
+        }
+        Ok(settings)
+    }
+
     /// Every prompt through a prefill node (tests, and `--disaggregation always`).
     pub fn always() -> Self {
         PlacementSettings {
@@ -233,6 +270,26 @@ mod tests {
             decide(&s, input(200, Some(1_000_000), None)),
             Placement::PrefillNode(PlacementReason::LongPrompt)
         );
+    }
+
+    #[test]
+    fn flags_fill_defaults_and_refuse_what_cannot_work() {
+        let p = PlacementSettings::from_flags(None, Some(300), None, None).unwrap();
+        assert_eq!((p.max_local_tokens, p.busy_max_local_tokens), (300, 512));
+        let p = PlacementSettings::from_flags(None, Some(1000), None, None).unwrap();
+        assert_eq!(
+            p.busy_max_local_tokens, 1000,
+            "the busy cap rises to the threshold"
+        );
+        let e = PlacementSettings::from_flags(None, Some(100), Some(50), None).unwrap_err();
+        assert!(
+            e.to_string().contains("local-prefill-busy-max-tokens"),
+            "{e}"
+        );
+        for bad in [0.5, f64::NAN] {
+            let e = PlacementSettings::from_flags(None, None, None, Some(bad)).unwrap_err();
+            assert!(e.to_string().contains("local-prefill-busy-ratio"), "{e}");
+        }
     }
 
     #[test]
