@@ -48,6 +48,10 @@ pub struct BenchEngineArgs {
     /// Runs per figure (the median is reported).
     #[arg(long, default_value_t = 3)]
     pub runs: usize,
+    /// Decode with presence 0.5, frequency 0.5 and repetition 1.1 penalties (what they cost:
+    /// run once with and once without, alternating).
+    #[arg(long)]
+    pub penalties: bool,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
@@ -144,10 +148,15 @@ fn bench_decode(
     let now = Instant::now();
     for i in 0..batch {
         let prompt = random_prompt(&mut rng, args.decode_prompt_len, vocab);
-        let params = SamplingParams {
+        let mut params = SamplingParams {
             ignore_eos: true,
             ..SamplingParams::greedy(args.decode_tokens + 1)
         };
+        if args.penalties {
+            params.presence_penalty = 0.5;
+            params.frequency_penalty = 0.5;
+            params.repetition_penalty = 1.1;
+        }
         engine.add_request(
             Request {
                 id: 2_000_000 + seed * 1000 + i as u64,
