@@ -402,7 +402,7 @@ async fn prefix_aware_routing_sends_a_prompt_where_its_prefix_is_cached_until_a_
 }
 
 #[tokio::test]
-async fn conditional_disaggregation_places_short_prompts_and_busy_prefill_pools_on_the_decode_node()
+async fn conditional_disaggregation_places_short_prompts_busy_and_absent_prefill_pools_on_the_decode_node()
 {
     init_tracing();
     let mut cluster = MemoryCluster::new();
@@ -449,10 +449,30 @@ async fn conditional_disaggregation_places_short_prompts_and_busy_prefill_pools_
     generate(&router, medium, 3).await.expect("served");
     assert_eq!(prefills(), (2, 2));
 
+    // The prefill pool goes away: what the decode node may compute is still served there;
+    // a prompt over the busy cap is refused as before (no prefill node).
+    cluster.deregister("p0").await;
+    let out = generate(&router, medium, 3).await.expect("served without a prefill node");
+    assert_eq!(out.ids, expected_output(prompt_tokens(medium), 3).0);
+    assert_eq!(prefills(), (2, 3));
+    let too_long = "word ".repeat(80);
+    assert!(prompt_tokens(&too_long) > 64);
+    let refused = http(
+        router.http_addr,
+        "POST",
+        "/v1/completions",
+        Some(&format!(r#"{{"prompt": "{too_long}", "max_tokens": 3}}"#)),
+        None,
+    )
+    .await;
+    assert_eq!(refused.status, 503, "{}", refused.body);
+    assert!(refused.body.contains("prefill"), "{}", refused.body);
+
     let metrics = http(router.http_addr, "GET", "/metrics", None, None).await.body;
     for (series, n) in [
         ("site=\"decode_node\",reason=\"short_prompt\"", 1),
         ("site=\"decode_node\",reason=\"prefill_busy\"", 1),
+        ("site=\"decode_node\",reason=\"prefill_unavailable\"", 1),
         ("site=\"prefill_node\",reason=\"long_prompt\"", 2),
     ] {
         let line = format!("tandem_router_prefill_placements_total{{{series}}} {n}");

@@ -282,19 +282,31 @@ impl<'a> AttemptState<'a> {
             prefill_work_tokens: None,
             decode_pending_tokens: reservation.node_load().map(|l| l.pending_prompt_tokens),
             pinned: self.pin.is_some(),
+            prefill_unavailable: false,
         };
         let mut placement = placement::decide(settings, input);
         let mut prefill_node = None;
         if !placement.is_local() {
-            let dispatch = self.pick_prefill(demand, prompt_ids)?;
-            if placement.reason() == PlacementReason::LongPrompt {
-                input.prefill_work_tokens = dispatch
-                    .load()
-                    .map(|l| l.pending_prompt_tokens + dispatch.work());
-                placement = placement::decide(settings, input);
+            match self.pick_prefill(demand, prompt_ids) {
+                Ok(dispatch) => {
+                    if placement.reason() == PlacementReason::LongPrompt {
+                        input.prefill_work_tokens = dispatch
+                            .load()
+                            .map(|l| l.pending_prompt_tokens + dispatch.work());
+                        placement = placement::decide(settings, input);
+                    }
+                    // Dropping a dispatch the decode node takes over uncounts it.
+                    prefill_node = Some(dispatch).filter(|_| !placement.is_local());
+                }
+                Err(no_nodes @ RouterError::NoNodes { .. }) if self.pin.is_none() => {
+                    input.prefill_unavailable = true;
+                    placement = placement::decide(settings, input);
+                    if !placement.is_local() {
+                        return Err(no_nodes);
+                    }
+                }
+                Err(e) => return Err(e),
             }
-            // Dropping a dispatch the decode node takes over uncounts it.
-            prefill_node = Some(dispatch).filter(|_| !placement.is_local());
         }
         if self.counted {
             self.inner.metrics.placement(placement);

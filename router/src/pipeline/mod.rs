@@ -5,7 +5,8 @@
 //!  generate(request)
 //!    prepare (validate, tokenize)        ── InvalidArgument / ModelNotFound
 //!    the key's limits (ratelimit.rs)     ── RateLimited (429 / RESOURCE_EXHAUSTED)
-//!    a prefill and a decode node exist?  ── NoNodes (UNAVAILABLE)
+//!    a prefill and a decode node exist?  ── NoNodes (UNAVAILABLE); no prefill node is fine for a
+//!                                           prompt a decode node may compute (placement)
 //!    admission.acquire(priority)         ── Overloaded / QueueTimeout (RESOURCE_EXHAUSTED)
 //!    spawn the request task ──────────────────────────────────────────────┐
 //!    wait for its first event (an error here becomes the call's status)   │
@@ -511,11 +512,16 @@ impl Router {
             f64::from(prepared.sampling.temperature),
         );
         span.record("gen_ai.request.top_p", f64::from(prepared.sampling.top_p));
+        // Without prefill nodes, conditional disaggregation still serves the prompts a decode
+        // node may compute itself (routing::placement, `prefill_unavailable`).
+        let placement = &inner.options.placement;
+        let decode_may_prefill = placement.mode == crate::routing::DisaggregationMode::Conditional
+            && prepared.prompt_tokens() as u64 <= u64::from(placement.busy_max_local_tokens);
         for (pool, role) in [
             (&inner.prefill, Role::Prefill),
             (&inner.decode, Role::Decode),
         ] {
-            if pool.available() == 0 {
+            if pool.available() == 0 && !(role == Role::Prefill && decode_may_prefill) {
                 return Err(RouterError::NoNodes { role });
             }
         }

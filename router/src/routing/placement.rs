@@ -9,6 +9,7 @@
 //! | decision | reason | when |
 //! |---|---|---|
 //! | decode node | `short_prompt` | prompt ≤ `max_local_tokens` |
+//! | decode node | `prefill_unavailable` | prompt ≤ `busy_max_local_tokens` and no prefill node accepts work (the pool is down or empty: the decode pool keeps serving what it can) |
 //! | decode node | `prefill_busy` | prompt ≤ `busy_max_local_tokens`, and the chosen prefill node has ≥ `busy_ratio` × the prompt tokens the decode node would compute (its pending prompt tokens plus this prompt) |
 //! | prefill node | `long_prompt` | otherwise |
 //! | prefill node | `always` | `--disaggregation always` |
@@ -150,6 +151,8 @@ pub enum PlacementReason {
     ShortPrompt,
     /// The chosen prefill node had much more prompt work queued than the decode node.
     PrefillBusy,
+    /// No prefill node accepts work.
+    PrefillUnavailable,
     /// Too long to compute on the decode node.
     LongPrompt,
     /// `--disaggregation always`.
@@ -164,6 +167,7 @@ impl PlacementReason {
         match self {
             PlacementReason::ShortPrompt => "short_prompt",
             PlacementReason::PrefillBusy => "prefill_busy",
+            PlacementReason::PrefillUnavailable => "prefill_unavailable",
             PlacementReason::LongPrompt => "long_prompt",
             PlacementReason::Always => "always",
             PlacementReason::Pinned => "pinned",
@@ -184,6 +188,8 @@ pub struct PlacementInput {
     pub decode_pending_tokens: Option<u64>,
     /// A named pair (the canary).
     pub pinned: bool,
+    /// No prefill node accepts work.
+    pub prefill_unavailable: bool,
 }
 
 /// Where the prompt goes. Called twice per attempt: first with no prefill node chosen (a short
@@ -197,6 +203,10 @@ pub fn decide(settings: &PlacementSettings, input: PlacementInput) -> Placement 
     }
     if input.prompt_tokens <= u64::from(settings.max_local_tokens) {
         return Placement::DecodeNode(PlacementReason::ShortPrompt);
+    }
+    if input.prefill_unavailable && input.prompt_tokens <= u64::from(settings.busy_max_local_tokens)
+    {
+        return Placement::DecodeNode(PlacementReason::PrefillUnavailable);
     }
     if input.prompt_tokens <= u64::from(settings.busy_max_local_tokens)
         && let (Some(prefill), Some(decode)) =
@@ -220,6 +230,7 @@ mod tests {
             prefill_work_tokens: prefill,
             decode_pending_tokens: decode,
             pinned: false,
+            prefill_unavailable: false,
         }
     }
 
@@ -269,6 +280,29 @@ mod tests {
         assert_eq!(
             decide(&s, input(200, Some(1_000_000), None)),
             Placement::PrefillNode(PlacementReason::LongPrompt)
+        );
+    }
+
+    #[test]
+    fn without_prefill_nodes_the_decode_node_computes_what_it_may() {
+        let s = PlacementSettings::default();
+        let down = |prompt| PlacementInput {
+            prefill_unavailable: true,
+            ..input(prompt, None, None)
+        };
+        assert_eq!(
+            decide(&s, down(300)),
+            Placement::DecodeNode(PlacementReason::PrefillUnavailable)
+        );
+        let long = u64::from(s.busy_max_local_tokens) + 1;
+        assert_eq!(
+            decide(&s, down(long)),
+            Placement::PrefillNode(PlacementReason::LongPrompt),
+            "too long for the decode node: the caller answers that no prefill node is available"
+        );
+        assert_eq!(
+            decide(&PlacementSettings::always(), down(10)),
+            Placement::PrefillNode(PlacementReason::Always)
         );
     }
 
