@@ -104,16 +104,7 @@ impl Engine {
                 reason: format!("outside the vocabulary of {vocab} tokens"),
             });
         }
-        let blocks = self.reservations.get(&reservation_id).ok_or(EngineError::UnknownReservation(reservation_id))?;
-        let need = (req.prompt.len() + req.params.max_new_tokens).div_ceil(self.pool.layout().block_size_tokens);
-        if blocks.len() < need {
-            return Err(EngineError::InvalidRequest {
-                field: "reservation_id",
-                value: reservation_id.to_string(),
-                reason: format!("holds {} blocks, the request needs {need}", blocks.len()),
-            });
-        }
-        let blocks = self.reservations.remove(&reservation_id).expect("checked above");
+        let blocks = self.take_reservation(reservation_id, &req)?;
         let (id, prompt_len, priority) = (req.id, req.prompt.len(), req.priority);
         let mut tokens = req.prompt.clone();
         tokens.push(first_token);
@@ -139,16 +130,7 @@ impl Engine {
     /// except that an unknown or too small reservation stays as it was.
     pub fn add_local(&mut self, req: Request, reservation_id: u64, now: Instant) -> Result<(), EngineError> {
         self.validate(&req)?;
-        let blocks = self.reservations.get(&reservation_id).ok_or(EngineError::UnknownReservation(reservation_id))?;
-        let need = (req.prompt.len() + req.params.max_new_tokens).div_ceil(self.pool.layout().block_size_tokens);
-        if blocks.len() < need {
-            return Err(EngineError::InvalidRequest {
-                field: "reservation_id",
-                value: reservation_id.to_string(),
-                reason: format!("holds {} blocks, the request needs {need}", blocks.len()),
-            });
-        }
-        let blocks = self.reservations.remove(&reservation_id).expect("checked above");
+        let blocks = self.take_reservation(reservation_id, &req)?;
         self.sched.release_blocks(&blocks);
         if let Err(e) = self.sched.add(req.id, req.prompt.clone(), req.params.max_new_tokens, req.priority, now) {
             // Put the reservation back as it was: the blocks were free a moment ago.
@@ -160,6 +142,21 @@ impl Engine {
         }
         self.insert_state(req, false);
         Ok(())
+    }
+
+    /// Takes reservation `reservation_id`'s blocks for `req`; nothing changes when the
+    /// reservation is unknown or holds fewer blocks than the prompt and output need.
+    fn take_reservation(&mut self, reservation_id: u64, req: &Request) -> Result<Vec<BlockId>, EngineError> {
+        let blocks = self.reservations.get(&reservation_id).ok_or(EngineError::UnknownReservation(reservation_id))?;
+        let need = (req.prompt.len() + req.params.max_new_tokens).div_ceil(self.pool.layout().block_size_tokens);
+        if blocks.len() < need {
+            return Err(EngineError::InvalidRequest {
+                field: "reservation_id",
+                value: reservation_id.to_string(),
+                reason: format!("holds {} blocks, the request needs {need}", blocks.len()),
+            });
+        }
+        Ok(self.reservations.remove(&reservation_id).expect("checked above"))
     }
 
     /// Live reservations' blocks (tests: block accounting).
