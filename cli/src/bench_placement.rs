@@ -77,7 +77,7 @@ pub fn run(args: &BenchServeArgs, model: &Path, vocab: usize) -> anyhow::Result<
     for round in 0..args.rounds {
         for (ci, config) in CONFIGS.iter().enumerate() {
             let free = || -> anyhow::Result<std::net::SocketAddr> {
-                Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+                Ok(crate::ports::free_loopback_addr()?)
             };
             let run_dir = std::env::temp_dir().join(format!(
                 "tandem-bench-placement-{}-{round}-{config}",

@@ -214,7 +214,7 @@ pub fn run(args: &BenchPrefixArgs) -> anyhow::Result<String> {
     let mut results = Vec::new();
     for &policy in &args.policies {
         let free = || -> anyhow::Result<std::net::SocketAddr> {
-            Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+            Ok(crate::ports::free_loopback_addr()?)
         };
         let run_dir =
             std::env::temp_dir().join(format!("tandem-bench-prefix-{}", std::process::id()));

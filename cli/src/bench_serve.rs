@@ -298,7 +298,7 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<String> {
             .enable_all()
             .build()?;
         let free = |_: ()| -> anyhow::Result<std::net::SocketAddr> {
-            Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+            Ok(crate::ports::free_loopback_addr()?)
         };
         // The cluster's data and logs are scratch: a temporary directory, removed afterwards
         // (never the source tree the benchmark happens to run in).

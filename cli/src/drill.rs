@@ -5,7 +5,7 @@
 //! left running. SIGINT/SIGTERM end the drill at its next step and stop its cluster; the exit
 //! status is non-zero when a drill could not run or missed its target.
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -75,7 +75,7 @@ fn lease_ttl(node_args: &[String]) -> Duration {
 }
 
 fn free_addr() -> anyhow::Result<SocketAddr> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+    Ok(crate::ports::free_loopback_addr()?)
 }
 
 /// A `tandem up` cluster as the drills see it.

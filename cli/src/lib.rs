@@ -11,6 +11,7 @@
 //! | [`fetch`] | `tandem model fetch` — download and verify the default model |
 //! | [`load`] | building an engine from flags |
 //! | [`planner`] | `tandem planner` — sizes the pools from their load signals |
+//! | [`ports`] | free loopback ports below the ephemeral range, for children that bind later |
 //! | [`scale`] | `tandem scale` — pool sizes and bounds by hand |
 //! | [`sim`] | `tandem sim` — a thousand-GPU cluster simulated, disaggregated vs colocated |
 //! | [`up`] | `tandem up` — a local cluster (etcd, NATS, nodes, router) from one command |
@@ -28,6 +29,7 @@ pub mod generate;
 pub mod load;
 pub mod plan;
 pub mod planner;
+pub mod ports;
 pub mod scale;
 pub mod sim;
 pub mod up;

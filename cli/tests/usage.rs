@@ -16,10 +16,7 @@ use std::time::{Duration, Instant};
 use e2e::harness::{Cluster, model};
 
 fn free() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
+    tandem_cli::ports::free_loopback_addr().unwrap()
 }
 
 fn call(addr: SocketAddr, method: &str, path: &str, key: &str, body: Option<&str>) -> (u16, serde_json::Value) {

@@ -10,7 +10,7 @@
 //! an error, even SIGKILL): see [`procs`].
 
 use std::io::{BufRead, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -162,7 +162,7 @@ impl UpArgs {
 }
 
 fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(crate::ports::free_loopback_addr()?.port())
 }
 
 fn which(bin: &str) -> Option<PathBuf> {

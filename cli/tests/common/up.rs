@@ -17,11 +17,7 @@ pub static SERIAL: Mutex<()> = Mutex::new(());
 pub const GONE_WITHIN: Duration = Duration::from_secs(90);
 
 pub fn free_addr() -> String {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .to_string()
+    tandem_cli::ports::free_loopback_addr().unwrap().to_string()
 }
 
 pub struct Up {
