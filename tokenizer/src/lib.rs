@@ -224,6 +224,12 @@ impl Tokenizer {
         self.vocab.get(id as usize)?.as_ref().map(|e| &*e.bytes)
     }
 
+    /// Whether `id` is an added (special / control) token such as `<|im_end|>`: never produced by
+    /// BPE, matched literally in text. Grammars treat these as special, not as their text.
+    pub fn is_added_token(&self, id: u32) -> bool {
+        self.added.contains_id(id)
+    }
+
     /// Number of token ids (one past the largest id).
     pub fn vocab_size(&self) -> usize {
         self.vocab.len()
