@@ -171,6 +171,26 @@ async fn one_prefill_one_decode_cluster_serves_exactly_the_engine_output_and_deg
         .await
         .unwrap();
     assert_eq!(ids, want[3].tokens, "gRPC chat tokens");
+    // Structured output over gRPC: the schema as JSON text in sampling.response_format.
+    let mut structured = grpc_request(
+        generate_request::Input::Prompt("Is the sky blue? Answer in JSON.".into()),
+        32,
+    );
+    let sampling = structured.sampling.as_mut().unwrap();
+    sampling.ignore_eos = false;
+    sampling.response_format = Some(tandem_proto::v1::ResponseFormat {
+        format: Some(tandem_proto::v1::response_format::Format::JsonSchema(
+            tandem_proto::v1::response_format::JsonSchema {
+                name: "answer".into(),
+                schema: r#"{"type": "object", "properties": {"answer": {"type": "boolean"}}, "required": ["answer"], "additionalProperties": false}"#.into(),
+                strict: true,
+            },
+        )),
+    });
+    let (_, text) = grpc_generate(&mut client, structured).await.unwrap();
+    let v: serde_json::Value =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("gRPC structured output {text:?}: {e}"));
+    assert!(v["answer"].is_boolean() && v.as_object().unwrap().len() == 1, "{text}");
 
     // HTTP: streamed and not, same text.
     let (_, models) = http(c.http, "GET", "/v1/models", None).await.unwrap();
@@ -273,6 +293,29 @@ async fn one_prefill_one_decode_cluster_serves_exactly_the_engine_output_and_deg
     assert_eq!(chat["usage"]["completion_tokens"], total, "one logprob per generated token: {s}");
     assert_eq!(s["completion"]["tokens"], serde_json::json!({"0": 6, "1": 6}), "{s}");
     assert_ne!(s["greedy"], s["greedy_penalised"], "frequency_penalty is honoured: {s}");
+    // Structured output, prefill node and decode node both following the grammar.
+    let st = &s["structured"];
+    let obj = &st["json_object"];
+    let text = obj["text"].as_str().unwrap();
+    if obj["finish_reason"] == "stop" {
+        let v: serde_json::Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("json_object {text:?}: {e}"));
+        assert!(v.is_object(), "{st}");
+    } else {
+        assert!(text.starts_with('{'), "json_object: {st}");
+    }
+    let schema = &st["json_schema"];
+    assert_eq!(schema["finish_reason"], "stop", "a bounded schema ends: {st}");
+    let city: serde_json::Value = serde_json::from_str(schema["text"].as_str().unwrap())
+        .unwrap_or_else(|e| panic!("json_schema: {st}: {e}"));
+    let fields: Vec<&str> = city.as_object().unwrap().keys().map(String::as_str).collect();
+    assert_eq!(fields, ["city", "population_millions", "landmarks"], "{st}");
+    assert!(city["population_millions"].as_u64().is_some_and(|p| p <= 40), "{st}");
+    assert!(city["landmarks"].as_array().is_some_and(|l| l.len() <= 2), "{st}");
+    assert_eq!(st["refused"]["status"], 400, "{st}");
+    assert!(
+        st["refused"]["body"]["message"].as_str().is_some_and(|m| m.contains("response_format.json_schema.schema")),
+        "an unsupported schema is refused naming its part: {st}"
+    );
 
     // Bad input: 4xx naming the field (HTTP), INVALID_ARGUMENT (gRPC); the cluster keeps serving.
     let long = "word ".repeat(9000);

@@ -188,10 +188,11 @@ impl DecodeService {
         received_at: Instant,
     ) -> Result<Response<ReceiverStream<Result<DecodeResponse, Status>>>, Status> {
         let (pending, claimed) = self.reservations.claim(r.reservation_id, r.epoch)?;
-        let params =
+        let parsed =
             convert::sampling_params(r.sampling.as_ref(), &r.request_id, pending.max_new_tokens);
-        let invalid = if r.prompt_token_ids.len() != pending.prompt_tokens {
-            Some(status::invalid(
+        let invalid = match &parsed {
+            Err(e) => Some(status::invalid("sampling.response_format", e)),
+            Ok(_) if r.prompt_token_ids.len() != pending.prompt_tokens => Some(status::invalid(
                 "prompt_token_ids",
                 format!(
                     "has {} tokens; reservation {} was made for {}",
@@ -199,17 +200,15 @@ impl DecodeService {
                     r.reservation_id,
                     pending.prompt_tokens
                 ),
-            ))
-        } else if params.max_new_tokens > pending.max_new_tokens {
-            Some(status::invalid(
+            )),
+            Ok(p) if p.max_new_tokens > pending.max_new_tokens => Some(status::invalid(
                 "sampling.max_tokens",
                 format!(
                     "{} exceeds the {} output tokens reserved",
-                    params.max_new_tokens, pending.max_new_tokens
+                    p.max_new_tokens, pending.max_new_tokens
                 ),
-            ))
-        } else {
-            None
+            )),
+            Ok(_) => None,
         };
         if let Some(s) = invalid {
             // The claim consumed the reservation: fence its transfer, then free the blocks.
@@ -219,6 +218,7 @@ impl DecodeService {
             });
             return Err(s);
         }
+        let params = parsed.expect("an Err is invalid, answered above");
         let request = tandem_engine::Request {
             id: r.reservation_id,
             prompt: r.prompt_token_ids,

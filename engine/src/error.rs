@@ -8,6 +8,7 @@
 use std::path::PathBuf;
 
 use crate::tokenizer::TokenizerError;
+use tandem_grammar::GrammarError;
 use tandem_kernels::KernelError;
 use tandem_kv_layout::LayoutError;
 
@@ -125,6 +126,10 @@ pub enum EngineError {
     /// A request id is already in use.
     #[error("request id {0} is already in use")]
     DuplicateRequest(u64),
+    /// Structured output: the request's `response_format` is invalid or unsupported
+    /// ([`GrammarError::Invalid`], the caller's mistake), or the grammar machinery failed.
+    #[error(transparent)]
+    Grammar(#[from] GrammarError),
 }
 
 impl EngineError {
@@ -147,6 +152,8 @@ impl EngineError {
             EngineError::QueueFull { .. } | EngineError::OutOfBlocks { .. } => "overloaded",
             EngineError::UnknownReservation(_) => "unknown_reservation",
             EngineError::DuplicateRequest(_) => "duplicate_request",
+            EngineError::Grammar(GrammarError::Invalid { .. }) => "invalid_request",
+            EngineError::Grammar(_) => "grammar",
         }
     }
 
@@ -155,6 +162,7 @@ impl EngineError {
         matches!(
             self,
             EngineError::InvalidRequest { .. }
+                | EngineError::Grammar(GrammarError::Invalid { .. })
                 | EngineError::ContextOverflow { .. }
                 | EngineError::NeverFits { .. }
                 | EngineError::DuplicateRequest(_)

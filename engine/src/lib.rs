@@ -42,6 +42,7 @@ pub use sampler::{SamplingParams, TokenLogprob};
 pub use scheduler::{ClassPolicy, Priority, SchedulerConfig};
 pub use tandem_kernels::WeightDtype;
 /// The tokenizer lives in its own crate (the router uses it without the engine).
+pub use tandem_grammar as grammar;
 pub use tandem_tokenizer as tokenizer;
 pub use tandem_kv_layout::{KvDtype, KvLayout};
 

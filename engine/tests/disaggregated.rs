@@ -194,3 +194,93 @@ fn a_decode_engine_computing_the_prompt_in_its_reservation_equals_colocated() {
     assert_eq!(got, want, "greedy and seeded, computed in the reservation");
     assert_eq!(decode.scheduler().blocks().num_free(), decode.scheduler().blocks().num_blocks(), "every block back");
 }
+
+#[test]
+fn structured_output_is_json_of_the_schema_and_survives_the_split_and_a_migration() {
+    use tandem_engine::grammar::ResponseFormat;
+    use tandem_engine::tokenizer::ChatMessage;
+    use tandem_engine::{EngineError, FinishReason};
+
+    let mut colocated = engine(WeightDtype::F32, config(KvDtype::F16, 256));
+    let mut prefill = engine(WeightDtype::F32, config(KvDtype::F16, 128));
+    let mut decode = engine(WeightDtype::F32, config(KvDtype::F16, 256));
+    let tok = colocated.tokenizer().unwrap().clone();
+    let msgs = [ChatMessage { role: "user".into(), content: "Describe a cat with its name and age.".into() }];
+    let prompt = tok.encode(&tok.apply_chat_template(&msgs, true).unwrap());
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 30}
+        },
+        "required": ["name", "age"],
+        "additionalProperties": false
+    });
+    let formats = [ResponseFormat::JsonObject, ResponseFormat::JsonSchema { name: "cat".into(), schema }];
+    let samplings = [
+        SamplingParams::greedy(96),
+        SamplingParams { temperature: 0.9, top_p: 0.95, seed: Some(11), ..SamplingParams::greedy(96) },
+    ];
+    let mut id = 500;
+    for (f, format) in formats.iter().enumerate() {
+        for (s, sampling) in samplings.iter().enumerate() {
+            let case = format!("format {f}, sampling {s}");
+            let params = SamplingParams { response_format: Some(format.clone()), ..sampling.clone() };
+            let mut req = |params: SamplingParams, prompt: &Vec<u32>| {
+                id += 1;
+                Request { id, prompt: prompt.clone(), params, priority: Priority::Interactive }
+            };
+            let done = run(&mut colocated, vec![req(params.clone(), &prompt)]).remove(0);
+            let free = run(&mut colocated, vec![req(sampling.clone(), &prompt)]).remove(0);
+            assert_ne!(done.tokens, free.tokens, "{case}: the constraint changes the output");
+            if f == 1 || done.finish_reason == FinishReason::Eos {
+                assert_eq!(done.finish_reason, FinishReason::Eos, "{case}: a bounded schema ends: {:?}", done.text);
+                let v: serde_json::Value =
+                    serde_json::from_str(&done.text).unwrap_or_else(|e| panic!("{case}: {:?}: {e}", done.text));
+                assert!(v.is_object(), "{case}: {}", done.text);
+                if f == 1 {
+                    let o = v.as_object().unwrap();
+                    assert_eq!(o.len(), 2, "{case}: {v}");
+                    assert!(o["name"].as_str().is_some_and(|n| n.chars().count() <= 12), "{case}: {v}");
+                    assert!(o["age"].as_u64().is_some_and(|a| a <= 30), "{case}: {v}");
+                }
+            } else {
+                assert!(done.text.starts_with('{'), "{case}: {:?}", done.text);
+            }
+            // Prefill on one engine (its first token constrained), decode on another.
+            let got = disaggregated(&mut prefill, &mut decode, req(params.clone(), &prompt));
+            assert_eq!(got, done.tokens, "{case}: split");
+            // A migration after k tokens replays them into a fresh grammar.
+            let k = 5;
+            let mut moved = prompt.clone();
+            moved.extend_from_slice(&done.tokens[..k]);
+            let resumed = SamplingParams { max_new_tokens: 96 - k, resumed_output_tokens: k, ..params.clone() };
+            let rest = run(&mut colocated, vec![req(resumed, &moved)]).remove(0);
+            assert_eq!(rest.tokens, done.tokens[k..], "{case}: after a migration");
+        }
+    }
+    for e in [&colocated, &prefill, &decode] {
+        assert_eq!(e.stats().grammar_failures, 0);
+    }
+
+    // Bad input changes nothing: an unsupported schema, ignore_eos, output that breaks the grammar.
+    let bad = |params: SamplingParams, prompt: &Vec<u32>| Request { id: 9_000, prompt: prompt.clone(), params, priority: Priority::Interactive };
+    let unsupported = ResponseFormat::JsonSchema { name: "x".into(), schema: serde_json::json!({"type": "nonsense"}) };
+    let err = colocated
+        .add_request(bad(SamplingParams { response_format: Some(unsupported), ..SamplingParams::greedy(8) }, &prompt), Instant::now())
+        .unwrap_err();
+    assert!(err.is_invalid_request() && err.to_string().contains("response_format.json_schema.schema"), "{err}");
+    let err = colocated
+        .add_request(
+            bad(SamplingParams { response_format: Some(ResponseFormat::JsonObject), ignore_eos: true, ..SamplingParams::greedy(8) }, &prompt),
+            Instant::now(),
+        )
+        .unwrap_err();
+    assert!(matches!(err, EngineError::InvalidRequest { field: "ignore_eos", .. }), "{err}");
+    let mut prose = prompt.clone();
+    prose.extend(tok.encode("Sure!"));
+    let resumed = SamplingParams { response_format: Some(ResponseFormat::JsonObject), resumed_output_tokens: 2, ..SamplingParams::greedy(8) };
+    let err = colocated.add_request(bad(resumed, &prose), Instant::now()).unwrap_err();
+    assert!(matches!(err, EngineError::InvalidRequest { field: "resumed_output_tokens", .. }), "{err}");
+    assert!(colocated.is_idle());
+}

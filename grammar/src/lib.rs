@@ -28,6 +28,7 @@
 
 mod constraint;
 mod format;
+mod proto;
 mod vocab;
 
 pub use constraint::Constraint;

@@ -7,27 +7,34 @@
 //! the same on every node: the first token (drawn on the prefill node) and the rest (decode
 //! node) come from one generator stream, exactly as on one engine.
 
+use tandem_engine::grammar::{GrammarError, ResponseFormat};
 use tandem_engine::{FinishReason, Priority, SamplingParams, TokenLogprob, Usage};
 use tandem_proto::v1;
 
 /// The engine's sampling parameters for a request. `max_tokens == 0` takes `default_max_tokens`.
+/// A malformed `response_format` is [`GrammarError::Invalid`] naming the part (the caller's
+/// INVALID_ARGUMENT); the engine compiles it.
 pub fn sampling_params(
     p: Option<&v1::SamplingParams>,
     request_id: &str,
     default_max_tokens: usize,
-) -> SamplingParams {
+) -> Result<SamplingParams, GrammarError> {
     let Some(p) = p else {
-        return SamplingParams {
+        return Ok(SamplingParams {
             max_new_tokens: default_max_tokens,
             ..SamplingParams::default()
-        };
+        });
+    };
+    let response_format = match &p.response_format {
+        Some(f) => ResponseFormat::from_proto(f)?,
+        None => None,
     };
     let seed = match p.seed {
         Some(s) => Some(s),
         None if p.temperature > 0.0 => Some(seed_for(request_id)),
         None => None,
     };
-    SamplingParams {
+    Ok(SamplingParams {
         temperature: p.temperature,
         top_k: p.top_k as usize,
         top_p: if p.top_p == 0.0 { 1.0 } else { p.top_p },
@@ -49,7 +56,8 @@ pub fn sampling_params(
         logprobs: p.logprobs,
         top_logprobs: p.top_logprobs as usize,
         resumed_output_tokens: p.resumed_output_tokens as usize,
-    }
+        response_format,
+    })
 }
 
 /// The proto form of a token's log probability.
@@ -116,12 +124,12 @@ mod tests {
             max_tokens: 5,
             ..Default::default()
         };
-        let a = sampling_params(Some(&sampled), "req-1", 16);
-        let b = sampling_params(Some(&sampled), "req-1", 16);
+        let a = sampling_params(Some(&sampled), "req-1", 16).unwrap();
+        let b = sampling_params(Some(&sampled), "req-1", 16).unwrap();
         assert_eq!(a.seed, b.seed);
         assert!(a.seed.is_some());
-        assert_ne!(a.seed, sampling_params(Some(&sampled), "req-2", 16).seed);
-        let greedy = sampling_params(Some(&v1::SamplingParams::default()), "req-1", 16);
+        assert_ne!(a.seed, sampling_params(Some(&sampled), "req-2", 16).unwrap().seed);
+        let greedy = sampling_params(Some(&v1::SamplingParams::default()), "req-1", 16).unwrap();
         assert_eq!(greedy.seed, None);
         assert_eq!(greedy.max_new_tokens, 16, "0 takes the default");
         assert_eq!(greedy.top_p, 1.0, "0 means off");
@@ -135,7 +143,7 @@ mod tests {
             resumed_output_tokens: 7,
             ..Default::default()
         };
-        let p = sampling_params(Some(&penalised), "x", 1);
+        let p = sampling_params(Some(&penalised), "x", 1).unwrap();
         assert_eq!(
             (
                 p.presence_penalty,
@@ -153,7 +161,31 @@ mod tests {
             seed: Some(3),
             ..Default::default()
         };
-        assert_eq!(sampling_params(Some(&seeded), "x", 1).seed, Some(3));
+        assert_eq!(sampling_params(Some(&seeded), "x", 1).unwrap().seed, Some(3));
+        let structured = v1::SamplingParams {
+            response_format: Some(ResponseFormat::JsonObject.to_proto()),
+            ..Default::default()
+        };
+        assert_eq!(
+            sampling_params(Some(&structured), "x", 1).unwrap().response_format,
+            Some(ResponseFormat::JsonObject)
+        );
+        let broken = v1::SamplingParams {
+            response_format: Some(v1::ResponseFormat {
+                format: Some(v1::response_format::Format::JsonSchema(
+                    v1::response_format::JsonSchema {
+                        name: "n".into(),
+                        schema: "{".into(),
+                        strict: true,
+                    },
+                )),
+            }),
+            ..Default::default()
+        };
+        assert!(matches!(
+            sampling_params(Some(&broken), "x", 1),
+            Err(GrammarError::Invalid { part, .. }) if part == "response_format.json_schema.schema"
+        ));
     }
 
     #[test]

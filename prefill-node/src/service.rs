@@ -153,7 +153,8 @@ impl PrefillService {
                 false,
             ));
         }
-        let mut params = convert::sampling_params(r.sampling.as_ref(), &r.request_id, 1);
+        let mut params = convert::sampling_params(r.sampling.as_ref(), &r.request_id, 1)
+            .map_err(|e| status::invalid("sampling.response_format", e))?;
         // The decode node owns text, and so stop strings; this node samples one token.
         params.stop.clear();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);

@@ -14,6 +14,7 @@ use std::pin::Pin;
 use futures_util::{Stream, StreamExt};
 use tandem_proto::v1 as pb;
 use tandem_proto::v1::inference_server::{Inference, InferenceServer};
+use tandem_grammar::ResponseFormat;
 use tandem_tokenizer::ChatMessage;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
@@ -135,6 +136,11 @@ pub fn from_proto(request: pb::GenerateRequest) -> Result<GenerateRequest, Route
         }
     };
     let sampling = request.sampling.unwrap_or_default();
+    let response_format = match &sampling.response_format {
+        Some(f) => ResponseFormat::from_proto(f)
+            .map_err(|e| RouterError::invalid(Field::ResponseFormat, e.to_string()))?,
+        None => None,
+    };
     if sampling.resumed_output_tokens != 0 {
         return Err(RouterError::invalid(
             Field::Unsupported("sampling.resumed_output_tokens"),
@@ -158,6 +164,7 @@ pub fn from_proto(request: pb::GenerateRequest) -> Result<GenerateRequest, Route
                 .then_some(sampling.repetition_penalty),
             logprobs: sampling.logprobs,
             top_logprobs: sampling.top_logprobs,
+            response_format,
         },
         priority,
         request_id: (!request.request_id.is_empty()).then_some(request.request_id),

@@ -10,8 +10,9 @@
 //! run `tandem model fetch`.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
+use tandem_grammar::Vocabulary;
 use tandem_tokenizer::{GgufMetadata, Tokenizer};
 
 use crate::config::env_names;
@@ -49,6 +50,9 @@ pub struct ServedModel {
     pub tokenizer: Arc<Tokenizer>,
     /// Longest prompt + output the model accepts, in tokens.
     pub context_tokens: u32,
+    /// The tokenizer's vocabulary for structured output, built by the first request that asks
+    /// (~0.1 s) and shared by every clone.
+    grammar: Arc<OnceLock<Result<Arc<Vocabulary>, String>>>,
 }
 
 impl ServedModel {
@@ -82,7 +86,21 @@ impl ServedModel {
             path: path.to_path_buf(),
             tokenizer: Arc::new(tokenizer),
             context_tokens,
+            grammar: Arc::default(),
         })
+    }
+
+    /// The vocabulary `response_format` schemas are checked against (built on first use).
+    pub fn grammar(&self) -> Result<&Arc<Vocabulary>, String> {
+        self.grammar
+            .get_or_init(|| {
+                let t = &self.tokenizer;
+                Vocabulary::new(t.clone(), t.vocab_size(), &[t.eos_token_id()])
+                    .map(Arc::new)
+                    .map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(Clone::clone)
     }
 }
 

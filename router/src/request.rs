@@ -14,9 +14,12 @@
 //! - `temperature` in [0, 2], `top_p` in [0, 1] (0 = off), at most 4 non-empty stop strings.
 //! - `presence_penalty` and `frequency_penalty` in [-2, 2]; `repetition_penalty` in (0, 2];
 //!   `top_logprobs` at most 20 and only with `logprobs`.
+//! - `response_format`: compiles against the model's vocabulary (a schema llguidance refuses
+//!   is named with its reason); never with `ignore_eos`.
 //!
 //! Cost: tokenization, linear in the prompt (~2 ms for 8k tokens).
 
+use tandem_grammar::ResponseFormat;
 use tandem_proto::v1 as pb;
 use tandem_tokenizer::ChatMessage;
 
@@ -58,6 +61,8 @@ pub enum Field {
     TopLogprobs,
     /// Scheduling class.
     Priority,
+    /// Structured output (the reason names the part: `response_format.json_schema.schema`).
+    ResponseFormat,
     /// A field the router does not support with the given value (HTTP only).
     Unsupported(&'static str),
 }
@@ -81,6 +86,7 @@ impl Field {
             Field::Logprobs => "logprobs",
             Field::TopLogprobs => "top_logprobs",
             Field::Priority => "priority",
+            Field::ResponseFormat => "response_format",
             Field::Unsupported(name) => name,
         }
     }
@@ -104,6 +110,7 @@ impl Field {
             Field::Logprobs => "sampling.logprobs",
             Field::TopLogprobs => "sampling.top_logprobs",
             Field::Priority => "priority",
+            Field::ResponseFormat => "sampling.response_format",
             Field::Unsupported(name) => name,
         }
     }
@@ -186,6 +193,8 @@ pub struct Sampling {
     pub logprobs: bool,
     /// With `logprobs`, the most likely alternatives per position (≤ 20).
     pub top_logprobs: u32,
+    /// Structured output: the output is JSON of this shape.
+    pub response_format: Option<ResponseFormat>,
 }
 
 /// Largest `top_logprobs` accepted (OpenAI's).
@@ -256,7 +265,7 @@ pub fn prepare(
     }
     let field = request.input.field();
     let prompt_ids = tokenize(model, request.input)?;
-    let sampling = validate_sampling(&request.sampling)?;
+    let sampling = validate_sampling(model, &request.sampling)?;
     let prompt_tokens = prompt_ids.len() as u32;
     let context = model.context_tokens;
     let max_tokens = match request.sampling.max_tokens.filter(|&m| m > 0) {
@@ -361,7 +370,7 @@ fn tokenize(model: &ServedModel, input: PromptInput) -> Result<Vec<u32>, RouterE
     Ok(ids)
 }
 
-fn validate_sampling(s: &Sampling) -> Result<pb::SamplingParams, RouterError> {
+fn validate_sampling(model: &ServedModel, s: &Sampling) -> Result<pb::SamplingParams, RouterError> {
     if !s.temperature.is_finite() || !(0.0..=2.0).contains(&s.temperature) {
         return Err(RouterError::invalid(
             Field::Temperature,
@@ -420,6 +429,20 @@ fn validate_sampling(s: &Sampling) -> Result<pb::SamplingParams, RouterError> {
             "needs logprobs set to true",
         ));
     }
+    if let Some(format) = &s.response_format {
+        if s.ignore_eos {
+            return Err(RouterError::invalid(
+                Field::ResponseFormat,
+                "cannot be combined with ignore_eos (the output ends with its value)",
+            ));
+        }
+        // Compiled here so a bad schema is refused before admission, naming its part; the
+        // nodes compile it again for their own matchers.
+        model
+            .grammar()
+            .and_then(|g| g.compile(format).map_err(|e| e.to_string()))
+            .map_err(|reason| RouterError::invalid(Field::ResponseFormat, reason))?;
+    }
     Ok(pb::SamplingParams {
         temperature: s.temperature,
         top_p: s.top_p,
@@ -434,5 +457,6 @@ fn validate_sampling(s: &Sampling) -> Result<pb::SamplingParams, RouterError> {
         logprobs: s.logprobs,
         top_logprobs: s.top_logprobs,
         resumed_output_tokens: 0,
+        response_format: s.response_format.as_ref().map(ResponseFormat::to_proto),
     })
 }

@@ -183,6 +183,25 @@ fn random_grpc_requests_never_panic_and_every_refusal_is_a_client_error() {
                 logprobs: rng.below(2) == 0,
                 top_logprobs: [0, 1, 20, 21, u32::MAX][rng.below(5)],
                 resumed_output_tokens: [0, 0, 0, 3][rng.below(4)],
+                response_format: match rng.below(6) {
+                    0 => Some(pb::ResponseFormat { format: Some(pb::response_format::Format::JsonObject(Default::default())) }),
+                    1 => Some(pb::ResponseFormat {
+                        format: Some(pb::response_format::Format::JsonSchema(pb::response_format::JsonSchema {
+                            name: ["", "n", "bad name"][rng.below(3)].into(),
+                            schema: [
+                                "",
+                                r#"{"type": "integer"}"#,
+                                r#"{"type": "nonsense"}"#,
+                                "{",
+                                r##"{"properties": {"a": {"$ref": "#/nowhere"}}}"##,
+                            ][rng.below(5)]
+                            .into(),
+                            strict: rng.below(2) == 0,
+                        })),
+                    }),
+                    2 => Some(pb::ResponseFormat::default()),
+                    _ => None,
+                },
             }),
             priority: [0, 1, 2, -1, i32::MAX][rng.below(5)],
             request_id: ["", "r-1", "\u{202E}x"][rng.below(3)].to_string(),

@@ -9,14 +9,16 @@ completion, each asking for usage in the final chunk. Prints one JSON object:
 "surface" exercises the rest of the API through the client's own types: `n` choices with
 `logprobs`/`top_logprobs`, penalties, `seed` (asked twice: the same answer), several `stop`
 strings, `max_completion_tokens` and `user` (chat, not streamed); `n` with completions'
-integer `logprobs`, streamed; and a penalty that must change a greedy answer.
+integer `logprobs`, streamed; a penalty that must change a greedy answer; and structured
+output: `response_format` `json_object` and `json_schema` (streamed), and a schema the server
+must refuse with a 400.
 
 Usage: openai_client.py BASE_URL (e.g. http://127.0.0.1:8000/v1) [--max-tokens N]
 """
 import argparse
 import json
 
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 
 
 def collect(stream):
@@ -109,6 +111,48 @@ def surface(client, model):
         "completion": {"texts": texts, "tokens": tokens},
         "greedy": greedy(),
         "greedy_penalised": greedy(frequency_penalty=2.0),
+        "structured": structured(client, model),
+    }
+
+
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "population_millions": {"type": "integer", "minimum": 0, "maximum": 40},
+        "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 24}, "maxItems": 2},
+    },
+    "required": ["city", "population_millions", "landmarks"],
+    "additionalProperties": False,
+}
+
+
+def structured(client, model):
+    messages = [{"role": "user", "content": "Tell me about Paris."}]
+    obj = client.chat.completions.create(
+        model=model, messages=messages, temperature=0, max_completion_tokens=48,
+        response_format={"type": "json_object"},
+    ).choices[0]
+    stream = client.chat.completions.create(
+        model=model, messages=messages, temperature=0.7, seed=5, max_completion_tokens=96,
+        stream=True,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True}},
+    )
+    schema = collect(stream)
+    try:
+        client.chat.completions.create(
+            model=model, messages=messages, max_completion_tokens=8,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "bad", "schema": {"type": "nonsense"}}},
+        )
+        refused = None
+    except BadRequestError as e:
+        refused = {"status": e.status_code, "body": e.body}
+    return {
+        "json_object": {"text": obj.message.content, "finish_reason": obj.finish_reason},
+        "json_schema": schema,
+        "refused": refused,
     }
 
 

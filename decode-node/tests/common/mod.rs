@@ -204,7 +204,7 @@ pub fn reference_request(
     sampling: &pb::SamplingParams,
 ) -> Request {
     let params: SamplingParams =
-        tandem_node::convert::sampling_params(Some(sampling), request_id, 1);
+        tandem_node::convert::sampling_params(Some(sampling), request_id, 1).unwrap();
     Request {
         id,
         prompt,

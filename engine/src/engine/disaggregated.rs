@@ -31,11 +31,11 @@ impl Engine {
     /// [`StepOutput::held_blocks`], to be pushed to a decode node and then given back with
     /// [`release_held`](Self::release_held).
     pub fn add_prefill_request(&mut self, mut req: Request, now: Instant) -> Result<(), EngineError> {
-        self.validate(&req)?;
+        let constraint = self.validate(&req)?;
         // The first token is all this node samples; the prompt must still fit the decode side.
         self.sched.add(req.id, req.prompt.clone(), req.params.max_new_tokens, req.priority, now)?;
         req.params.max_new_tokens = 1;
-        self.insert_state(req, true);
+        self.insert_state(req, true, constraint);
         Ok(())
     }
 
@@ -95,7 +95,7 @@ impl Engine {
         cached_prompt_tokens: usize,
         now: Instant,
     ) -> Result<StepOutput, EngineError> {
-        self.validate(&req)?;
+        let mut constraint = self.validate(&req)?;
         let vocab = self.model.config().vocab_size;
         if first_token as usize >= vocab {
             return Err(EngineError::InvalidRequest {
@@ -104,12 +104,19 @@ impl Engine {
                 reason: format!("outside the vocabulary of {vocab} tokens"),
             });
         }
+        if let Some(c) = &mut constraint {
+            c.commit(first_token).map_err(|e| EngineError::InvalidRequest {
+                field: "first_token_id",
+                value: first_token.to_string(),
+                reason: format!("does not follow response_format: {e}"),
+            })?;
+        }
         let blocks = self.take_reservation(reservation_id, &req)?;
         let (id, prompt_len, priority) = (req.id, req.prompt.len(), req.priority);
         let mut tokens = req.prompt.clone();
         tokens.push(first_token);
         self.sched.add_prefilled(id, tokens, prompt_len, blocks, priority, now)?;
-        self.insert_state(req, false);
+        self.insert_state(req, false, constraint);
         let st = self.reqs.get_mut(&id).expect("just inserted");
         st.sampler.skip(first_token);
         st.cached_prompt_tokens = cached_prompt_tokens;
@@ -129,7 +136,7 @@ impl Engine {
     /// it holds; the reservation only vouched that the blocks exist. Nothing changes on error,
     /// except that an unknown or too small reservation stays as it was.
     pub fn add_local(&mut self, req: Request, reservation_id: u64, now: Instant) -> Result<(), EngineError> {
-        self.validate(&req)?;
+        let constraint = self.validate(&req)?;
         let blocks = self.take_reservation(reservation_id, &req)?;
         self.sched.release_blocks(&blocks);
         if let Err(e) = self.sched.add(req.id, req.prompt.clone(), req.params.max_new_tokens, req.priority, now) {
@@ -140,7 +147,7 @@ impl Engine {
             }
             return Err(e);
         }
-        self.insert_state(req, false);
+        self.insert_state(req, false, constraint);
         Ok(())
     }
 

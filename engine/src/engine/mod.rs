@@ -21,9 +21,10 @@ mod step;
 mod types;
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use tandem_grammar::{Constraint, Vocabulary};
 use tandem_kv_layout::KvLayout;
 
 use crate::error::EngineError;
@@ -65,6 +66,9 @@ pub struct Engine {
     reservations: HashMap<u64, Vec<BlockId>>,
     /// The last step's requests and the tokens each computed in it (cost accounting).
     last_step: Vec<(u64, usize)>,
+    /// The tokenizer's vocabulary for structured output, built on the first request that asks
+    /// (~0.1 s); an error (no tokenizer) is kept and returned to every such request.
+    grammar: OnceLock<Result<Arc<Vocabulary>, String>>,
 }
 
 impl Engine {
@@ -106,7 +110,7 @@ impl Engine {
         {
             eos.push(t.eos_token_id());
         }
-        Ok(Engine { model, pool, sched, tokenizer: tokenizer.map(Arc::new), reqs: HashMap::new(), eos, stats: EngineStats::default(), held: HashMap::new(), reservations: HashMap::new(), last_step: Vec::new() })
+        Ok(Engine { model, pool, sched, tokenizer: tokenizer.map(Arc::new), reqs: HashMap::new(), eos, stats: EngineStats::default(), held: HashMap::new(), reservations: HashMap::new(), last_step: Vec::new(), grammar: OnceLock::new() })
     }
 
     /// The model.
@@ -179,13 +183,15 @@ impl Engine {
 
     /// Validates and queues a request. Nothing changes on error.
     pub fn add_request(&mut self, req: Request, now: Instant) -> Result<(), EngineError> {
-        self.validate(&req)?;
+        let constraint = self.validate(&req)?;
         self.sched.add(req.id, req.prompt.clone(), req.params.max_new_tokens, req.priority, now)?;
-        self.insert_state(req, false);
+        self.insert_state(req, false, constraint);
         Ok(())
     }
 
-    fn validate(&self, req: &Request) -> Result<(), EngineError> {
+    /// Checks `req` against this engine, and compiles its `response_format` into a constraint
+    /// advanced past the output a migration resumes after.
+    fn validate(&self, req: &Request) -> Result<Option<Constraint>, EngineError> {
         req.params.validate()?;
         let vocab = self.model.config().vocab_size;
         if let Some(&bad) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
@@ -205,15 +211,45 @@ impl Engine {
         if self.reqs.contains_key(&req.id) || self.held.contains_key(&req.id) {
             return Err(EngineError::DuplicateRequest(req.id));
         }
-        Ok(())
+        let Some(format) = &req.params.response_format else {
+            return Ok(None);
+        };
+        let mut constraint = self.grammar_vocabulary()?.compile(format)?;
+        let resumed = req.params.resumed_output_tokens.min(req.prompt.len());
+        for &t in &req.prompt[req.prompt.len() - resumed..] {
+            constraint.commit(t).map_err(|e| EngineError::InvalidRequest {
+                field: "resumed_output_tokens",
+                value: resumed.to_string(),
+                reason: format!("the output so far does not follow response_format: {e}"),
+            })?;
+        }
+        Ok(Some(constraint))
     }
 
-    fn insert_state(&mut self, req: Request, hold_kv: bool) {
+    /// The vocabulary structured output compiles against (built once, on first use).
+    fn grammar_vocabulary(&self) -> Result<&Arc<Vocabulary>, EngineError> {
+        let built = self.grammar.get_or_init(|| {
+            let t = self.tokenizer.as_ref().ok_or("this model has no tokenizer")?;
+            // The tokenizer's end of sequence first: it is the grammar's own.
+            let mut eos = vec![t.eos_token_id()];
+            eos.extend(self.eos.iter().filter(|&&e| e != t.eos_token_id()));
+            Vocabulary::new(t.clone(), self.model.config().vocab_size, &eos)
+                .map(Arc::new)
+                .map_err(|e| e.to_string())
+        });
+        built.as_ref().map_err(|reason| EngineError::InvalidRequest {
+            field: "response_format",
+            value: "(structured output)".into(),
+            reason: reason.clone(),
+        })
+    }
+
+    fn insert_state(&mut self, req: Request, hold_kv: bool, constraint: Option<Constraint>) {
         let max_stop_len = req.params.stop.iter().map(|s| s.len()).max().unwrap_or(0);
         self.reqs.insert(
             req.id,
             ReqState {
-                sampler: Sampler::new(req.params, req.id, &req.prompt),
+                sampler: Sampler::new(req.params, req.id, &req.prompt).constrained(constraint),
                 hold_kv,
                 cached_prompt_tokens: 0,
                 prompt_len: req.prompt.len(),

@@ -72,6 +72,11 @@ impl Engine {
                 let st = self.reqs.get_mut(&c.seq_id).expect("scheduled request has state");
                 let sampled = st.sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
                 row += 1;
+                if let Some(e) = &sampled.grammar_error {
+                    // The output ends at end-of-sequence: the only token the failed grammar left.
+                    self.stats.grammar_failures += 1;
+                    tracing::warn!(request_id = c.seq_id, error = %e, "structured output: the grammar failed; ending the output");
+                }
                 Some(sampled)
             } else {
                 None

@@ -168,4 +168,6 @@ pub struct EngineStats {
     pub decode_tokens: u64,
     /// Preemptions by recompute.
     pub preemptions: u64,
+    /// Structured outputs ended early because their grammar failed (llguidance's limits).
+    pub grammar_failures: u64,
 }

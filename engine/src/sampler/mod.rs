@@ -1,5 +1,5 @@
-//! Token sampling: penalties, then greedy, temperature, top-k, top-p, with a per-request seed;
-//! log probabilities on request.
+//! Token sampling: the grammar mask (structured output), penalties, then greedy, temperature,
+//! top-k, top-p, with a per-request seed; log probabilities on request.
 //!
 //! Reproducibility: a request's generator is seeded from its `seed` (or from its request id when
 //! none is given) and draws exactly one number per sampled token, so the same seed gives the
@@ -8,6 +8,11 @@
 //!
 //! A migration that resumes after `resumed_output_tokens` tokens skips their draws, so a seeded
 //! stream continues where the lost node left it ([`Sampler::new`]).
+//!
+//! Structured output: with a [`Constraint`], every token the grammar forbids is `-inf` before
+//! penalties, so no sampling mode can pick it, and the picked token advances the grammar.
+//! Log probabilities are those of the masked row (the distribution actually sampled from). A
+//! grammar failure leaves only end-of-sequence and is reported in [`Sampled::grammar_error`].
 //!
 //! Cost: greedy is one pass over the vocabulary; top-k/top-p sort only the candidates that
 //! survive (a partial selection for top-k, a full sort of at most the vocabulary otherwise).
@@ -23,6 +28,7 @@ pub use self::logprobs::{MAX_TOP_LOGPROBS, TokenLogprob, token_logprob};
 use self::penalties::Penalties;
 use crate::error::EngineError;
 use crate::rng::Rng;
+use tandem_grammar::{Constraint, ResponseFormat};
 
 /// Sampling parameters of one request.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -54,6 +60,8 @@ pub struct SamplingParams {
     /// The prompt's last this many tokens are the request's own earlier output (a migration
     /// resumes after them): they count as output for penalties and their draws are skipped.
     pub resumed_output_tokens: usize,
+    /// Structured output: the output must be JSON of this shape (grammar-constrained).
+    pub response_format: Option<ResponseFormat>,
 }
 
 impl Default for SamplingParams {
@@ -72,6 +80,7 @@ impl Default for SamplingParams {
             logprobs: false,
             top_logprobs: 0,
             resumed_output_tokens: 0,
+            response_format: None,
         }
     }
 }
@@ -125,6 +134,9 @@ impl SamplingParams {
         if self.top_logprobs > 0 && !self.logprobs {
             return bad("top_logprobs", self.top_logprobs.to_string(), "needs logprobs");
         }
+        if self.ignore_eos && self.response_format.is_some() {
+            return bad("ignore_eos", "true".into(), "cannot be combined with response_format (the output ends with its value)");
+        }
         Ok(())
     }
 }
@@ -136,6 +148,7 @@ pub struct Sampler {
     params: SamplingParams,
     rng: Rng,
     penalties: Option<Penalties>,
+    constraint: Option<Constraint>,
 }
 
 /// One sampled token, with its log probability when the request asked for it.
@@ -145,6 +158,8 @@ pub struct Sampled {
     pub token: u32,
     /// Its log probability and the top alternatives (`params.logprobs`).
     pub logprob: Option<TokenLogprob>,
+    /// The grammar failed at this token (only end-of-sequence was left to pick).
+    pub grammar_error: Option<String>,
 }
 
 impl Sampler {
@@ -154,9 +169,16 @@ impl Sampler {
     pub fn new(params: SamplingParams, request_id: u64, prompt: &[u32]) -> Self {
         let seed = params.seed.unwrap_or(request_id ^ 0x5EED_5EED_5EED_5EED);
         let penalties = Penalties::new(&params, prompt);
-        let mut s = Sampler { rng: Rng::new(seed), penalties, params };
+        let mut s = Sampler { rng: Rng::new(seed), penalties, params, constraint: None };
         s.skip_draws(s.params.resumed_output_tokens);
         s
+    }
+
+    /// Constrains every token this sampler picks by `constraint` (already advanced past the
+    /// output so far: resumed tokens, a first token sampled elsewhere).
+    pub fn constrained(mut self, constraint: Option<Constraint>) -> Self {
+        self.constraint = constraint;
+        self
     }
 
     /// The parameters.
@@ -166,7 +188,8 @@ impl Sampler {
 
     /// Records `token` as sampled elsewhere (the first token, on a prefill node): its draw is
     /// skipped and penalties count it, so the rest of the stream is what one sampler would have
-    /// produced.
+    /// produced. (The constraint is the caller's to advance: it must accept the token before
+    /// anything changes.)
     pub fn skip(&mut self, token: u32) {
         self.skip_draws(1);
         if let Some(p) = &mut self.penalties {
@@ -187,27 +210,40 @@ impl Sampler {
     }
 
     /// Picks the next token from `logits` (one row, vocabulary-sized) and counts it for the
-    /// penalties. With penalties, they apply to a copy of the row (one row copy per token).
+    /// penalties and the grammar. With either, they apply to a copy of the row (one row copy
+    /// per token).
     pub fn sample(&mut self, logits: &[f32]) -> Sampled {
-        let penalised;
-        let logits = match &self.penalties {
-            Some(p) => {
-                let mut row = logits.to_vec();
-                p.apply(&mut row);
-                penalised = row;
-                &penalised[..]
+        let mut grammar_error = None;
+        let adjusted;
+        let logits = if self.penalties.is_some() || self.constraint.is_some() {
+            let mut row = logits.to_vec();
+            if let Some(c) = &mut self.constraint
+                && let Err(e) = c.mask(&mut row)
+            {
+                grammar_error = Some(e.to_string());
             }
-            None => logits,
+            if let Some(p) = &self.penalties {
+                p.apply(&mut row);
+            }
+            adjusted = row;
+            &adjusted[..]
+        } else {
+            logits
         };
         let token = self.pick(logits);
         if let Some(p) = &mut self.penalties {
             p.observe(token);
         }
+        if let Some(c) = &mut self.constraint
+            && let Err(e) = c.commit(token)
+        {
+            grammar_error.get_or_insert(e.to_string());
+        }
         let logprob = self
             .params
             .logprobs
             .then(|| token_logprob(logits, token, self.params.top_logprobs));
-        Sampled { token, logprob }
+        Sampled { token, logprob, grammar_error }
     }
 
     fn pick(&mut self, logits: &[f32]) -> u32 {

@@ -7,14 +7,16 @@
 //! `frequency_penalty`, `repetition_penalty` (extension, as vLLM's), `logprobs` (chat: a
 //! boolean with `top_logprobs` 0–20; completions: an integer 0–5, the alternatives per
 //! position), `user` (an end-user id for the caller's own records: accepted and not used, as
-//! it changes no output), and the extensions `priority` (`"interactive"` / `"batch"`, or an
-//! integer: ≤ 0 interactive, > 0 batch, lower is more urgent as in vLLM), `ignore_eos` and
-//! `request_id`. Fields OpenAI has but tandem cannot honour (`echo`, `best_of` > 1,
-//! `logit_bias`, `suffix`, `tools`, `tool_choice`, `functions`, `function_call`, and a
-//! `response_format` other than text) are refused with a 400 naming them rather than silently
-//! ignored; other unknown fields are ignored, as OpenAI does.
+//! it changes no output), `response_format` (`text`, `json_object`, `json_schema`: structured
+//! output by grammar-constrained decoding; a bad schema is a 400 naming its part), and the
+//! extensions `priority` (`"interactive"` / `"batch"`, or an integer: ≤ 0 interactive, > 0
+//! batch, lower is more urgent as in vLLM), `ignore_eos` and `request_id`. Fields OpenAI has
+//! but tandem cannot honour (`echo`, `best_of` > 1, `logit_bias`, `suffix`, `tools`,
+//! `tool_choice`, `functions`, `function_call`) are refused with a 400 naming them rather than
+//! silently ignored; other unknown fields are ignored, as OpenAI does.
 
 use serde::Deserialize;
+use tandem_grammar::ResponseFormat;
 use tandem_tokenizer::ChatMessage;
 
 use crate::error::RouterError;
@@ -120,7 +122,8 @@ pub struct RequestBody {
     pub functions: Option<serde_json::Value>,
     /// Legacy function choice (unsupported unless `"none"`).
     pub function_call: Option<serde_json::Value>,
-    /// Output format (only `{"type": "text"}`: JSON modes are not supported yet).
+    /// Output format: `{"type": "text"}`, `"json_object"` or `"json_schema"` (structured
+    /// output by grammar-constrained decoding).
     pub response_format: Option<serde_json::Value>,
     /// Alternatives per position (chat, with `logprobs: true`; 0 to 20).
     pub top_logprobs: Option<u32>,
@@ -315,15 +318,11 @@ impl RequestBody {
         if !none_or(&self.function_call, "none") {
             return Err(unsupported("function_call", "is not supported (functions are not)"));
         }
-        let text_format = self.response_format.as_ref().is_none_or(|f| {
-            f.is_null() || f.get("type").and_then(|t| t.as_str()) == Some("text")
-        });
-        if !text_format {
-            return Err(unsupported(
-                "response_format",
-                "only {\"type\": \"text\"} is supported (no JSON mode or schema yet)",
-            ));
-        }
+        let response_format = match &self.response_format {
+            None | Some(serde_json::Value::Null) => None,
+            Some(f) => ResponseFormat::from_openai(f)
+                .map_err(|e| RouterError::invalid(Field::ResponseFormat, e.to_string()))?,
+        };
         if self.logit_bias.as_ref().is_some_and(|b| {
             !b.is_null() && b.as_object().is_none_or(|m| !m.is_empty())
         }) {
@@ -378,6 +377,7 @@ impl RequestBody {
                 repetition_penalty: self.repetition_penalty,
                 logprobs,
                 top_logprobs,
+                response_format,
             },
             priority,
             request_id: self.request_id,
@@ -444,8 +444,6 @@ mod tests {
     #[test]
     fn output_changing_fields_are_refused_by_name_and_their_neutral_values_accepted() {
         let refused = [
-            (r#""response_format": {"type": "json_object"}"#, "response_format"),
-            (r#""response_format": {"type": "json_schema", "json_schema": {}}"#, "response_format"),
             (r#""logit_bias": {"50256": -100}"#, "logit_bias"),
             (r#""tool_choice": "auto""#, "tool_choice"),
             (r#""functions": [{"name": "f"}]"#, "functions"),
@@ -464,6 +462,23 @@ mod tests {
             );
             assert!(err.is_client_error());
         }
+        // A malformed response_format is refused naming its part; a well-formed one is
+        // carried to the core (the schema itself is compiled there).
+        for (format, part) in [
+            (r#"{"type": "yaml"}"#, "response_format.type"),
+            (r#"{"type": "json_schema", "json_schema": {}}"#, "response_format.json_schema.name"),
+            (r#"{"type": "json_schema", "json_schema": {"name": "n", "schema": 1}}"#, "response_format.json_schema.schema"),
+        ] {
+            let body = format!(r#"{{"prompt": "x", "response_format": {format}}}"#);
+            let err = parse_body::<RequestBody>(body.as_bytes()).unwrap().into_completion().unwrap_err();
+            assert!(
+                matches!(&err, RouterError::InvalidArgument { field: Field::ResponseFormat, reason } if reason.starts_with(part)),
+                "{body}: {err:?}"
+            );
+        }
+        let body = r#"{"prompt": "x", "response_format": {"type": "json_object"}}"#;
+        let core = parse_body::<RequestBody>(body.as_bytes()).unwrap().into_completion().unwrap();
+        assert_eq!(core.sampling.response_format, Some(ResponseFormat::JsonObject));
         let neutral = [
             r#""response_format": {"type": "text"}"#,
             r#""top_logprobs": 0"#,
