@@ -17,6 +17,7 @@ use anyhow::Context;
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 use tandem_engine::rng::Rng;
+use tandem_engine::grammar::ResponseFormat;
 use tandem_engine::{Engine, EngineArgs, Priority, Request, SamplingParams};
 
 use crate::load::engine_from_args;
@@ -52,6 +53,11 @@ pub struct BenchEngineArgs {
     /// run once with and once without, alternating).
     #[arg(long)]
     pub penalties: bool,
+    /// Decode under a JSON schema (an array of at least 16 `{"name", "age"}` objects, so no
+    /// sequence can end inside the measured steps): what grammar-constrained decoding costs per
+    /// token. Run once with and once without, alternating.
+    #[arg(long)]
+    pub structured: bool,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
@@ -103,6 +109,13 @@ struct Report {
     bandwidth_bound_tok_s: f64,
     flops_per_token: u64,
     runs: usize,
+    /// Decode sampled with penalties (`--penalties`).
+    penalties: bool,
+    /// Decode under the `--structured` JSON schema.
+    structured: bool,
+    /// With `--structured`: the grammar's own cost per token (mask + advance), measured alone
+    /// on the same vocabulary and schema, median of `runs` walks of `decode_tokens` tokens.
+    grammar_us_per_token: Option<f64>,
 }
 
 /// Measures read bandwidth of this machine (GB/s, 1e9) on the kernel pool's threads over 1 GiB.
@@ -157,6 +170,11 @@ fn bench_decode(
             params.frequency_penalty = 0.5;
             params.repetition_penalty = 1.1;
         }
+        if args.structured {
+            // End of sequence stays the grammar's to allow, and it cannot before 16 items.
+            params.ignore_eos = false;
+            params.response_format = Some(structured_format());
+        }
         engine.add_request(
             Request {
                 id: 2_000_000 + seed * 1000 + i as u64,
@@ -178,6 +196,48 @@ fn bench_decode(
         tokens += engine.step()?.len();
     }
     Ok(tokens as f64 / t0.elapsed().as_secs_f64())
+}
+
+/// The `--structured` schema: records of a name and an age, at least 16 of them (at ~10 tokens
+/// an item, longer than the measured steps).
+fn structured_format() -> ResponseFormat {
+    ResponseFormat::JsonSchema {
+        name: "people".into(),
+        schema: serde_json::json!({
+            "type": "array",
+            "minItems": 16,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 16},
+                    "age": {"type": "integer", "minimum": 0, "maximum": 120}
+                },
+                "required": ["name", "age"],
+                "additionalProperties": false
+            }
+        }),
+    }
+}
+
+/// The grammar alone: microseconds per token to mask a vocabulary-sized row and advance past
+/// the best allowed token, over a walk of `tokens` tokens (a fixed pseudo-random row, so the
+/// walk visits names, numbers and punctuation).
+fn grammar_us_per_token(engine: &Engine, tokens: usize, seed: u64) -> anyhow::Result<f64> {
+    let t = engine.tokenizer().context("--structured needs the model's tokenizer")?;
+    let vocab = engine.model().config().vocab_size;
+    let grammar = tandem_engine::grammar::Vocabulary::new(t.clone(), vocab, &[t.eos_token_id()])?;
+    let mut c = grammar.compile(&structured_format())?;
+    let mut rng = Rng::new(seed);
+    let base: Vec<f32> = (0..vocab).map(|_| rng.below(1000) as f32).collect();
+    let mut row = base.clone();
+    let t0 = Instant::now();
+    for _ in 0..tokens {
+        row.copy_from_slice(&base);
+        c.mask(&mut row)?;
+        let best = tandem_kernels::argmax(&row) as u32;
+        c.commit(best)?;
+    }
+    Ok(t0.elapsed().as_secs_f64() * 1e6 / tokens as f64)
 }
 
 /// Runs the benchmark and returns what to print.
@@ -228,6 +288,14 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<String> {
             mem_bw = mem_bw.max(measure_read_bandwidth_gbs());
         }
     }
+    let grammar_us = if args.structured {
+        let v: Vec<f64> = (0..args.runs)
+            .map(|r| grammar_us_per_token(&engine, args.decode_tokens, r as u64))
+            .collect::<Result<_, _>>()?;
+        Some(Spread::of(v).median)
+    } else {
+        None
+    };
     let report = Report {
         model: eargs.model.as_ref().map_or_else(
             || "SmolLM2-135M-Instruct (default)".into(),
@@ -249,13 +317,22 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<String> {
         bandwidth_bound_tok_s: mem_bw * 1e9 / bytes_per_token as f64,
         flops_per_token,
         runs: args.runs,
+        penalties: args.penalties,
+        structured: args.structured,
+        grammar_us_per_token: grammar_us,
     };
     Ok(match args.format {
         Format::Json => serde_json::to_string(&report)?,
         Format::Table => {
             let mut s = format!(
-                "model {} · weights {} · KV {} · {} threads · medians of {} runs (min–max)\n",
-                report.model, report.dtype, report.kv_dtype, report.threads, report.runs
+                "model {} · weights {} · KV {} · {} threads · medians of {} runs (min–max){}{}\n",
+                report.model,
+                report.dtype,
+                report.kv_dtype,
+                report.threads,
+                report.runs,
+                if args.penalties { " · penalties" } else { "" },
+                if args.structured { " · JSON schema" } else { "" },
             );
             s += &format!(
                 "prefill  {:>5} tokens      {:>9.1} tok/s  ({:.1}–{:.1})\n",
@@ -278,6 +355,9 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<String> {
                     "decode batch 1 / bound     {:>9.1} %\n",
                     100.0 * one.median / report.bandwidth_bound_tok_s
                 );
+            }
+            if let Some(us) = report.grammar_us_per_token {
+                s += &format!("grammar  mask + advance    {us:>9.1} µs per token (alone)\n");
             }
             s
         }
