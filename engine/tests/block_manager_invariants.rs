@@ -29,12 +29,10 @@ fn content_bytes(hash: u64, len: usize) -> Vec<u8> {
 
 fn write_block(pool: &mut KvPool, block: BlockId, hash: u64) {
     let layout = *pool.layout();
-    let n = pool.num_blocks();
     let bytes = content_bytes(hash, layout.slab_bytes() * layout.num_layers);
     for layer in 0..layout.num_layers {
-        let off = layout.slab_offset(n, layer, block as usize);
         let src = &bytes[layer * layout.slab_bytes()..(layer + 1) * layout.slab_bytes()];
-        pool.bytes_mut()[off..off + layout.slab_bytes()].copy_from_slice(src);
+        pool.slab_mut(layer, block).copy_from_slice(src);
     }
 }
 

@@ -11,15 +11,9 @@ use common::*;
 use tandem_engine::{Engine, KvDtype, Priority, Request, SamplingParams, TokenLogprob, WeightDtype};
 
 fn copy_blocks(src: &Engine, src_blocks: &[u32], dst: &mut Engine, dst_blocks: &[u32]) {
-    let layout = *src.kv_layout();
-    let (ns, nd) = (src.kv_pool().num_blocks(), dst.kv_pool().num_blocks());
-    let slab = layout.slab_bytes();
-    for layer in 0..layout.num_layers {
+    for layer in 0..src.kv_layout().num_layers {
         for (&s, &d) in src_blocks.iter().zip(dst_blocks) {
-            let so = layout.slab_offset(ns, layer, s as usize);
-            let bytes = src.kv_pool().bytes()[so..so + slab].to_vec();
-            let dof = layout.slab_offset(nd, layer, d as usize);
-            dst.kv_pool_mut().bytes_mut()[dof..dof + slab].copy_from_slice(&bytes);
+            dst.kv_pool_mut().slab_mut(layer, d).copy_from_slice(src.kv_pool().slab(layer, s));
         }
     }
 }

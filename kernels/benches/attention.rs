@@ -52,11 +52,7 @@ fn pool(dtype: KvDtype, seqs: usize, ctx: usize) -> Pool {
         let slots: Vec<usize> = (0..ctx)
             .map(|t| table[t / BS] as usize * BS + t % BS)
             .collect();
-        let mut c = KvCacheMut {
-            layout: &layout,
-            num_blocks,
-            bytes: &mut bytes,
-        };
+        let mut c = KvCacheMut::new(&layout, num_blocks, &mut bytes);
         write_kv(&mut c, 0, &k, &k, &slots).unwrap();
     }
     Pool {
@@ -79,11 +75,7 @@ fn bench(c: &mut Criterion) {
                 continue;
             }
             let p = pool(dtype, batch, ctx);
-            let cache = KvCacheRef {
-                layout: &p.layout,
-                num_blocks: p.num_blocks,
-                bytes: &p.bytes,
-            };
+            let cache = KvCacheRef::new(&p.layout, p.num_blocks, &p.bytes);
             let q = seeded(batch * HEADS * HD, 11);
             let mut out = vec![0.0f32; q.len()];
             let seqs: Vec<AttnSeq<'_>> = (0..batch)
@@ -103,11 +95,7 @@ fn bench(c: &mut Criterion) {
         if dtype == KvDtype::F32 || dtype == KvDtype::F16 {
             let len = 512;
             let p = pool(dtype, 1, len);
-            let cache = KvCacheRef {
-                layout: &p.layout,
-                num_blocks: p.num_blocks,
-                bytes: &p.bytes,
-            };
+            let cache = KvCacheRef::new(&p.layout, p.num_blocks, &p.bytes);
             let q = seeded(len * HEADS * HD, 12);
             let mut out = vec![0.0f32; q.len()];
             let seqs = [AttnSeq {
@@ -135,11 +123,7 @@ fn bench(c: &mut Criterion) {
         ));
         g.bench_function(format!("write_kv/{dtype}/prefill{len}"), |b| {
             b.iter(|| {
-                let mut c = KvCacheMut {
-                    layout: &p.layout,
-                    num_blocks: p.num_blocks,
-                    bytes: &mut p.bytes,
-                };
+                let mut c = KvCacheMut::new(&p.layout, p.num_blocks, &mut p.bytes);
                 write_kv(&mut c, 0, &k, &k, &slots).unwrap()
             })
         });

@@ -62,11 +62,7 @@ fn attn(a: &[String]) {
             .collect();
         let slots: Vec<usize> = (0..ctx).map(|p| t[p / bs] as usize * bs + p % bs).collect();
         write_kv(
-            &mut KvCacheMut {
-                layout: &layout,
-                num_blocks: nb,
-                bytes: &mut bytes,
-            },
+            &mut KvCacheMut::new(&layout, nb, &mut bytes),
             0,
             &k,
             &k,
@@ -74,11 +70,7 @@ fn attn(a: &[String]) {
         )
         .unwrap();
     }
-    let cache = KvCacheRef {
-        layout: &layout,
-        num_blocks: nb,
-        bytes: &bytes,
-    };
+    let cache = KvCacheRef::new(&layout, nb, &bytes);
     let q: Vec<f32> = (0..batch * q_len * heads * hd)
         .map(|i| ((i * 31) % 100) as f32 * 0.01 - 0.5)
         .collect();

@@ -27,39 +27,128 @@ use crate::KernelError;
 use crate::error::check_len;
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use half::{bf16, f16};
+use std::marker::PhantomData;
 use tandem_kv_layout::{KvDtype, KvLayout};
 
-/// Read-only view of a whole KV pool (all layers); `bytes.len() == layout.pool_bytes(num_blocks)`.
+/// Read-only view of a whole KV pool (all layers), `layout.pool_bytes(num_blocks)` bytes.
+///
+/// The view never hands out a slice of the whole pool: kernels read one `(layer, block)` slab at
+/// a time ([`slab`](Self::slab)). A pool can live in memory a KV transport writes into (blocks
+/// reserved for an inbound transfer); a whole-pool slice would assert that nothing changes
+/// those bytes while it lives, which the transport breaks. Slab slices cover only blocks the
+/// caller vouched for when it built the view ([`from_raw_parts`](Self::from_raw_parts)).
 #[derive(Clone, Copy, Debug)]
 pub struct KvCacheRef<'a> {
     /// The pool's layout.
     pub layout: &'a KvLayout,
     /// Blocks in the pool.
     pub num_blocks: usize,
-    /// The pool's bytes.
-    pub bytes: &'a [u8],
+    base: *const u8,
+    len: usize,
+    _bytes: PhantomData<&'a [u8]>,
 }
 
-/// Mutable view of a whole KV pool (all layers).
+// SAFETY: a `KvCacheRef` is a shared borrow of bytes (as `&[u8]`, which is Send + Sync); the
+// raw pointer only narrows what is borrowed at once.
+unsafe impl Send for KvCacheRef<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for KvCacheRef<'_> {}
+
+impl<'a> KvCacheRef<'a> {
+    /// A view of `bytes`, borrowed whole (an owned pool, tests).
+    pub fn new(layout: &'a KvLayout, num_blocks: usize, bytes: &'a [u8]) -> Self {
+        KvCacheRef { layout, num_blocks, base: bytes.as_ptr(), len: bytes.len(), _bytes: PhantomData }
+    }
+
+    /// A view of the pool at `base`.
+    ///
+    /// # Safety
+    /// `base` is valid for reads of `len` bytes for `'a`, and every slab a kernel reads through
+    /// this view (the blocks of the sequences it is given) is written by no one while the view
+    /// lives. Other blocks may change (a transport writing reserved blocks): no reference to
+    /// them is ever made.
+    pub unsafe fn from_raw_parts(layout: &'a KvLayout, num_blocks: usize, base: *const u8, len: usize) -> Self {
+        KvCacheRef { layout, num_blocks, base, len, _bytes: PhantomData }
+    }
+
+    /// The pool's size in bytes.
+    pub fn len_bytes(&self) -> usize {
+        self.len
+    }
+
+    /// The bytes of `(layer, block)`'s slab. Panics outside the pool.
+    pub fn slab(&self, layer: usize, block: usize) -> &'a [u8] {
+        let (at, n) = slab_range(self.layout, self.num_blocks, self.len, layer, block);
+        // SAFETY: in bounds (checked), valid for 'a and unchanged while the view lives for the
+        // blocks its user reads (the constructor's contract).
+        unsafe { std::slice::from_raw_parts(self.base.add(at), n) }
+    }
+}
+
+/// Mutable view of a whole KV pool (all layers), slab by slab as [`KvCacheRef`].
 #[derive(Debug)]
 pub struct KvCacheMut<'a> {
     /// The pool's layout.
     pub layout: &'a KvLayout,
     /// Blocks in the pool.
     pub num_blocks: usize,
-    /// The pool's bytes.
-    pub bytes: &'a mut [u8],
+    base: *mut u8,
+    len: usize,
+    _bytes: PhantomData<&'a mut [u8]>,
 }
 
-impl KvCacheMut<'_> {
+// SAFETY: an exclusive borrow of bytes (as `&mut [u8]`, which is Send + Sync).
+unsafe impl Send for KvCacheMut<'_> {}
+// SAFETY: as above; shared access goes through `&self` methods that only read.
+unsafe impl Sync for KvCacheMut<'_> {}
+
+impl<'a> KvCacheMut<'a> {
+    /// A view of `bytes`, borrowed whole and exclusively (an owned pool, tests).
+    pub fn new(layout: &'a KvLayout, num_blocks: usize, bytes: &'a mut [u8]) -> Self {
+        KvCacheMut { layout, num_blocks, base: bytes.as_mut_ptr(), len: bytes.len(), _bytes: PhantomData }
+    }
+
+    /// A writable view of the pool at `base`.
+    ///
+    /// # Safety
+    /// `base` is valid for reads and writes of `len` bytes for `'a`, and every slab a kernel
+    /// reads or writes through this view (the blocks of the slots it is given) is accessed by
+    /// no one else while the view lives.
+    pub unsafe fn from_raw_parts(layout: &'a KvLayout, num_blocks: usize, base: *mut u8, len: usize) -> Self {
+        KvCacheMut { layout, num_blocks, base, len, _bytes: PhantomData }
+    }
+
+    /// The pool's size in bytes.
+    pub fn len_bytes(&self) -> usize {
+        self.len
+    }
+
+    /// The bytes of `(layer, block)`'s slab, writable. Panics outside the pool.
+    pub fn slab_mut(&mut self, layer: usize, block: usize) -> &mut [u8] {
+        let (at, n) = slab_range(self.layout, self.num_blocks, self.len, layer, block);
+        // SAFETY: in bounds (checked); `&mut self` makes this the view's only live slice, and
+        // the constructor's contract keeps everyone else off the slab.
+        unsafe { std::slice::from_raw_parts_mut(self.base.add(at), n) }
+    }
+
     /// A read-only view of the same pool.
     pub fn as_ref(&self) -> KvCacheRef<'_> {
-        KvCacheRef {
-            layout: self.layout,
-            num_blocks: self.num_blocks,
-            bytes: self.bytes,
-        }
+        // SAFETY: the shared borrow of `self` stops writes through this view while the read
+        // view lives; the contract on other writers carries over.
+        unsafe { KvCacheRef::from_raw_parts(self.layout, self.num_blocks, self.base, self.len) }
     }
+}
+
+/// `(offset, len)` of slab `(layer, block)`; panics if it is not inside a pool of `len` bytes.
+fn slab_range(l: &KvLayout, num_blocks: usize, len: usize, layer: usize, block: usize) -> (usize, usize) {
+    assert!(
+        layer < l.num_layers && block < num_blocks,
+        "KV slab ({layer}, {block}) outside a pool of {} layers × {num_blocks} blocks",
+        l.num_layers
+    );
+    let (at, n) = (l.slab_offset(num_blocks, layer, block), l.slab_bytes());
+    assert!(at + n <= len, "KV slab ({layer}, {block}) ends past the pool's {len} bytes");
+    (at, n)
 }
 
 /// Which half of a slab.
@@ -80,35 +169,18 @@ impl KvPart {
     }
 }
 
-/// Byte offset of the `(layer, block, head, part)` tile.
-pub(crate) fn tile_offset(
-    l: &KvLayout,
-    num_blocks: usize,
-    layer: usize,
-    block: usize,
-    head: usize,
-    part: KvPart,
-) -> usize {
-    l.slab_offset(num_blocks, layer, block)
-        + part.index() * l.kv_part_bytes()
-        + head * l.head_tile_elems() * l.dtype.elem_bytes()
+/// Byte offset of the `(head, part)` tile within its slab.
+pub(crate) fn tile_offset(l: &KvLayout, head: usize, part: KvPart) -> usize {
+    part.index() * l.kv_part_bytes() + head * l.head_tile_elems() * l.dtype.elem_bytes()
 }
 
-/// Byte offset of the Int8 scales of `(layer, block, head)`: `head_dim` f16 key scales for K,
+/// Byte offset within its slab of the Int8 scales of `head`: `head_dim` f16 key scales for K,
 /// `block_size` f16 value scales for V.
-pub(crate) fn scales_offset(
-    l: &KvLayout,
-    num_blocks: usize,
-    layer: usize,
-    block: usize,
-    head: usize,
-    part: KvPart,
-) -> usize {
-    l.slab_offset(num_blocks, layer, block)
-        + match part {
-            KvPart::K => l.k_scales_offset(head),
-            KvPart::V => l.v_scales_offset(head),
-        }
+pub(crate) fn scales_offset(l: &KvLayout, head: usize, part: KvPart) -> usize {
+    match part {
+        KvPart::K => l.k_scales_offset(head),
+        KvPart::V => l.v_scales_offset(head),
+    }
 }
 
 /// Reads the little-endian f16 at `at` as f32.
@@ -175,7 +247,7 @@ pub fn write_kv(
 ) -> Result<(), KernelError> {
     const OP: &str = "write_kv";
     let l = *cache.layout;
-    check_pool(OP, &l, cache.num_blocks, cache.bytes.len(), layer)?;
+    check_pool(OP, &l, cache.num_blocks, cache.len_bytes(), layer)?;
     let row = l.num_kv_heads * l.head_dim;
     check_len(
         OP,
@@ -205,9 +277,8 @@ pub fn write_kv(
         for (part, src) in [(KvPart::K, k), (KvPart::V, v)] {
             for h in 0..l.num_kv_heads {
                 let x = &src[t * row + h * hd..t * row + (h + 1) * hd];
-                let tile = tile_offset(&l, cache.num_blocks, layer, block, h, part);
-                let dst_at = tile + off * hd * l.dtype.elem_bytes();
-                let bytes = &mut *cache.bytes;
+                let dst_at = tile_offset(&l, h, part) + off * hd * l.dtype.elem_bytes();
+                let bytes = cache.slab_mut(layer, block);
                 match l.dtype {
                     KvDtype::F32 => {
                         for (d, &xv) in x.iter().enumerate() {
@@ -236,8 +307,7 @@ pub fn write_kv(
                         KvPart::K => {}
                         KvPart::V => {
                             let scale = scale_f16(abs_max(x) / 127.0);
-                            let s_at =
-                                scales_offset(&l, cache.num_blocks, layer, block, h, KvPart::V);
+                            let s_at = scales_offset(&l, h, KvPart::V);
                             write_f16(bytes, s_at + 2 * off, scale);
                             let sf = scale.to_f32();
                             for (d, &xv) in x.iter().enumerate() {
@@ -269,9 +339,9 @@ fn write_int8_keys(cache: &mut KvCacheMut<'_>, layer: usize, k: &[f32], slots: &
             t1 += 1;
         }
         for h in 0..l.num_kv_heads {
-            let tile = tile_offset(&l, cache.num_blocks, layer, block, h, KvPart::K);
-            let s_at = scales_offset(&l, cache.num_blocks, layer, block, h, KvPart::K);
-            let bytes = &mut *cache.bytes;
+            let tile = tile_offset(&l, h, KvPart::K);
+            let s_at = scales_offset(&l, h, KvPart::K);
+            let bytes = cache.slab_mut(layer, block);
             need.iter_mut().for_each(|n| *n = 0.0);
             for t in t0..t1 {
                 for (n, x) in need
@@ -369,7 +439,7 @@ pub fn read_kv(
     out: &mut [f32],
 ) {
     let l = cache.layout;
-    if let Err(e) = check_pool("read_kv", l, cache.num_blocks, cache.bytes.len(), layer) {
+    if let Err(e) = check_pool("read_kv", l, cache.num_blocks, cache.len_bytes(), layer) {
         panic!("{e}");
     }
     assert!(
@@ -388,10 +458,9 @@ pub fn read_kv(
         l.num_kv_heads
     );
     crate::error::assert_len("read_kv", "out (head_dim)", l.head_dim, out.len());
-    let at = tile_offset(l, cache.num_blocks, layer, block, head, which)
-        + offset * l.head_dim * l.dtype.elem_bytes();
-    let b = cache.bytes;
-    let scales_at = scales_offset(l, cache.num_blocks, layer, block, head, which);
+    let at = tile_offset(l, head, which) + offset * l.head_dim * l.dtype.elem_bytes();
+    let b = cache.slab(layer, block);
+    let scales_at = scales_offset(l, head, which);
     for (d, o) in out.iter_mut().enumerate() {
         *o = match l.dtype {
             KvDtype::F32 => read_f32(b, at + 4 * d),

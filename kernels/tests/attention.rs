@@ -50,11 +50,7 @@ impl Fixture {
             let slots: Vec<usize> = (0..len)
                 .map(|t| table[t / bs] as usize * bs + t % bs)
                 .collect();
-            let mut c = KvCacheMut {
-                layout: &layout,
-                num_blocks,
-                bytes: &mut bytes,
-            };
+            let mut c = KvCacheMut::new(&layout, num_blocks, &mut bytes);
             write_kv(&mut c, 1, &k, &v, &slots).unwrap();
             tables.push(table);
         }
@@ -67,11 +63,7 @@ impl Fixture {
     }
 
     fn cache(&self) -> KvCacheRef<'_> {
-        KvCacheRef {
-            layout: &self.layout,
-            num_blocks: self.num_blocks,
-            bytes: &self.bytes,
-        }
+        KvCacheRef::new(&self.layout, self.num_blocks, &self.bytes)
     }
 }
 

@@ -18,11 +18,7 @@ fn read(
     part: KvPart,
 ) -> Vec<f32> {
     let mut out = vec![0.0; l.head_dim];
-    let c = tandem_kernels::KvCacheRef {
-        layout: l,
-        num_blocks: nb,
-        bytes,
-    };
+    let c = tandem_kernels::KvCacheRef::new(l, nb, bytes);
     read_kv(
         &c,
         layer,
@@ -47,11 +43,7 @@ fn written_tokens_read_back_within_the_dtype_precision() {
         let slots: Vec<usize> = (8..20).collect();
         let k = rng.vec(slots.len() * row, 2.0);
         let v = rng.vec(slots.len() * row, 2.0);
-        let mut c = KvCacheMut {
-            layout: &l,
-            num_blocks: nb,
-            bytes: &mut bytes,
-        };
+        let mut c = KvCacheMut::new(&l, nb, &mut bytes);
         write_kv(&mut c, 1, &k, &v, &slots).unwrap();
         let (rtol, atol) = match dtype {
             KvDtype::F32 => (0.0, 0.0),
@@ -97,11 +89,7 @@ fn int8_keys_requantize_per_channel_and_values_keep_their_own_scale() {
     let big: Vec<f32> = (0..row)
         .map(|i| if i % l.head_dim == 0 { 4.0 } else { 0.25 })
         .collect();
-    let mut c = KvCacheMut {
-        layout: &l,
-        num_blocks: nb,
-        bytes: &mut bytes,
-    };
+    let mut c = KvCacheMut::new(&l, nb, &mut bytes);
     write_kv(&mut c, 0, &small, &small, &[4]).unwrap(); // block 1, offset 0
     write_kv(&mut c, 0, &big, &big, &[5]).unwrap(); // same block: channel 0's key scale grows 8x
     let (k1, k2) = (
@@ -145,11 +133,7 @@ fn writing_offset_zero_resets_a_recycled_blocks_scale() {
     let nb = 1;
     let mut bytes = vec![0u8; l.pool_bytes(nb)];
     let row = l.num_kv_heads * l.head_dim;
-    let mut c = KvCacheMut {
-        layout: &l,
-        num_blocks: nb,
-        bytes: &mut bytes,
-    };
+    let mut c = KvCacheMut::new(&l, nb, &mut bytes);
     // Previous owner: huge values.
     write_kv(&mut c, 0, &vec![100.0; row], &vec![100.0; row], &[0]).unwrap();
     // New owner starts at offset 0 with small values: must get a fine scale, not 100/127.
@@ -165,11 +149,7 @@ fn bad_slots_layers_and_shapes_are_typed_errors() {
     let mut bytes = vec![0u8; l.pool_bytes(nb)];
     let row = l.num_kv_heads * l.head_dim;
     let kv = vec![0.0; 2 * row];
-    let mut c = KvCacheMut {
-        layout: &l,
-        num_blocks: nb,
-        bytes: &mut bytes,
-    };
+    let mut c = KvCacheMut::new(&l, nb, &mut bytes);
     assert_eq!(
         write_kv(&mut c, 0, &kv, &kv, &[1, 8]).unwrap_err(),
         KernelError::SlotOutOfRange {
@@ -192,11 +172,7 @@ fn bad_slots_layers_and_shapes_are_typed_errors() {
         Err(KernelError::ShapeMismatch { what, .. }) if what.starts_with('k')
     ));
     let mut short = vec![0u8; l.pool_bytes(nb) - 4];
-    let mut c = KvCacheMut {
-        layout: &l,
-        num_blocks: nb,
-        bytes: &mut short,
-    };
+    let mut c = KvCacheMut::new(&l, nb, &mut short);
     assert!(matches!(
         write_kv(&mut c, 0, &kv, &kv, &[0, 1]),
         Err(KernelError::ShapeMismatch { .. })

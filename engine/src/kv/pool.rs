@@ -7,8 +7,17 @@
 //! The bytes are either owned (a zeroed allocation, pages mapped lazily by the OS) or external:
 //! memory another component allocated, e.g. kv-transfer's UCX-registered segment, which a peer
 //! writes into directly. With external memory, remote writes land only in blocks the engine has
-//! reserved and does not touch until the transfer has completed and verified; the engine creates
-//! its byte views per forward pass and never reads a block that is being written.
+//! reserved and does not touch until the transfer has completed and verified.
+//!
+//! Soundness: no reference to the whole pool is ever made, because a transport may be writing
+//! reserved blocks at any moment and a whole-pool `&[u8]` / `&mut [u8]` would assert those bytes
+//! unchanged (or exclusively ours). Everything goes through one `(layer, block)` slab at a time:
+//! [`KvPool::slab`] / [`KvPool::slab_mut`] here, and the kernels' views ([`KvPool::view`],
+//! [`KvPool::view_mut`]), which hold the base pointer and hand out slab slices only. The
+//! invariant that makes each slab slice sound is the block manager's: a forward pass reads and
+//! writes only blocks in its sequences' block tables, and a block reserved for an inbound
+//! transfer enters a block table only after the transfer is fenced (complete and verified, or
+//! cancelled). `&mut self` on the writable accessors keeps the engine's own accesses exclusive.
 
 use std::sync::Arc;
 
@@ -95,44 +104,50 @@ impl KvPool {
         self.num_blocks
     }
 
-    /// The pool's bytes.
-    pub fn bytes(&self) -> &[u8] {
-        let len = self.layout.pool_bytes(self.num_blocks);
-        // SAFETY: owned storage holds at least `len` initialised bytes (`Line` is plain bytes);
-        // external storage promises `len` valid bytes for its lifetime (`KvBacking`), and the
-        // borrow of `self` keeps it alive.
-        unsafe { std::slice::from_raw_parts(self.base(), len) }
+    fn len_bytes(&self) -> usize {
+        self.layout.pool_bytes(self.num_blocks)
     }
 
-    /// The pool's bytes, mutable (kv-transfer receives into these).
-    pub fn bytes_mut(&mut self) -> &mut [u8] {
-        let len = self.layout.pool_bytes(self.num_blocks);
-        // SAFETY: as in `bytes`, with the exclusive borrow of `self` making this the engine's
-        // only view (see the module docs for transports writing reserved blocks).
-        unsafe { std::slice::from_raw_parts_mut(self.base(), len) }
+    /// The bytes of slab `(layer, block)`. Panics outside the pool.
+    pub fn slab(&self, layer: usize, block: BlockIdx) -> &[u8] {
+        self.view().slab(layer, block as usize)
     }
 
-    /// A kernel read view.
+    /// The bytes of slab `(layer, block)`, writable (a copy of received KV, tests). Panics
+    /// outside the pool.
+    pub fn slab_mut(&mut self, layer: usize, block: BlockIdx) -> &mut [u8] {
+        let (base, len) = (self.base(), self.len_bytes());
+        // SAFETY: as in `view_mut`; the slice borrows `self` exclusively.
+        let mut view = unsafe { KvCacheMut::from_raw_parts(&self.layout, self.num_blocks, base, len) };
+        let slab = view.slab_mut(layer, block as usize);
+        let (ptr, n) = (slab.as_mut_ptr(), slab.len());
+        // SAFETY: the slab lies in the pool, which `&mut self` keeps alive and ours for the
+        // returned lifetime (the view was only a bounds-checked way to find it).
+        unsafe { std::slice::from_raw_parts_mut(ptr, n) }
+    }
+
+    /// A kernel read view (slab by slab; see the module docs).
     pub fn view(&self) -> KvCacheRef<'_> {
-        KvCacheRef { layout: &self.layout, num_blocks: self.num_blocks, bytes: self.bytes() }
+        // SAFETY: owned storage holds `len` initialised bytes (`Line` is plain bytes); external
+        // storage promises `len` valid bytes for its lifetime (`KvBacking`), and the borrow of
+        // `self` keeps it alive. Slabs read through the view are those of live sequences, which
+        // no transport writes (module docs).
+        unsafe { KvCacheRef::from_raw_parts(&self.layout, self.num_blocks, self.base(), self.len_bytes()) }
     }
 
-    /// A kernel write view.
+    /// A kernel write view (slab by slab; see the module docs).
     pub fn view_mut(&mut self) -> KvCacheMut<'_> {
-        let num_blocks = self.num_blocks;
-        let len = self.layout.pool_bytes(num_blocks);
-        // SAFETY: see `bytes_mut`; `layout` is borrowed shared alongside, a separate field.
-        let bytes = unsafe { std::slice::from_raw_parts_mut(self.base(), len) };
-        KvCacheMut { layout: &self.layout, num_blocks, bytes }
+        let (base, len) = (self.base(), self.len_bytes());
+        // SAFETY: as in `view`, writable (owned: our allocation; external: `KvBacking` promises
+        // writable memory), and `&mut self` makes it the engine's only view while it lives.
+        unsafe { KvCacheMut::from_raw_parts(&self.layout, self.num_blocks, base, len) }
     }
 
     /// The bytes of one block across all layers, copied out in layer order (tests, debugging).
     pub fn block_bytes(&self, block: BlockIdx) -> Vec<u8> {
-        let slab = self.layout.slab_bytes();
         let mut out = Vec::with_capacity(self.layout.block_bytes());
         for layer in 0..self.layout.num_layers {
-            let off = self.layout.slab_offset(self.num_blocks, layer, block as usize);
-            out.extend_from_slice(&self.bytes()[off..off + slab]);
+            out.extend_from_slice(self.slab(layer, block));
         }
         out
     }
@@ -149,11 +164,25 @@ mod tests {
     #[test]
     fn pool_is_aligned_sized_and_zeroed() {
         let layout = KvLayout::new(2, 3, 64, 16, KvDtype::F16, 0).unwrap();
-        let pool = KvPool::new(layout, 7).unwrap();
-        assert_eq!(pool.bytes().len(), layout.pool_bytes(7));
-        assert_eq!(pool.bytes().as_ptr() as usize % 64, 0);
-        assert!(pool.bytes().iter().all(|&b| b == 0));
+        let mut pool = KvPool::new(layout, 7).unwrap();
+        assert_eq!(pool.view().len_bytes(), layout.pool_bytes(7));
+        assert_eq!(pool.slab(0, 0).as_ptr() as usize % 64, 0);
+        assert!((0..7).all(|b| pool.block_bytes(b).iter().all(|&x| x == 0)));
         assert_eq!(pool.block_bytes(3).len(), layout.block_bytes());
         assert!(KvPool::new(layout, 0).is_err());
+        // Slabs are disjoint: writing one changes no other.
+        pool.slab_mut(1, 4).fill(7);
+        for (layer, block) in (0..2).flat_map(|l| (0..7).map(move |b| (l, b))) {
+            let want = if (layer, block) == (1, 4) { 7 } else { 0 };
+            assert!(pool.slab(layer, block).iter().all(|&x| x == want), "({layer}, {block})");
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "outside a pool")]
+    fn a_slab_outside_the_pool_panics_instead_of_aliasing() {
+        let layout = KvLayout::new(2, 3, 64, 16, KvDtype::F16, 0).unwrap();
+        let pool = KvPool::new(layout, 7).unwrap();
+        let _ = pool.slab(0, 7);
     }
 }

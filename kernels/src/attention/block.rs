@@ -55,24 +55,27 @@ impl Rows<'_> {
     }
 }
 
-/// Byte range of the K or V tile of block `b` (table index) for the task's KV head, and for
-/// Int8 the byte offset of its f16 scales (K: one per channel; V: one per token).
+/// The K or V tile of block `b` (table index) for the task's KV head, and for Int8 its f16
+/// scales (K: one per channel; V: one per token).
 fn tile<'c>(
     cache: &KvCacheRef<'c>,
     layer: usize,
     rows: &Rows<'_>,
     b: usize,
     part: KvPart,
-) -> (&'c [u8], Option<usize>) {
+) -> (&'c [u8], Option<&'c [u8]>) {
     let l = cache.layout;
-    let block = rows.seq.block_table[b] as usize;
-    let at = tile_offset(l, cache.num_blocks, layer, block, rows.task.kv_head, part);
-    let scales = (l.dtype == KvDtype::Int8)
-        .then(|| scales_offset(l, cache.num_blocks, layer, block, rows.task.kv_head, part));
-    (
-        &cache.bytes[at..at + rows.bs * l.head_dim * l.dtype.elem_bytes()],
-        scales,
-    )
+    let slab = cache.slab(layer, rows.seq.block_table[b] as usize);
+    let at = tile_offset(l, rows.task.kv_head, part);
+    let scales = (l.dtype == KvDtype::Int8).then(|| {
+        let s = scales_offset(l, rows.task.kv_head, part);
+        let n = match part {
+            KvPart::K => l.head_dim,
+            KvPart::V => rows.bs,
+        };
+        &slab[s..s + 2 * n]
+    });
+    (&slab[at..at + rows.bs * l.head_dim * l.dtype.elem_bytes()], scales)
 }
 
 /// Walks blocks `b0..b1`, prefetching the `part` tile `PREFETCH_BLOCKS` ahead of each.
@@ -121,12 +124,12 @@ pub(super) unsafe fn score_block(
         if n > 0 {
             let qr = &q[rows.at(r)..rows.at(r) + hd];
             let (qr, kscale) = match kscales {
-                Some(at) => {
+                Some(scales) => {
                     qs.clear();
                     qs.extend(
                         qr.iter()
                             .enumerate()
-                            .map(|(c, &x)| x * read_f16(cache.bytes, at + 2 * c)),
+                            .map(|(c, &x)| x * read_f16(scales, 2 * c)),
                     );
                     (&qs[..], Some(1.0))
                 }
@@ -199,8 +202,8 @@ pub(super) unsafe fn v_blocks(
         for (i, b) in chunk.clone().enumerate() {
             let (t, s) = tile(cache, layer, rows, b, KvPart::V);
             tiles[i] = t;
-            if let Some(at) = s {
-                vscales.extend((0..bs).map(|t| read_f16(cache.bytes, at + 2 * t)));
+            if let Some(scales) = s {
+                vscales.extend((0..bs).map(|t| read_f16(scales, 2 * t)));
             }
         }
         let k = chunk.len();

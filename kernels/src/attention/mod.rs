@@ -91,7 +91,7 @@ pub fn paged_attention_on(
 ) -> Result<(), KernelError> {
     const OP: &str = "paged_attention";
     let l = cache.layout;
-    check_pool(OP, l, cache.num_blocks, cache.bytes.len(), layer)?;
+    check_pool(OP, l, cache.num_blocks, cache.len_bytes(), layer)?;
     if n_heads == 0 || !n_heads.is_multiple_of(l.num_kv_heads) {
         return Err(KernelError::NotDivisible {
             op: OP,
