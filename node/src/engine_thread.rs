@@ -118,6 +118,8 @@ pub struct EngineSnapshot {
     pub decode_tokens: u64,
     /// Preemptions by recompute since start.
     pub preemptions: u64,
+    /// Structured outputs ended early because their grammar failed, since start.
+    pub grammar_failures: u64,
 }
 
 impl EngineSnapshot {
@@ -138,6 +140,7 @@ impl EngineSnapshot {
             prefill_tokens: stats.prefill_tokens,
             decode_tokens: stats.decode_tokens,
             preemptions: stats.preemptions,
+            grammar_failures: stats.grammar_failures,
         }
     }
 

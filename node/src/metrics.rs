@@ -18,6 +18,7 @@
 //! | `tandem_node_kv_blocks` | gauge | state | free, used, reserved (decode reservations, prefill blocks awaiting a push) |
 //! | `tandem_node_kv_blocks_capacity` | gauge | – | blocks in the pool |
 //! | `tandem_node_engine_steps_total`, `_computed_prompt_tokens_total`, `_generated_tokens_total`, `_preemptions_total` | counter | – | the engine's own counts |
+//! | `tandem_node_grammar_failures_total` | counter | – | structured outputs ended early because llguidance failed (its limits); each also logged |
 //! | `tandem_node_tokens_per_second` | gauge | – | prompt + generated tokens/s over the last 0.5 s |
 //! | `tandem_kv_transfer_bytes_total` | counter | transport, direction | KV bytes sent (prefill) / received and verified (decode) |
 //! | `tandem_kv_transfers_total` | counter | transport, result | started, confirmed (outbound), received (inbound, verified) |
@@ -312,6 +313,11 @@ fn engine_families(s: &EngineSnapshot) -> Vec<tm::Family> {
             "Sequences preempted (recomputed later) for lack of KV blocks.",
         )
         .value(s.preemptions as f64),
+        tm::Family::counter(
+            "tandem_node_grammar_failures",
+            "Structured outputs ended early because their grammar failed (llguidance's limits).",
+        )
+        .value(s.grammar_failures as f64),
     ]
 }
 
