@@ -30,9 +30,23 @@ def run(cmd):
     return out.stdout
 
 
+QUANTIZED = ("q8_0", "q4_1")
+
+
+def gguf_for(args, dtype):
+    """The file both engines read for `dtype`: the served model itself for q4_1 (Q4_1 layers, a
+    Q8_0 embedding), llama-quantize's conversion of it otherwise."""
+    if dtype == "q4_1":
+        return args.model
+    return os.path.join(args.peer_models, f"smollm2-{dtype.upper()}.gguf")
+
+
 def ours(args, dtype):
-    rep = json.loads(run([args.tandem, "bench-engine", "--dtype", dtype, "--runs", "1",
-                          "--format", "json", "--model", args.model, "--prompt-len", "512",
+    # Quantized files run as stored (`--dtype auto` keeps their blocks); f32 / f16 convert the
+    # served model at load, which gives the values llama-quantize wrote into those files.
+    model, flag = (gguf_for(args, dtype), "auto") if dtype in QUANTIZED else (args.model, dtype)
+    rep = json.loads(run([args.tandem, "bench-engine", "--dtype", flag, "--runs", "1",
+                          "--format", "json", "--model", model, "--prompt-len", "512",
                           "--decode-prompt-len", "32", "--decode-tokens", "64",
                           "--batch", ",".join(map(str, BATCHES))]))
     figs = {"prefill_512": rep["prefill_tok_s"]}
@@ -57,7 +71,7 @@ def gemm_gflops():
 
 
 def peer(args, dtype):
-    gguf = os.path.join(args.peer_models, f"smollm2-{dtype.upper()}.gguf")
+    gguf = gguf_for(args, dtype)
     threads = str(os.cpu_count())
     pp = json.loads(run([os.path.join(args.peer_bin, "llama-bench"), "-m", gguf, "-t", threads,
                          "-p", "512", "-n", "0", "-r", "1", "-o", "json"]))
@@ -79,7 +93,7 @@ def main():
     ap.add_argument("--peer-bin", required=True)
     ap.add_argument("--peer-models", required=True)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--dtypes", default="f32,f16")
+    ap.add_argument("--dtypes", default="f32,f16,q8_0,q4_1")
     ap.add_argument("--json", help="also write the full results here")
     args = ap.parse_args()
     dtypes = args.dtypes.split(",")

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Measures tandem's engine against llama.cpp, the peer of ../shared/BASELINES.md, on this machine,
 # in one run: it builds llama.cpp (the revision bundled in llama-cpp-python 0.3.36, the one the
-# baselines used) under .tandem/peer/, makes F32 and F16 GGUFs from the served Q4_1 model with
-# llama-quantize (dequantised, so both engines run the same weights), then alternates rounds of
+# baselines used) under .tandem/peer/, makes F32, F16 and Q8_0 GGUFs from the served Q4_1 model
+# with llama-quantize (so both engines run the same weights; q4_1 is the served file itself, run
+# as stored by both), then alternates rounds of
 # `tandem bench-engine` and llama.cpp's llama-bench / llama-batched-bench and prints medians,
 # min–max and per-round ratios (bench/peer.py). Shared, noisy machines: trust the ratios.
 #
-#   bench/peer.sh                # 5 rounds, F32 and F16
+#   bench/peer.sh                # 5 rounds, F32, F16, Q8_0 and Q4_1
 #   bench/peer.sh --rounds 3 --dtypes f16 --json out.json
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,7 +26,8 @@ if [[ ! -x "$bin/llama-batched-bench" || ! -x "$bin/llama-bench" || ! -x "$bin/l
   [[ -f "$peer/llama_cpp_python-0.3.36.tar.gz" ]] ||
     "$venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps \
       --no-build-isolation --no-binary :all: -d "$peer" llama-cpp-python==0.3.36 >&2
-  tar -xzf "$peer/llama_cpp_python-0.3.36.tar.gz" -C "$peer"
+  # Unpacked once: unpacking again would touch every source and rebuild all of llama.cpp.
+  [[ -d "$src" ]] || tar -xzf "$peer/llama_cpp_python-0.3.36.tar.gz" -C "$peer"
   cmake="$venv/bin/cmake"
   "$cmake" -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF >"$peer/cmake.log" 2>&1
@@ -34,7 +36,7 @@ if [[ ! -x "$bin/llama-batched-bench" || ! -x "$bin/llama-bench" || ! -x "$bin/l
 fi
 
 model="$(target/release/tandem model path)"
-for t in F32 F16; do
+for t in F32 F16 Q8_0; do
   [[ -f "$peer/smollm2-$t.gguf" ]] ||
     "$bin/llama-quantize" --allow-requantize "$model" "$peer/smollm2-$t.gguf" "$t" >"$peer/quantize-$t.log" 2>&1
 done

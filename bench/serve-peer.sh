@@ -30,7 +30,8 @@ if [[ ! -x "$bin/llama-server" || ! -x "$bin/llama-quantize" ]]; then
     "$venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps \
       --no-build-isolation --no-binary :all: -d "$peer" llama-cpp-python==0.3.36 >&2 ||
     fail "downloading llama-cpp-python 0.3.36 (the llama.cpp sources)"
-  tar -xzf "$peer/llama_cpp_python-0.3.36.tar.gz" -C "$peer" || fail "unpacking llama.cpp"
+  # Unpacked once: unpacking again would touch every source and rebuild all of llama.cpp.
+  [[ -d "$src" ]] || tar -xzf "$peer/llama_cpp_python-0.3.36.tar.gz" -C "$peer" || fail "unpacking llama.cpp"
   "$venv/bin/cmake" -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF >"$peer/cmake.log" 2>&1 ||
     fail "configuring llama.cpp" "$peer/cmake.log"

@@ -96,7 +96,8 @@ impl Spread {
 #[derive(Debug, Serialize)]
 struct Report {
     model: String,
-    dtype: &'static str,
+    /// The `--dtype` choice and the storage it gave, e.g. `auto (q4_1+q8_0)`.
+    dtype: String,
     kv_dtype: &'static str,
     threads: usize,
     prompt_len: usize,
@@ -259,6 +260,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<String> {
     let mut mem_bw = measure_read_bandwidth_gbs();
     let model = engine.model();
     let bytes_per_token = model.weight_bytes_per_token();
+    let storage = model.weight_storage();
     let cfg = model.config().clone();
     let flops_per_token = 2
         * (cfg.param_count() - (cfg.vocab_size * cfg.hidden_size) as u64
@@ -301,7 +303,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<String> {
             || "SmolLM2-135M-Instruct (default)".into(),
             |p| p.display().to_string(),
         ),
-        dtype: eargs.dtype.as_str(),
+        dtype: format!("{} ({storage})", eargs.dtype),
         kv_dtype: eargs.kv_dtype.as_str(),
         threads: tandem_engine::kernels_threads(),
         prompt_len: args.prompt_len,

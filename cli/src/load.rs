@@ -31,6 +31,7 @@ pub fn engine_from_args(args: &EngineArgs) -> anyhow::Result<Engine> {
         heads = c.num_attention_heads,
         kv_heads = c.kv_heads(),
         dtype = args.dtype.as_str(),
+        storage = model.weight_storage(),
         weight_mib = model.weight_bytes() >> 20,
         load_ms = t0.elapsed().as_millis() as u64,
         "model loaded"

@@ -9,12 +9,12 @@ use std::time::Duration;
 
 use clap::Args;
 use serde::{Deserialize, Serialize};
-use tandem_kernels::WeightDtype;
+
 use tandem_kv_layout::KvDtype;
 
 use crate::engine::{EngineConfig, KvCapacity};
 use crate::error::EngineError;
-use crate::loader::ModelSource;
+use crate::loader::{DtypeChoice, ModelSource};
 use crate::scheduler::{ClassPolicy, SchedulerConfig};
 
 /// How to build an engine: which weights, in which dtype, with how much KV and which scheduling.
@@ -34,11 +34,14 @@ pub struct EngineArgs {
     #[arg(long, env = "TANDEM_DUMMY_SEED", default_value_t = 0)]
     pub dummy_seed: u64,
 
-    /// Compute dtype of the weights (dequantised at load): f32, f16 or bf16. f32 is the default:
-    /// it is exact against the f32 reference; f16 halves the bytes streamed per token.
-    #[arg(long, env = "TANDEM_DTYPE", default_value = "f32", value_parser = parse_weight_dtype)]
+    /// How the weights are held: `auto` (default) keeps a GGUF's Q8_0 / Q4_1 blocks and
+    /// F16 / BF16 tensors as stored, computing exactly the f32 path's output with the file's
+    /// bytes in memory (other quantization types are dequantised to f32, said in the log);
+    /// `f32`, `f16`, `bf16`, `q8_0` or `q4_1` converts every matrix (f16 halves the bytes of f32
+    /// but rounds; q8_0 / q4_1 quantize what the file does not already store so).
+    #[arg(long, env = "TANDEM_DTYPE", default_value = "auto", value_parser = parse_weight_dtype)]
     #[serde(with = "weight_dtype_name")]
-    pub dtype: WeightDtype,
+    pub dtype: DtypeChoice,
 
     /// Element type of the KV cache: f32, f16, bf16 or int8 (per-block scales).
     #[arg(long, env = "TANDEM_KV_DTYPE", default_value = "f32", value_parser = parse_kv_dtype)]
@@ -104,16 +107,16 @@ pub struct EngineArgs {
     pub max_model_len: usize,
 }
 
-/// (De)serialises a [`WeightDtype`] by its name, so config files say `dtype = "f16"`.
+/// (De)serialises a [`DtypeChoice`] by its name, so config files say `dtype = "f16"`.
 mod weight_dtype_name {
-    use super::WeightDtype;
+    use super::DtypeChoice;
     use serde::{Deserialize, Deserializer, Serializer};
 
-    pub fn serialize<S: Serializer>(d: &WeightDtype, s: S) -> Result<S::Ok, S::Error> {
+    pub fn serialize<S: Serializer>(d: &DtypeChoice, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(d.as_str())
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<WeightDtype, D::Error> {
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<DtypeChoice, D::Error> {
         String::deserialize(d)?.parse().map_err(serde::de::Error::custom)
     }
 }
@@ -126,8 +129,8 @@ fn default_batch_aging_ms() -> u64 {
     2000
 }
 
-fn parse_weight_dtype(s: &str) -> Result<WeightDtype, String> {
-    s.parse::<WeightDtype>().map_err(|e| e.to_string())
+fn parse_weight_dtype(s: &str) -> Result<DtypeChoice, String> {
+    s.parse::<DtypeChoice>().map_err(|e| e.to_string())
 }
 
 fn parse_kv_dtype(s: &str) -> Result<KvDtype, String> {

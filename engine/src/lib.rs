@@ -36,7 +36,7 @@ pub use engine::{
     ChunkView, Completion, Engine, EngineConfig, EngineStats, FinishReason, KvCapacity, LayerDone, Request, StepOutput, Usage,
 };
 pub use error::EngineError;
-pub use loader::{LoadedModel, ModelSource};
+pub use loader::{DtypeChoice, LoadedModel, ModelSource};
 pub use model::Model;
 pub use sampler::{SamplingParams, TokenLogprob};
 pub use scheduler::{ClassPolicy, Priority, SchedulerConfig};

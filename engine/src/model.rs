@@ -85,9 +85,20 @@ impl Model {
         self.weights.fingerprint
     }
 
-    /// The compute dtype of the weights.
-    pub fn weight_dtype(&self) -> WeightDtype {
-        self.weights.embed.dtype()
+    /// How the matrices are stored, largest share first: e.g. `q4_1+q8_0` for the default
+    /// model under `--dtype auto` (Q4_1 layers, a Q8_0 embedding), `f32` for an f32 load.
+    pub fn weight_storage(&self) -> String {
+        let w = &self.weights;
+        let mut by_dtype: Vec<(WeightDtype, usize)> = Vec::new();
+        let mats = w.layers.iter().flat_map(|l| [&l.qkv, &l.o_proj, &l.gate_up, &l.down]);
+        for m in mats.chain([&w.embed]).chain(w.lm_head.as_ref()) {
+            match by_dtype.iter_mut().find(|(d, _)| *d == m.dtype()) {
+                Some((_, b)) => *b += m.size_bytes(),
+                None => by_dtype.push((m.dtype(), m.size_bytes())),
+            }
+        }
+        by_dtype.sort_by(|a, b| b.1.cmp(&a.1));
+        by_dtype.iter().map(|(d, _)| d.as_str()).collect::<Vec<_>>().join("+")
     }
 
     /// Bytes of weights held in memory.

@@ -1,11 +1,12 @@
 //! Every way in: the engine serves the same model from a Hugging Face safetensors directory
-//! (converted by an independent Python script) as from the GGUF, and `--dummy-weights` builds
-//! seeded random weights of any shape, identical for identical seeds.
+//! (converted by an independent Python script) as from the GGUF, the GGUF's quantized blocks
+//! kept as stored (`--dtype auto`) serve the f32 path's exact output, and `--dummy-weights`
+//! builds seeded random weights of any shape, identical for identical seeds.
 
 mod common;
 
 use common::*;
-use tandem_engine::{Engine, KvDtype, Model, ModelSource, WeightDtype, loader};
+use tandem_engine::{DtypeChoice, Engine, EngineError, KvDtype, Model, ModelSource, WeightDtype, loader};
 
 #[test]
 fn a_safetensors_directory_serves_the_same_tokens_as_the_gguf() {
@@ -63,4 +64,83 @@ fn dummy_weights_of_any_shape_are_seeded_and_runnable() {
     assert_eq!(ta, tb, "same seed, same weights, same tokens");
     assert_ne!(ta, tc);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Greedy outputs with each token's log probability and top-5 (their Debug text: equal text,
+/// equal bits).
+fn greedy_with_logprobs(engine: &mut Engine, prompts: &[Vec<u32>]) -> Vec<(u64, u32, String)> {
+    let reqs = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let mut r = greedy(i as u64, p.clone(), 32);
+            r.params.logprobs = true;
+            r.params.top_logprobs = 5;
+            r
+        })
+        .collect();
+    let mut out = Vec::new();
+    engine.generate(reqs, |o| out.push((o.request_id, o.token, format!("{:?}", o.logprob)))).unwrap();
+    out
+}
+
+#[test]
+fn auto_keeps_the_files_quantized_blocks_and_serves_the_f32_paths_exact_output() {
+    let src = ModelSource::Path(model_path());
+    let f32w = loader::load(&src, WeightDtype::F32).unwrap();
+    let auto = loader::load(&src, DtypeChoice::Auto).unwrap();
+    // The default model: Q4_1 layers and a Q8_0 embedding (tied LM head), as the file has them.
+    assert_eq!(auto.weights.embed.dtype(), WeightDtype::Q8_0);
+    for l in &auto.weights.layers {
+        for w in [&l.qkv, &l.o_proj, &l.gate_up, &l.down] {
+            assert_eq!(w.dtype(), WeightDtype::Q4_1);
+        }
+    }
+    assert_eq!(auto.weights.fingerprint, f32w.weights.fingerprint, "same values, same KV");
+    let (fm, am) = (Model::new(f32w.weights), Model::new(auto.weights));
+    let file = std::fs::metadata(model_path()).unwrap().len() as f64;
+    let held = am.weight_bytes() as f64;
+    assert!((0.93..=1.0).contains(&(held / file)), "auto holds {held} bytes for a {file}-byte file");
+    assert!(fm.weight_bytes() as f64 > 5.0 * held);
+
+    let mut f = Engine::new(fm, f32w.tokenizer, config(KvDtype::F32, 256)).unwrap();
+    let mut a = Engine::new(am, auto.tokenizer, config(KvDtype::F32, 256)).unwrap();
+    let prompts = test_prompts(&f);
+    let (want, got) = (greedy_with_logprobs(&mut f, &prompts), greedy_with_logprobs(&mut a, &prompts));
+    assert_eq!(want.len(), prompts.len() * 32);
+    for (w, g) in want.iter().zip(&got) {
+        assert_eq!(w, g, "request {}: token and log probabilities, f32 vs auto", w.0);
+    }
+}
+
+#[test]
+fn a_corrupt_quantized_block_is_a_load_error_naming_the_tensor() {
+    let (content, _) = loader::gguf::open(&model_path()).unwrap();
+    let name = "blk.3.ffn_down.weight";
+    let at = content.tensor_data_offset + content.tensor_infos[name].offset;
+    let mut bytes = std::fs::read(model_path()).unwrap();
+    // The first block's scale `d` (Q4_1: f16 d, f16 m, 16 bytes of nibbles) becomes a NaN.
+    bytes[at as usize..at as usize + 2].copy_from_slice(&0x7e00u16.to_le_bytes());
+    let path = std::env::temp_dir().join(format!("tandem-corrupt-{}.gguf", std::process::id()));
+    std::fs::write(&path, &bytes).unwrap();
+    let err = loader::load(&ModelSource::Path(path.clone()), DtypeChoice::Auto).err().expect("a corrupt block fails");
+    let _ = std::fs::remove_file(&path);
+    match &err {
+        EngineError::ModelFormat { reason, .. } => {
+            assert!(reason.contains(name) && reason.contains("scale") && reason.contains("not finite"), "{reason}")
+        }
+        e => panic!("expected ModelFormat naming {name}, got {e}"),
+    }
+}
+
+#[test]
+fn a_fixed_quantized_dtype_requantizes_what_the_file_does_not_store_so() {
+    let l = loader::load(&ModelSource::Path(model_path()), WeightDtype::Q8_0).unwrap();
+    assert!(l.weights.layers.iter().all(|l| l.gate_up.dtype() == WeightDtype::Q8_0));
+    let f32w = loader::load(&ModelSource::Path(model_path()), WeightDtype::F32).unwrap();
+    assert_ne!(l.weights.fingerprint, f32w.weights.fingerprint, "other values, other KV");
+    let mut e = Engine::new(Model::new(l.weights), l.tokenizer, config(KvDtype::F32, 64)).unwrap();
+    let prompts = test_prompts(&e);
+    let out = run(&mut e, vec![greedy(1, prompts[0].clone(), 8)]).remove(0);
+    assert_eq!(out.tokens.len(), 8);
 }

@@ -106,9 +106,21 @@ pub enum KernelError {
         /// The other.
         seq_b: usize,
     },
-    /// A weight dtype name is not one of f32, f16, bf16.
-    #[error("unknown weight dtype `{0}` (expected f32, f16 or bf16)")]
+    /// A weight dtype name is not one of f32, f16, bf16, q8_0, q4_1.
+    #[error("unknown weight dtype `{0}` (expected f32, f16, bf16, q8_0 or q4_1)")]
     UnknownWeightDtype(String),
+    /// A quantized block's scale (or minimum) is not a finite number: the file is corrupt.
+    #[error("quantized weight row {row}, block {block}: its {what} is {value} (not finite)")]
+    BadQuantBlock {
+        /// Row (output feature) of the block.
+        row: usize,
+        /// Block index along the row (32 columns each).
+        block: usize,
+        /// `scale` or `min`.
+        what: &'static str,
+        /// The value found, rendered (`NaN`, `inf`).
+        value: String,
+    },
     /// An instruction-set name is not one of portable, avx2, avx512, auto.
     #[error("unknown kernel instruction set `{0}` (expected portable, avx2, avx512 or auto)")]
     UnknownIsa(String),
@@ -141,6 +153,7 @@ impl KernelError {
             KernelError::QueryRowsOutOfRange { .. } => "query_rows_out_of_range",
             KernelError::QueryRowsOverlap { .. } => "query_rows_overlap",
             KernelError::UnknownWeightDtype(_) => "unknown_weight_dtype",
+            KernelError::BadQuantBlock { .. } => "bad_quant_block",
             KernelError::UnknownIsa(_) => "unknown_isa",
             KernelError::IsaUnsupported(_) => "isa_unsupported",
             KernelError::ZeroThreads => "zero_threads",

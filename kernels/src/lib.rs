@@ -43,6 +43,7 @@ mod linear;
 mod norm;
 pub mod pool;
 pub mod probe;
+pub mod quant;
 pub mod reference;
 mod rope;
 mod simd;

@@ -10,7 +10,8 @@
 //! multiply-adds) run on the caller alone, where a dispatch would cost more than it saves.
 //!
 //! Cost: `m * rows * cols` FMAs; the weights are read once per call (per 4-panel group for
-//! large `m`, which then stays in L2 while all rows stream past it).
+//! large `m`, which then stays in L2 while all rows stream past it). Quantized weights
+//! ([`crate::quant`]) are decoded in registers to the same f32 values, so the same chain runs.
 
 use crate::error::assert_len;
 use crate::simd::{Isa, portable};
@@ -77,6 +78,14 @@ unsafe fn linear_panels(
     p0: usize,
     p1: usize,
 ) {
+    if w.dtype().is_quantized() {
+        return match isa {
+            // AVX-512F CPUs have AVX2, FMA and F16C; the bits are the same either way.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 | Isa::Avx2 => unsafe { crate::simd::avx2_quant::linear_panels(x, m, w, out, p0, p1) },
+            _ => unsafe { portable::linear_panels_quant(x, m, w, out, p0, p1) },
+        };
+    }
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { crate::simd::avx512_gemm::linear_panels(x, m, w, out, p0, p1) },

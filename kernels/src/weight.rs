@@ -12,6 +12,9 @@
 //! features, and every output element is one fused-multiply-add chain over `k` (see
 //! [`crate::linear`]). The last panel is padded with zero rows. Buffers are 64-byte aligned.
 //!
+//! Block-quantized weights (`Q8_0`, `Q4_1`: GGUF's formats, kept as the file stores them) use
+//! the same panels with a per-32-column record layout instead; see [`crate::quant`].
+//!
 //! Costs: packing is one pass over the matrix at load time; [`Weight::row_to_f32`] (embedding
 //! lookup) gathers one row with stride 32 elements, `cols` reads.
 
@@ -31,15 +34,42 @@ pub enum WeightDtype {
     F16,
     /// 2-byte bfloat16 (widened to f32 exactly before use).
     Bf16,
+    /// GGUF Q8_0: blocks of 32 weights `q as f32 * d` (`q` i8, `d` f16), 8.5 bits a weight.
+    Q8_0,
+    /// GGUF Q4_1: blocks of 32 weights `q as f32 * d + m` (`q` 4 bits, `d`, `m` f16), 5 bits a
+    /// weight.
+    Q4_1,
 }
 
 impl WeightDtype {
-    /// Bytes per stored element.
+    /// Bytes per stored element of a float dtype.
+    ///
+    /// # Panics
+    /// For a quantized dtype, which has no whole number of bytes per element (see
+    /// [`WeightDtype::bits_per_weight`]).
     pub const fn elem_bytes(self) -> usize {
         match self {
             WeightDtype::F32 => 4,
             WeightDtype::F16 | WeightDtype::Bf16 => 2,
+            WeightDtype::Q8_0 | WeightDtype::Q4_1 => {
+                panic!("WeightDtype::elem_bytes: a quantized dtype has no per-element size")
+            }
         }
+    }
+
+    /// Stored bits per weight, scales included (the GGUF file's own figure for quantized types).
+    pub const fn bits_per_weight(self) -> f64 {
+        match self {
+            WeightDtype::F32 => 32.0,
+            WeightDtype::F16 | WeightDtype::Bf16 => 16.0,
+            WeightDtype::Q8_0 => 8.5,
+            WeightDtype::Q4_1 => 5.0,
+        }
+    }
+
+    /// Block-quantized (decoded in registers by the `linear` kernels, columns in blocks of 32).
+    pub const fn is_quantized(self) -> bool {
+        matches!(self, WeightDtype::Q8_0 | WeightDtype::Q4_1)
     }
 
     /// A stable lowercase name, used in flags, metrics labels and logs.
@@ -48,6 +78,8 @@ impl WeightDtype {
             WeightDtype::F32 => "f32",
             WeightDtype::F16 => "f16",
             WeightDtype::Bf16 => "bf16",
+            WeightDtype::Q8_0 => "q8_0",
+            WeightDtype::Q4_1 => "q4_1",
         }
     }
 }
@@ -65,6 +97,8 @@ impl std::str::FromStr for WeightDtype {
             "f32" | "float32" => Ok(WeightDtype::F32),
             "f16" | "float16" | "half" => Ok(WeightDtype::F16),
             "bf16" | "bfloat16" => Ok(WeightDtype::Bf16),
+            "q8_0" => Ok(WeightDtype::Q8_0),
+            "q4_1" => Ok(WeightDtype::Q4_1),
             _ => Err(KernelError::UnknownWeightDtype(s.to_string())),
         }
     }
@@ -169,6 +203,10 @@ impl Weight {
             got: rows,
         })?;
         crate::error::check_len("Weight::from_f32", "data", expected, len)?;
+        if dtype.is_quantized() {
+            let blocks = crate::quant::quantize_rows(dtype, rows, cols, &get)?;
+            return Weight::from_gguf_blocks(rows, cols, dtype, &blocks);
+        }
         let panels = rows.div_ceil(PANEL_ROWS);
         let esz = dtype.elem_bytes();
         let mut buf = AlignedBytes::zeroed(panels * cols * PANEL_ROWS * esz);
@@ -185,6 +223,7 @@ impl Weight {
                     }
                     WeightDtype::Bf16 => bytes[at..at + 2]
                         .copy_from_slice(&bf16::from_f32(v).to_bits().to_le_bytes()),
+                    WeightDtype::Q8_0 | WeightDtype::Q4_1 => unreachable!("quantized above"),
                 }
             }
         }
@@ -194,6 +233,20 @@ impl Weight {
             dtype,
             data: buf,
         })
+    }
+
+    /// Keeps GGUF quantized blocks as they are: `blocks` holds `rows` rows of `cols / 32`
+    /// blocks each, row-major, in the file's encoding of `dtype` (`Q8_0` or `Q4_1`). Fails on a
+    /// wrong length, `cols` not a multiple of 32, a float `dtype`, or a block whose scale or
+    /// minimum is not finite ([`KernelError::BadQuantBlock`]: the file is corrupt).
+    pub fn from_gguf_blocks(
+        rows: usize,
+        cols: usize,
+        dtype: WeightDtype,
+        blocks: &[u8],
+    ) -> Result<Weight, KernelError> {
+        let data = crate::quant::pack_gguf(dtype, rows, cols, blocks)?;
+        Ok(Weight { rows, cols, dtype, data })
     }
 
     /// Output features.
@@ -221,9 +274,13 @@ impl Weight {
         self.rows.div_ceil(PANEL_ROWS)
     }
 
-    /// Bytes of one packed panel (`cols * 32 * elem_bytes`).
+    /// Bytes of one packed panel (`cols * 32 * elem_bytes`; quantized: `cols / 32` records).
     pub(crate) fn panel_bytes(&self) -> usize {
-        self.cols * PANEL_ROWS * self.dtype.elem_bytes()
+        if self.dtype.is_quantized() {
+            crate::quant::panel_bytes(self.dtype, self.cols)
+        } else {
+            self.cols * PANEL_ROWS * self.dtype.elem_bytes()
+        }
     }
 
     /// The packed bytes (module docs give the layout).
@@ -239,6 +296,9 @@ impl Weight {
             self.rows,
             self.cols
         );
+        if self.dtype.is_quantized() {
+            return crate::quant::load(self.dtype, self.packed(), self.cols, r, k);
+        }
         let esz = self.dtype.elem_bytes();
         let at = (((r / PANEL_ROWS) * self.cols + k) * PANEL_ROWS + r % PANEL_ROWS) * esz;
         load_elem(self.dtype, self.packed(), at)
@@ -252,6 +312,12 @@ impl Weight {
             self.rows
         );
         crate::error::assert_len("Weight::row_to_f32", "out", self.cols, out.len());
+        if self.dtype.is_quantized() {
+            for (k, o) in out.iter_mut().enumerate() {
+                *o = crate::quant::load(self.dtype, self.packed(), self.cols, r, k);
+            }
+            return;
+        }
         let esz = self.dtype.elem_bytes();
         let base = (r / PANEL_ROWS) * self.cols * PANEL_ROWS + r % PANEL_ROWS;
         let bytes = self.packed();
@@ -274,6 +340,9 @@ pub(crate) fn load_elem(dtype: WeightDtype, bytes: &[u8], at: usize) -> f32 {
             bytes[at..at + 2].try_into().expect("2 bytes"),
         ))
         .to_f32(),
+        WeightDtype::Q8_0 | WeightDtype::Q4_1 => {
+            unreachable!("load_elem: quantized weights are read by crate::quant")
+        }
     }
 }
 

@@ -91,6 +91,7 @@ pub fn build_engine(
     tracing::info!(
         model = ?source,
         dtype = args.dtype.as_str(),
+        storage = engine.model().weight_storage(),
         kv_blocks = num_blocks,
         kv_layout = %layout,
         fingerprint = format_args!("{:016x}", layout.fingerprint()),

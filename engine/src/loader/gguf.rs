@@ -1,5 +1,7 @@
 //! GGUF checkpoints (llama.cpp's format): metadata, tokenizer and (quantised) tensors, read through
-//! candle-core's GGUF reader and dequantised to f32 before conversion to the compute dtype.
+//! candle-core's GGUF reader. Q8_0 and Q4_1 tensors keep their blocks when the dtype choice allows
+//! ([`DtypeChoice`]: `auto`, or that very type), un-permuted and fused by rows as the f32 path
+//! does; every other tensor is dequantised to f32 and converted to the dtype asked for.
 //!
 //! Cost: one pass over the file to hash it (the fingerprint) and one to read tensors; for the
 //! default 98 MB SmolLM2 file that is well under a second.
@@ -8,11 +10,14 @@ use std::fs::File;
 use std::io::BufReader;
 use std::path::Path;
 
-use candle_core::Device;
-use candle_core::quantized::gguf_file::Content;
-use tandem_kernels::WeightDtype;
+use std::collections::BTreeSet;
 
-use super::{LayerWeights, LoadedModel, ModelWeights, fingerprint, require_file, unpermute_rows, weight};
+use candle_core::Device;
+use candle_core::quantized::GgmlDType;
+use candle_core::quantized::gguf_file::Content;
+use tandem_kernels::{KernelError, Weight, WeightDtype, quant};
+
+use super::{DtypeChoice, LayerWeights, LoadedModel, ModelWeights, fingerprint, require_file, unpermute_rows, weight};
 use crate::config::ModelConfig;
 use crate::error::EngineError;
 use crate::tokenizer::Tokenizer;
@@ -33,9 +38,113 @@ struct Reader<'a> {
     content: &'a Content,
     file: BufReader<File>,
     path: &'a Path,
+    choice: DtypeChoice,
+    /// File types with no kernel already reported in the log.
+    dequantized: BTreeSet<String>,
+}
+
+/// One tensor of a (possibly fused) matrix: its name, rows and, for Q/K, the heads to
+/// un-permute `(heads, head_dim)`.
+struct Part {
+    name: String,
+    rows: usize,
+    unpermute: Option<(usize, usize)>,
+}
+
+impl Part {
+    fn plain(name: String, rows: usize) -> Part {
+        Part { name, rows, unpermute: None }
+    }
+}
+
+/// The kernel dtype of a file type (`None`: no kernel; the tensor is dequantised).
+fn kernel_dtype(t: GgmlDType) -> Option<WeightDtype> {
+    match t {
+        GgmlDType::F32 => Some(WeightDtype::F32),
+        GgmlDType::F16 => Some(WeightDtype::F16),
+        GgmlDType::BF16 => Some(WeightDtype::Bf16),
+        GgmlDType::Q8_0 => Some(WeightDtype::Q8_0),
+        GgmlDType::Q4_1 => Some(WeightDtype::Q4_1),
+        _ => None,
+    }
 }
 
 impl Reader<'_> {
+    fn file_type(&self, name: &str) -> Result<GgmlDType, EngineError> {
+        self.content
+            .tensor_infos
+            .get(name)
+            .map(|i| i.ggml_dtype)
+            .ok_or_else(|| EngineError::MissingTensor { name: name.to_string() })
+    }
+
+    /// The `rows × cols` matrix `name`, made of `parts` stacked by rows, stored as the dtype
+    /// choice says: the file's blocks kept when every part is of one quantized type the choice
+    /// allows, else dequantised to f32 and converted.
+    fn matrix(&mut self, name: &str, parts: &[Part], cols: usize) -> Result<Weight, EngineError> {
+        let types = parts.iter().map(|p| self.file_type(&p.name)).collect::<Result<Vec<_>, _>>()?;
+        let common = types.iter().all(|t| *t == types[0]).then(|| kernel_dtype(types[0])).flatten();
+        let dtype = self.choice.for_tensor(common);
+        if self.choice == DtypeChoice::Auto {
+            for t in types.iter().filter(|t| kernel_dtype(**t).is_none()) {
+                if self.dequantized.insert(format!("{t:?}")) {
+                    tracing::warn!(file_type = ?t, tensor = name, "no kernel for this quantization type: its tensors are dequantised to f32 at load");
+                }
+            }
+        }
+        let rows: usize = parts.iter().map(|p| p.rows).sum();
+        if dtype.is_quantized() && common == Some(dtype) {
+            let row_bytes = cols / quant::QK * quant::gguf_block_bytes(dtype);
+            let mut bytes = Vec::with_capacity(rows * row_bytes);
+            for p in parts {
+                let b = self.read_blocks(&p.name, &[p.rows, cols])?;
+                match p.unpermute {
+                    Some((heads, hd)) => bytes.extend(unpermute_rows(&b, heads, hd, row_bytes)),
+                    None => bytes.extend(b),
+                }
+            }
+            return Weight::from_gguf_blocks(rows, cols, dtype, &bytes).map_err(|e| {
+                let part = match &e {
+                    KernelError::BadQuantBlock { row, .. } => {
+                        let mut end = 0;
+                        parts.iter().find(|p| {
+                            end += p.rows;
+                            *row < end
+                        })
+                    }
+                    _ => None,
+                };
+                EngineError::ModelFormat {
+                    path: self.path.into(),
+                    reason: format!("tensor `{}`: {e}", part.map_or(name, |p| p.name.as_str())),
+                }
+            });
+        }
+        let mut data = Vec::with_capacity(rows * cols);
+        for p in parts {
+            let t = self.read(&p.name, &[p.rows, cols])?;
+            match p.unpermute {
+                Some((heads, hd)) => data.extend(unpermute_rows(&t, heads, hd, cols)),
+                None => data.extend(t),
+            }
+        }
+        weight(name, rows, cols, data, dtype)
+    }
+
+    /// The raw GGUF blocks of tensor `name`, its shape checked.
+    fn read_blocks(&mut self, name: &str, shape: &[usize]) -> Result<Vec<u8>, EngineError> {
+        let bad = |e: candle_core::Error| EngineError::ModelFormat {
+            path: self.path.into(),
+            reason: format!("tensor `{name}`: {e}"),
+        };
+        let q = self.content.tensor(&mut self.file, name, &Device::Cpu).map_err(bad)?;
+        let dims = q.shape().dims().to_vec();
+        if dims != shape {
+            return Err(EngineError::TensorShape { name: name.to_string(), expected: shape.to_vec(), got: dims });
+        }
+        Ok(q.data().map_err(bad)?.into_owned())
+    }
+
     /// Reads tensor `name` as f32, checking its shape (`[rows, cols]` or `[len]`).
     fn read(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>, EngineError> {
         if !self.content.tensor_infos.contains_key(name) {
@@ -76,41 +185,42 @@ pub fn tokenizer_of(path: &Path) -> Result<Tokenizer, EngineError> {
     Ok(Tokenizer::from_gguf(&meta)?)
 }
 
-/// Loads a Llama-family GGUF: config, tokenizer and weights in `dtype`.
-pub fn load(path: &Path, dtype: WeightDtype) -> Result<LoadedModel, EngineError> {
+/// Loads a Llama-family GGUF: config, tokenizer and weights stored as `choice` says.
+pub fn load(path: &Path, choice: DtypeChoice) -> Result<LoadedModel, EngineError> {
     let content_hash = hash_file(path)?;
     let (content, file) = open(path)?;
     let config = ModelConfig::from_gguf(&content, path)?;
     let tokenizer = tokenizer_of(path)?;
-    let mut r = Reader { content: &content, file, path };
+    let mut r = Reader { content: &content, file, path, choice, dequantized: BTreeSet::new() };
 
     let (h, inter, vocab) = (config.hidden_size, config.intermediate_size, config.vocab_size);
     let (heads, kv, hd) = (config.num_attention_heads, config.kv_heads(), config.head_dim());
-    let embed = weight("token_embd.weight", vocab, h, r.read("token_embd.weight", &[vocab, h])?, dtype)?;
+    let embed = r.matrix("token_embd.weight", &[Part::plain("token_embd.weight".into(), vocab)], h)?;
     let mut layers = Vec::with_capacity(config.num_hidden_layers);
     for i in 0..config.num_hidden_layers {
         let p = |s: &str| format!("blk.{i}.{s}.weight");
-        let q = unpermute_rows(&r.read(&p("attn_q"), &[heads * hd, h])?, heads, hd, h);
-        let k = unpermute_rows(&r.read(&p("attn_k"), &[kv * hd, h])?, kv, hd, h);
-        let v = r.read(&p("attn_v"), &[kv * hd, h])?;
-        let qkv = [q, k, v].concat();
-        let gate_up = [r.read(&p("ffn_gate"), &[inter, h])?, r.read(&p("ffn_up"), &[inter, h])?].concat();
+        let qkv = [
+            Part { name: p("attn_q"), rows: heads * hd, unpermute: Some((heads, hd)) },
+            Part { name: p("attn_k"), rows: kv * hd, unpermute: Some((kv, hd)) },
+            Part::plain(p("attn_v"), kv * hd),
+        ];
+        let gate_up = [Part::plain(p("ffn_gate"), inter), Part::plain(p("ffn_up"), inter)];
         layers.push(LayerWeights {
             attn_norm: r.read(&p("attn_norm"), &[h])?,
-            qkv: weight(&p("attn_qkv"), config.qkv_rows(), h, qkv, dtype)?,
-            o_proj: weight(&p("attn_output"), h, heads * hd, r.read(&p("attn_output"), &[h, heads * hd])?, dtype)?,
+            qkv: r.matrix(&p("attn_qkv"), &qkv, h)?,
+            o_proj: r.matrix(&p("attn_output"), &[Part::plain(p("attn_output"), h)], heads * hd)?,
             mlp_norm: r.read(&p("ffn_norm"), &[h])?,
-            gate_up: weight(&p("ffn_gate_up"), 2 * inter, h, gate_up, dtype)?,
-            down: weight(&p("ffn_down"), h, inter, r.read(&p("ffn_down"), &[h, inter])?, dtype)?,
+            gate_up: r.matrix(&p("ffn_gate_up"), &gate_up, h)?,
+            down: r.matrix(&p("ffn_down"), &[Part::plain(p("ffn_down"), h)], inter)?,
         });
     }
     let final_norm = r.read("output_norm.weight", &[h])?;
     let lm_head = if config.tie_word_embeddings {
         None
     } else {
-        Some(weight("output.weight", vocab, h, r.read("output.weight", &[vocab, h])?, dtype)?)
+        Some(r.matrix("output.weight", &[Part::plain("output.weight".into(), vocab)], h)?)
     };
-    let fingerprint = fingerprint(content_hash, &config, dtype);
+    let fingerprint = fingerprint(content_hash, &config, choice.fingerprint_dtype());
     Ok(LoadedModel {
         weights: ModelWeights { config, embed, layers, final_norm, lm_head, fingerprint },
         tokenizer: Some(tokenizer),

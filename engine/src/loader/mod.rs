@@ -75,10 +75,78 @@ pub enum ModelSource {
     },
 }
 
-/// Loads weights (and tokenizer) from `source` in `dtype`.
-pub fn load(source: &ModelSource, dtype: WeightDtype) -> Result<LoadedModel, EngineError> {
+/// How the weights are stored in memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DtypeChoice {
+    /// As the checkpoint stores them: a GGUF's Q8_0 and Q4_1 tensors keep their blocks (decoded
+    /// in registers to the very values the f32 path computes with, so the output is the f32
+    /// path's, bit for bit), its F16 / BF16 tensors stay so (widened exactly), and every other
+    /// type is dequantised to f32 (said once per type in the log). Safetensors and dummy
+    /// weights: f32.
+    /// The fingerprint is the f32 load's: the values are the same.
+    Auto,
+    /// Every matrix converted to this dtype (quantizing, for Q8_0 / Q4_1, unless the file's
+    /// tensor already is of that type).
+    Fixed(WeightDtype),
+}
+
+impl DtypeChoice {
+    /// `auto` or the dtype's name.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            DtypeChoice::Auto => "auto",
+            DtypeChoice::Fixed(d) => d.as_str(),
+        }
+    }
+
+    /// The dtype a matrix gets whose file type is `file` (`None`: a type with no kernel, or a
+    /// source that keeps no types, e.g. dummy weights).
+    pub(crate) fn for_tensor(self, file: Option<WeightDtype>) -> WeightDtype {
+        match (self, file) {
+            (DtypeChoice::Fixed(d), _) => d,
+            (DtypeChoice::Auto, Some(d)) => d,
+            (DtypeChoice::Auto, None) => WeightDtype::F32,
+        }
+    }
+
+    /// The dtype that names the weights' values in the fingerprint: `auto` loads the f32
+    /// path's values exactly.
+    pub(crate) fn fingerprint_dtype(self) -> WeightDtype {
+        match self {
+            DtypeChoice::Auto => WeightDtype::F32,
+            DtypeChoice::Fixed(d) => d,
+        }
+    }
+}
+
+impl From<WeightDtype> for DtypeChoice {
+    fn from(d: WeightDtype) -> DtypeChoice {
+        DtypeChoice::Fixed(d)
+    }
+}
+
+impl std::fmt::Display for DtypeChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for DtypeChoice {
+    type Err = tandem_kernels::KernelError;
+    fn from_str(s: &str) -> Result<DtypeChoice, Self::Err> {
+        if s.trim().eq_ignore_ascii_case("auto") {
+            Ok(DtypeChoice::Auto)
+        } else {
+            s.trim().parse().map(DtypeChoice::Fixed)
+        }
+    }
+}
+
+/// Loads weights (and tokenizer) from `source`, stored as `dtype` says.
+pub fn load(source: &ModelSource, dtype: impl Into<DtypeChoice>) -> Result<LoadedModel, EngineError> {
+    let dtype = dtype.into();
     match source {
-        ModelSource::Path(p) if p.is_dir() => safetensors::load_dir(p, dtype),
+        ModelSource::Path(p) if p.is_dir() => safetensors::load_dir(p, dtype.for_tensor(None)),
         ModelSource::Path(p) => {
             if !p.exists() {
                 return Err(EngineError::ModelNotFound { path: p.clone() });
@@ -87,7 +155,7 @@ pub fn load(source: &ModelSource, dtype: WeightDtype) -> Result<LoadedModel, Eng
         }
         ModelSource::Dummy { config, seed } => {
             let cfg = ModelConfig::from_json_file(config)?;
-            Ok(LoadedModel { weights: dummy::build(cfg, *seed, dtype)?, tokenizer: None })
+            Ok(LoadedModel { weights: dummy::build(cfg, *seed, dtype.for_tensor(None))?, tokenizer: None })
         }
     }
 }
@@ -111,10 +179,11 @@ pub(crate) fn weight(
 }
 
 /// Undoes llama.cpp's Q/K row permutation for interleaved RoPE, in place of a `(heads·hd) × cols`
-/// matrix: GGUF row `h·hd + 2i + j` holds HF row `h·hd + j·hd/2 + i`.
-pub(crate) fn unpermute_rows(data: &[f32], heads: usize, head_dim: usize, cols: usize) -> Vec<f32> {
+/// matrix: GGUF row `h·hd + 2i + j` holds HF row `h·hd + j·hd/2 + i`. `cols` counts elements of
+/// `T` a row (for quantized blocks: the row's bytes).
+pub(crate) fn unpermute_rows<T: Copy + Default>(data: &[T], heads: usize, head_dim: usize, cols: usize) -> Vec<T> {
     let half = head_dim / 2;
-    let mut out = vec![0f32; data.len()];
+    let mut out = vec![T::default(); data.len()];
     for h in 0..heads {
         for i in 0..half {
             for j in 0..2 {

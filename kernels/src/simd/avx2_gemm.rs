@@ -43,7 +43,7 @@ pub(crate) unsafe fn store_n(dst: *mut f32, v: __m256, n: usize) {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn tile<const DT: u8, const MR: usize, const NV: usize>(
+pub(crate) unsafe fn tile<const DT: u8, const MR: usize, const NV: usize>(
     x: *const f32,
     cols: usize,
     pw: *const u8,

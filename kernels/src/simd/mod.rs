@@ -22,6 +22,8 @@ pub(crate) mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2_gemm;
 #[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2_quant;
+#[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512_gemm;

@@ -324,3 +324,39 @@ mod tests {
         assert_eq!(argmax(&[]), 0);
     }
 }
+
+/// [`linear_panels`] for a quantized weight: each panel decoded to its exact f32 values
+/// ([`crate::quant::dequant_panel`]), then the same chain per output.
+///
+/// # Safety
+/// As [`linear_panels`].
+pub(crate) unsafe fn linear_panels_quant(
+    x: &[f32],
+    m: usize,
+    w: &Weight,
+    out: *mut f32,
+    p0: usize,
+    p1: usize,
+) {
+    let (cols, rows) = (w.cols(), w.rows());
+    let mut panel = vec![0f32; cols * PANEL_ROWS];
+    let mut acc = [0.0f32; PANEL_ROWS];
+    for p in p0..p1 {
+        crate::quant::dequant_panel(w.dtype(), w.packed(), cols, p, &mut panel);
+        for i in 0..m {
+            acc.fill(0.0);
+            for (k, &xk) in x[i * cols..(i + 1) * cols].iter().enumerate() {
+                for (r, a) in acc.iter_mut().enumerate() {
+                    *a = xk.mul_add(panel[k * PANEL_ROWS + r], *a);
+                }
+            }
+            for (r, a) in acc.iter().enumerate() {
+                let j = p * PANEL_ROWS + r;
+                if j < rows {
+                    // SAFETY: in bounds (i < m, j < rows); exclusive per the contract.
+                    unsafe { *out.add(i * rows + j) = *a };
+                }
+            }
+        }
+    }
+}
