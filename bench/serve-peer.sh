@@ -2,12 +2,14 @@
 # tandem's cluster (`tandem up`, 1 prefill + 1 decode node) against llama.cpp's llama-server, as a
 # user measures servers: NVIDIA's aiperf (PyPI, in its own venv) streaming completions of 256
 # prompt tokens and 64 output tokens at concurrency 1, 4 and 16 (and request rates with --rates),
-# both servers on the same weights (the served Q4_1 model dequantised to F32 by llama-quantize,
-# which is what tandem runs by default), alternating rounds. llama.cpp is the revision
+# every prompt distinct (no prefix-cache hits), both servers on the same weights: the served
+# Q4_1 file as shipped (default), or with --weights f32 that model dequantised to F32 (llama-
+# quantize's file for llama-server, --dtype f32 for tandem), alternating rounds. llama.cpp is the revision
 # bench/peer.sh builds (the one BASELINES.md used). Each step says what failed, with its log.
 #
 #   bench/serve-peer.sh                                # 2 rounds, concurrency 1,4,16
 #   bench/serve-peer.sh --rounds 3 --rates 0.5,1,2 --json bench/serve-peer.json
+#   bench/serve-peer.sh --weights f32
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -68,5 +70,5 @@ PY
 fi
 
 exec "$venv/bin/python" bench/serve_peer.py --tandem target/release/tandem --tandem-model "$model" \
-  --llama-server "$bin/llama-server" --peer-model "$peer/smollm2-F32.gguf" \
+  --llama-server "$bin/llama-server" --f32-model "$peer/smollm2-F32.gguf" \
   --aiperf "$aiperf_venv/bin/aiperf" --tokenizer "$tok" "$@"

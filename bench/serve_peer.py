@@ -80,6 +80,9 @@ def start_tandem(args, work):
     argv = [args.tandem, "up", "--prefill", "1", "--decode", "1", "--no-sample",
             "--grpc", f"127.0.0.1:{free_port()}", "--http", f"127.0.0.1:{http}",
             "--run-dir", run_dir] + args.tandem_flag
+    if args.weights == "f32":
+        # The served file converted to f32 at load: the values llama-quantize wrote to the F32 GGUF.
+        argv += ["--", "--dtype", "f32"]
     base = f"http://127.0.0.1:{http}"
     s = Server("tandem up", argv, env, os.path.join(work, "tandem.log"),
                lambda: bool(get_json(base + "/v1/models")["data"]))
@@ -89,7 +92,8 @@ def start_tandem(args, work):
 
 def start_llama(args, work):
     port = free_port()
-    argv = [args.llama_server, "-m", args.peer_model, "--host", "127.0.0.1", "--port", str(port),
+    model = args.tandem_model if args.weights == "shipped" else args.f32_model
+    argv = [args.llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port),
             "-t", str(args.llama_threads), "-np", str(args.llama_slots),
             "-c", str(args.llama_slots * (args.isl + args.osl + 64))]
     base = f"http://127.0.0.1:{port}"
@@ -107,14 +111,18 @@ def aiperf(args, base, model, work, tag, load):
     """One aiperf profile; `load` is ("concurrency", n) or ("request-rate", r)."""
     out = os.path.join(work, tag)
     kind, value = load
-    n = args.requests_per_stream * (value if kind == "concurrency" else 4)
+    n = int(args.requests_per_stream * (value if kind == "concurrency" else 4))
+    warm = min(4, n)
+    # One distinct prompt per request, warm-up included: a prompt seen before would be a
+    # prefix-cache hit on either server and measure the cache, not the serving path.
     argv = [args.aiperf, "profile", "-m", model, "--url", base, "--endpoint-type", "completions",
+            "--num-dataset-entries", str(n + warm), "--conversation-num", str(n + warm),
             "--streaming", "--tokenizer", args.tokenizer,
             "--isl", str(args.isl), "--isl-stddev", "0",
             "--osl", str(args.osl), "--osl-stddev", "0",
             "--extra-inputs", "ignore_eos:true", "--random-seed", "7",
-            f"--{kind}", str(value), "--request-count", str(int(n)),
-            "--warmup-request-count", str(min(4, int(n))), "--artifact-dir", out,
+            f"--{kind}", str(value), "--request-count", str(n),
+            "--warmup-request-count", str(warm), "--artifact-dir", out,
             "--ui-type", "none"]
     if kind == "request-rate":
         argv += ["--concurrency", str(max(16, int(value * 8)))]
@@ -155,7 +163,11 @@ def main():
     ap.add_argument("--tandem-flag", action="append", default=[],
                     help="an extra flag for `tandem up` (repeatable)")
     ap.add_argument("--llama-server", required=True)
-    ap.add_argument("--peer-model", required=True, help="the GGUF llama-server serves")
+    ap.add_argument("--f32-model", required=True,
+                    help="the served model as an F32 GGUF (llama-quantize), for --weights f32")
+    ap.add_argument("--weights", choices=["shipped", "f32"], default="shipped",
+                    help="shipped: both servers run the served Q4_1 file as it is (tandem's "
+                         "--dtype auto); f32: llama-server the F32 GGUF, tandem --dtype f32")
     ap.add_argument("--llama-threads", type=int, default=1)
     ap.add_argument("--llama-slots", type=int, default=16)
     ap.add_argument("--aiperf", required=True)
@@ -194,7 +206,7 @@ def main():
     print(table)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"isl": args.isl, "osl": args.osl, "rounds": rounds,
+            json.dump({"isl": args.isl, "osl": args.osl, "weights": args.weights, "rounds": rounds,
                        "llama_server": {"threads": args.llama_threads, "slots": args.llama_slots},
                        "tandem_flags": args.tandem_flag}, f, indent=1)
 
