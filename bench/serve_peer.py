@@ -135,6 +135,17 @@ def aiperf(args, base, model, work, tag, load):
         return summarize(json.load(f))
 
 
+def engine_step_ms(args):
+    """tandem's own decode step at one sequence, this run: bench-engine on the same weights, a
+    256-token context and 64 generated tokens (the serving runs' shape), no RPC, no client."""
+    argv = [args.tandem, "bench-engine", "--model", args.tandem_model, "--runs", "1",
+            "--format", "json", "--batch", "1", "--prompt-len", str(args.isl),
+            "--decode-prompt-len", str(args.isl), "--decode-tokens", str(args.osl),
+            "--dtype", "f32" if args.weights == "f32" else "auto"]
+    rep = json.loads(subprocess.run(argv, check=True, capture_output=True, text=True).stdout)
+    return 1000.0 / rep["decode_tok_s"]["1"]
+
+
 def metric(export, name, stat):
     m = export.get(name)
     if isinstance(m, dict):
@@ -173,6 +184,8 @@ def main():
     ap.add_argument("--aiperf", required=True)
     ap.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer directory")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--servers", default="tandem,llama-server",
+                    help="which servers to run (one alone: its figures, no ratios)")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--rates", default="", help="request rates (req/s) to sweep, e.g. 0.5,1,2")
     ap.add_argument("--isl", type=int, default=256)
@@ -187,7 +200,8 @@ def main():
     log(f"work directory {work}")
     rounds = []
     for r in range(args.rounds):
-        order = [("tandem", start_tandem), ("llama-server", start_llama)]
+        order = [(n, f) for n, f in [("tandem", start_tandem), ("llama-server", start_llama)]
+                 if n in args.servers.split(",")]
         if r % 2 == 1:
             order.reverse()
         this = {}
@@ -201,6 +215,9 @@ def main():
                     this[f"{name}/{load[0]}={load[1]}"] = aiperf(args, base, model, work, tag, load)
             finally:
                 server.stop()
+        if "tandem" in args.servers.split(","):
+            this["engine_step_ms"] = engine_step_ms(args)
+            log(f"round {r + 1}: engine decode step {this['engine_step_ms']:.1f} ms")
         rounds.append(this)
     table = report(rounds, loads)
     print(table)
@@ -227,8 +244,9 @@ def report(rounds, loads):
              "|---|---|---|---|---|---|---|---|---|---|"]
     for kind, value in loads:
         key = f"{kind}={value}"
-        t = [r[f"tandem/{key}"] for r in rounds]
-        l = [r[f"llama-server/{key}"] for r in rounds]
+        none = {f: None for f in ("out_tok_s", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms")} | {"errors": 0}
+        t = [r.get(f"tandem/{key}", none) for r in rounds]
+        l = [r.get(f"llama-server/{key}", none) for r in rounds]
 
         def m(rows, field):
             return med([x[field] for x in rows])
@@ -243,6 +261,13 @@ def report(rounds, loads):
             f"{fmt(m(l, 'ttft_p50_ms'), 0)} / {fmt(m(l, 'ttft_p90_ms'), 0)} | {fmt(ratio('ttft_p50_ms'), 2)}× | "
             f"{fmt(m(t, 'itl_p50_ms'))} | {fmt(m(l, 'itl_p50_ms'))} | "
             f"{sum(x['errors'] for x in t)} / {sum(x['errors'] for x in l)} |")
+    steps = [r["engine_step_ms"] for r in rounds if "engine_step_ms" in r]
+    if steps and ("concurrency", 1) in loads:
+        itl = [r["tandem/concurrency=1"]["itl_p50_ms"] for r in rounds if "engine_step_ms" in r]
+        lines.append("")
+        lines.append(f"tandem's engine decode step at one sequence, same run (bench-engine): "
+                     f"{fmt(med(steps))} ms; ITL p50 at concurrency 1 over it: "
+                     f"{fmt(med([i / st for i, st in zip(itl, steps) if i]), 2)}× (median of rounds)")
     return "\n".join(lines)
 
 
