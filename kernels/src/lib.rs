@@ -1,6 +1,6 @@
-//! tandem's CPU compute kernels: dense linear layers, RMSNorm, RoPE, SiLU-gating, paged-KV
-//! writes and causal paged attention, multi-threaded on a persistent [`WorkerPool`] and
-//! vectorised for AVX-512 and AVX2 with a portable fallback.
+//! tandem's CPU compute kernels: dense and block-quantized (GGUF Q8_0 / Q4_1) linear layers,
+//! RMSNorm, RoPE, SiLU-gating, paged-KV writes and causal paged attention, multi-threaded on a
+//! persistent [`WorkerPool`] and vectorised for AVX-512 and AVX2 with a portable fallback.
 //!
 //! # The invariance contract
 //!
@@ -13,7 +13,7 @@
 //!
 //! | kernel | per-element order |
 //! |---|---|
-//! | [`linear`] | `acc = fma(x[i][k], w[j][k], acc)` for `k` ascending, from `+0.0` |
+//! | [`linear`] | `acc = fma(x[i][k], w[j][k], acc)` for `k` ascending, from `+0.0`; a quantized `w[j][k]` is first decoded to its exact f32 value ([`quant`]) |
 //! | [`rms_norm`] | 16-lane sum of squares (`fma`) + fixed tree; `(x * (1/sqrt(ss/n + eps))) * w` |
 //! | [`rope`] | `a*cos - b*sin`, `b*cos + a*sin`, unfused |
 //! | [`silu_mul`] | `(g / (1 + exp(-g))) * u`, `exp` a fixed polynomial |
