@@ -14,6 +14,10 @@
 //! request's pending batch and sent when there is room, so the engine never blocks on a
 //! client and no token is lost. A closed stream (client cancelled or disconnected) aborts the
 //! request at the next loop iteration and frees its blocks.
+//!
+//! A request whose prompt is computed here sends a `DecodeProgress` every
+//! [`PROGRESS_INTERVAL`] until its first token (checked each loop iteration, so at worst one
+//! step late): queueing behind other prompts is not taken for a hang by the router.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -24,7 +28,7 @@ use tandem_node::metrics::Outcome;
 use tandem_node::{InFlightGuard, NodeMetrics, convert, status};
 use tandem_telemetry::trace::propagation;
 use tandem_proto::v1::decode_response::Event;
-use tandem_proto::v1::{DecodeFinal, DecodeResponse, TokenBatch};
+use tandem_proto::v1::{DecodeFinal, DecodeProgress, DecodeResponse, TokenBatch};
 use tokio::sync::mpsc::{self, error::TrySendError};
 use tokio::sync::oneshot;
 use tonic::Status;
@@ -95,7 +99,14 @@ struct Stream {
     /// A request prefilled here, before its first token: when its Decode call arrived (TTFT
     /// and prompt metrics are recorded at the first output).
     awaiting_first: Option<Instant>,
+    /// When the last message (or the adoption) went to the client: before the first token of a
+    /// prompt computed here, a `DecodeProgress` follows every [`PROGRESS_INTERVAL`].
+    last_sent: Instant,
 }
+
+/// How often a request whose prompt is computed here reports liveness before its first token
+/// (the router's stall clock is 10 s by default).
+pub const PROGRESS_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
 
 enum Flush {
     /// Everything produced so far was handed over.
@@ -143,7 +154,10 @@ impl Stream {
             match self.events.try_send(Ok(DecodeResponse {
                 event: Some(Event::Tokens(b.clone())),
             })) {
-                Ok(()) => self.pending = None,
+                Ok(()) => {
+                    self.pending = None;
+                    self.last_sent = Instant::now();
+                }
                 Err(TrySendError::Full(_)) => return Flush::Blocked,
                 Err(TrySendError::Closed(_)) => return Flush::Gone,
             }
@@ -162,6 +176,20 @@ impl Stream {
 
     fn undelivered(&self) -> bool {
         self.pending.is_some() || self.finish.is_some()
+    }
+
+    /// Still waiting for its first token here, and silent for [`PROGRESS_INTERVAL`].
+    fn progress_due(&self, now: Instant) -> bool {
+        self.awaiting_first.is_some() && now.duration_since(self.last_sent) >= PROGRESS_INTERVAL
+    }
+
+    /// Tells the client the request is alive (a full stream already proves it; a closed one is
+    /// noticed by the next flush).
+    fn send_progress(&mut self, prompt_tokens_computed: usize, now: Instant) {
+        let progress = DecodeProgress { prompt_tokens_computed: prompt_tokens_computed as u32 };
+        if self.events.try_send(Ok(DecodeResponse { event: Some(Event::Progress(progress)) })).is_ok() {
+            self.last_sent = now;
+        }
     }
 }
 
@@ -272,6 +300,7 @@ impl DecodeDriver {
             tokens: 0,
             node_seconds: 0.0,
             awaiting_first: None,
+            last_sent: now,
         };
         match first {
             Some(first) => {
@@ -338,6 +367,10 @@ impl Driver for DecodeDriver {
     }
 
     fn housekeeping(&mut self, engine: &mut Engine) {
+        let now = Instant::now();
+        for (&id, s) in self.streams.iter_mut().filter(|(_, s)| s.progress_due(now)) {
+            s.send_progress(engine.scheduler().computed_tokens(id), now);
+        }
         let ids: Vec<u64> = self
             .streams
             .iter()

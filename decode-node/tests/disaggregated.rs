@@ -50,6 +50,7 @@ fn main() {
         prefill_refuses_a_target_with_another_layout_fingerprint,
         release_returns_a_reservation_once_and_bad_decode_calls_name_the_field,
         a_decode_node_asked_to_prefill_here_computes_the_prompt_itself_exactly,
+        a_prompt_computed_on_the_decode_node_reports_progress_until_its_first_token,
         processes::a_decode_node_process_serves_over_tcp_expires_reservations_and_drains_on_sigterm,
         processes::a_node_whose_layout_the_cluster_refuses_exits_non_zero_saying_so,
     ];
@@ -510,6 +511,10 @@ async fn a_decode_node_asked_to_prefill_here_computes_the_prompt_itself_exactly(
                     got_text.push_str(&b.text);
                 }
                 Some(pb::decode_response::Event::Final(f)) => usage = f.usage,
+                Some(pb::decode_response::Event::Progress(p)) => {
+                    assert!(got.is_empty(), "{id}: progress comes only before the first token");
+                    assert!(p.prompt_tokens_computed as usize <= prompt.len(), "{id}: {p:?}");
+                }
                 None => panic!("{id}: an empty event"),
             }
         }
@@ -526,3 +531,60 @@ async fn a_decode_node_asked_to_prefill_here_computes_the_prompt_itself_exactly(
     c.wait_quiescent("after prefilling on the decode node").await;
 }
 
+
+/// A long prompt computed on the decode node (several seconds here) is reported on: a
+/// `DecodeProgress` between steps once a second has passed, until the first token, its
+/// computed count growing and never past the prompt, so the router's stall clock sees a busy
+/// node, not a hung one.
+async fn a_prompt_computed_on_the_decode_node_reports_progress_until_its_first_token(c: Arc<Cluster>) {
+    let prompt: Vec<u32> = (0..1200u32).map(|i| 100 + i * 37 % 40_000).collect();
+    let mut decode = c.router().await.decode;
+    let target = decode
+        .reserve(pb::ReserveRequest {
+            request_id: "long-here".into(),
+            prompt_tokens: prompt.len() as u32,
+            max_new_tokens: 2,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .target
+        .unwrap();
+    let mut stream = decode
+        .decode(pb::DecodeRequest {
+            request_id: "long-here".into(),
+            reservation_id: target.reservation_id,
+            epoch: target.epoch,
+            prompt_token_ids: prompt.clone(),
+            sampling: Some(greedy(2)),
+            prefill_here: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let t0 = Instant::now();
+    let (mut progress, mut tokens, mut first_at) = (Vec::new(), 0, None);
+    while let Some(m) = stream.message().await.unwrap() {
+        match m.event {
+            Some(pb::decode_response::Event::Progress(p)) => {
+                assert_eq!(tokens, 0, "progress only before the first token");
+                progress.push(p.prompt_tokens_computed);
+            }
+            Some(pb::decode_response::Event::Tokens(b)) => {
+                first_at.get_or_insert(t0.elapsed());
+                tokens += b.token_ids.len();
+            }
+            Some(pb::decode_response::Event::Final(_)) => {}
+            None => panic!("an empty event"),
+        }
+    }
+    let first_at = first_at.expect("tokens came");
+    assert_eq!(tokens, 2);
+    // A report at the first loop iteration a second or more after the last message: between
+    // steps, so one a step while steps take over a second (here a 512-token chunk takes ~3 s).
+    assert!(!progress.is_empty(), "no progress in {first_at:?}");
+    assert!(progress.windows(2).all(|w| w[0] <= w[1]), "{progress:?}");
+    assert!(progress.iter().all(|&n| n as usize <= prompt.len()), "{progress:?}");
+    c.wait_quiescent("after a long prompt on the decode node").await;
+}

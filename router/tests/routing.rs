@@ -480,3 +480,48 @@ async fn conditional_disaggregation_places_short_prompts_busy_and_absent_prefill
     }
 }
 
+
+/// A decode node computing a prompt it took is busy, not hung: while it reports progress the
+/// router waits past its stall clock (no retry, no cancelled stream); silent for as long, it is
+/// called stalled and its stream is dropped.
+#[tokio::test]
+async fn a_decode_node_reporting_progress_on_a_prompt_it_computes_is_not_called_stalled() {
+    init_tracing();
+    let mut cluster = MemoryCluster::new();
+    let d = start_decode("d0").await;
+    cluster.register(d.info()).await;
+    cluster.loads.set(Role::Decode, "d0", Duration::ZERO, |_| {});
+    let mut opts = options();
+    opts.stream_idle_timeout = Duration::from_millis(300);
+    opts.max_attempts = 1;
+    opts.placement = tandem_router::routing::PlacementSettings {
+        max_local_tokens: 8,
+        ..Default::default()
+    };
+    let router = cluster.router(opts).await;
+    let b = &d.behaviour;
+    // The prompt takes 1.2 s, four idle timeouts, on the decode node.
+    b.compute_prompt_ms.store(1200, Ordering::SeqCst);
+    b.progress_every_ms.store(100, Ordering::SeqCst);
+    let out = generate(&router, "hi", 3).await.expect("served, progress kept it alive");
+    assert_eq!(out.ids, expected_output(prompt_tokens("hi"), 3).0);
+    assert_eq!(b.prefill_here_calls.load(Ordering::SeqCst), 1);
+    assert_eq!(b.decode_calls.load(Ordering::SeqCst), 1, "no retry");
+    assert_eq!(b.cancelled_streams.load(Ordering::SeqCst), 0);
+
+    // The same node silent for as long: stalled after 300 ms, the stream dropped.
+    b.progress_every_ms.store(0, Ordering::SeqCst);
+    let t0 = Instant::now();
+    let err = generate(&router, "hi", 3).await.expect_err("a silent node is stalled");
+    assert!(t0.elapsed() < Duration::from_millis(1100), "stalled at the idle timeout, {:?}", t0.elapsed());
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+    assert!(err.message().contains("stalled"), "{err:?}");
+    // The fake notices the dropped stream when its prompt is done.
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while b.cancelled_streams.load(Ordering::SeqCst) == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the stalled stream was dropped");
+}

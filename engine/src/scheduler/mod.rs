@@ -430,6 +430,11 @@ impl Scheduler {
         self.seqs.get(&seq_id).map_or(0, |s| s.cached_tokens)
     }
 
+    /// Tokens of a sequence whose KV is computed (prefix-cache hits included); 0 when unknown.
+    pub fn computed_tokens(&self, seq_id: u64) -> usize {
+        self.seqs.get(&seq_id).map_or(0, |s| s.num_computed)
+    }
+
     /// Times a sequence has been preempted.
     pub fn preemptions(&self, seq_id: u64) -> u32 {
         self.seqs.get(&seq_id).map_or(0, |s| s.preemptions)

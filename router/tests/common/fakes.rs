@@ -14,6 +14,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
 
 use futures_util::Stream;
 use tandem_cluster::{NodeInfo, Role};
@@ -98,6 +99,10 @@ pub struct DecodeBehaviour {
     pub fail_after_batches: AtomicI64,
     /// Hold every stream after this many batches (-1: never) until `resume` or cancellation.
     pub hold_after_batches: AtomicI64,
+    /// A prompt computed here (`prefill_here`) takes this long before its first token (ms).
+    pub compute_prompt_ms: AtomicU64,
+    /// While computing such a prompt, a `DecodeProgress` every this many ms (0: silent).
+    pub progress_every_ms: AtomicU64,
     /// Wakes held streams.
     pub resume: Notify,
     /// Streams that reached their hold point.
@@ -226,7 +231,31 @@ impl Decode for DecodeService {
         let (tx, rx) = mpsc::channel(4);
         let b = Arc::clone(&self.b);
         let prompt_tokens = r.prompt_token_ids.len() as u32;
+        let prefill_here = r.prefill_here;
         tokio::spawn(async move {
+            let compute = Duration::from_millis(b.compute_prompt_ms.load(Ordering::SeqCst));
+            if prefill_here && !compute.is_zero() {
+                let every = Duration::from_millis(b.progress_every_ms.load(Ordering::SeqCst));
+                let until = tokio::time::Instant::now() + compute;
+                let mut computed = 0;
+                while tokio::time::Instant::now() < until {
+                    let left = until - tokio::time::Instant::now();
+                    tokio::time::sleep(if every.is_zero() { left } else { every.min(left) }).await;
+                    if !every.is_zero() {
+                        computed = (computed + 1).min(prompt_tokens);
+                        let progress = pb::DecodeResponse {
+                            event: Some(pb::decode_response::Event::Progress(pb::DecodeProgress {
+                                prompt_tokens_computed: computed,
+                            })),
+                        };
+                        if tx.send(Ok(progress)).await.is_err() {
+                            b.cancelled_streams.fetch_add(1, Ordering::SeqCst);
+                            b.changed.notify_waiters();
+                            return;
+                        }
+                    }
+                }
+            }
             let hold_at = b.hold_after_batches.load(Ordering::SeqCst);
             let fail_at = b.fail_after_batches.swap(-1, Ordering::SeqCst);
             for i in 0..max_tokens {

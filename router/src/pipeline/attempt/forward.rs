@@ -3,8 +3,9 @@
 //!
 //! Invariants: the prefill stream is read until its push is acknowledged (dropping it earlier
 //! would cancel the push); the reservation is disarmed only by the decode node's final
-//! message (the node freed the blocks); once the stream is producing, a decode node silent for
-//! the idle timeout is a failure of that node (the request moves on).
+//! message (the node freed the blocks); once the stream is producing (for a prompt computed on
+//! the decode node: from the call on), a decode node silent for the idle timeout is a failure
+//! of that node (the request moves on); tokens and `DecodeProgress` both count as speaking.
 
 use tandem_cluster::Role;
 use tandem_proto::v1 as pb;
@@ -166,7 +167,8 @@ impl AttemptState<'_> {
         }
     }
 
-    /// One message of the decode stream: tokens go to the client (re-arming the stall timer),
+    /// One message of the decode stream: tokens go to the client (re-arming the stall timer, as
+    /// a progress message does),
     /// the final message ends the attempt (the node freed the blocks: the reservation is disarmed),
     /// an error marks the node failed (and, for KV it refused, the prefill node that sent it).
     async fn on_decode(
@@ -208,6 +210,13 @@ impl AttemptState<'_> {
                     Ok(()) => Next::Continue,
                     Err(e) => Next::End(Err(e)),
                 }
+            }
+            Ok(Some(pb::DecodeResponse {
+                event: Some(pb::decode_response::Event::Progress(_)),
+            })) => {
+                // The node is computing (or queueing) the prompt it took: alive, not stalled.
+                f.stall_at = Some(tokio::time::Instant::now() + f.idle);
+                Next::Continue
             }
             Ok(Some(pb::DecodeResponse {
                 event: Some(pb::decode_response::Event::Final(done)),
