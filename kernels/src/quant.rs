@@ -69,7 +69,12 @@ fn check_cols(op: &'static str, cols: usize) -> Result<(), KernelError> {
     if cols % QK == 0 {
         Ok(())
     } else {
-        Err(KernelError::NotDivisible { op, what: "columns by the quantization block (32)", numerator: cols, denominator: QK })
+        Err(KernelError::NotDivisible {
+            op,
+            what: "columns by the quantization block (32)",
+            numerator: cols,
+            denominator: QK,
+        })
     }
 }
 
@@ -77,7 +82,12 @@ fn finite(v: f16, row: usize, block: usize, what: &'static str) -> Result<(), Ke
     if v.is_finite() {
         Ok(())
     } else {
-        Err(KernelError::BadQuantBlock { row, block, what, value: v.to_f32().to_string() })
+        Err(KernelError::BadQuantBlock {
+            row,
+            block,
+            what,
+            value: v.to_f32().to_string(),
+        })
     }
 }
 
@@ -90,11 +100,18 @@ pub(crate) fn pack_gguf(
 ) -> Result<AlignedBytes, KernelError> {
     const OP: &str = "Weight::from_gguf_blocks";
     if !dtype.is_quantized() {
-        return Err(KernelError::UnknownWeightDtype(format!("{dtype} (not a quantized dtype)")));
+        return Err(KernelError::UnknownWeightDtype(format!(
+            "{dtype} (not a quantized dtype)"
+        )));
     }
     check_cols(OP, cols)?;
     let (nb, gb, rec) = (cols / QK, gguf_block_bytes(dtype), record_bytes(dtype));
-    crate::error::check_len(OP, "blocks (rows * cols / 32 * block bytes)", rows * nb * gb, blocks.len())?;
+    crate::error::check_len(
+        OP,
+        "blocks (rows * cols / 32 * block bytes)",
+        rows * nb * gb,
+        blocks.len(),
+    )?;
     let panels = rows.div_ceil(PANEL_ROWS);
     let mut buf = AlignedBytes::zeroed(panels * nb * rec);
     let out = buf.as_bytes_mut();
@@ -117,7 +134,11 @@ pub(crate) fn pack_gguf(
                     out[at + 64 + 2 * lane..at + 64 + 2 * lane + 2].copy_from_slice(&src[2..4]);
                     let qs = &src[4..];
                     for k in 0..QK {
-                        let q = if k < QK / 2 { qs[k] & 0x0f } else { qs[k - QK / 2] >> 4 };
+                        let q = if k < QK / 2 {
+                            qs[k] & 0x0f
+                        } else {
+                            qs[k - QK / 2] >> 4
+                        };
                         let byte = at + qo + k * (PANEL_ROWS / 2) + lane % (PANEL_ROWS / 2);
                         out[byte] |= if lane < PANEL_ROWS / 2 { q } else { q << 4 };
                     }
@@ -183,7 +204,11 @@ pub(crate) fn load(dtype: WeightDtype, packed: &[u8], cols: usize, r: usize, k: 
         _ => {
             let m = f16_at(rec, 64 + 2 * lane).to_f32();
             let byte = rec[qo + kk * (PANEL_ROWS / 2) + lane % (PANEL_ROWS / 2)];
-            let q = if lane < PANEL_ROWS / 2 { byte & 0x0f } else { byte >> 4 };
+            let q = if lane < PANEL_ROWS / 2 {
+                byte & 0x0f
+            } else {
+                byte >> 4
+            };
             q as f32 * d + m
         }
     }
@@ -191,7 +216,13 @@ pub(crate) fn load(dtype: WeightDtype, packed: &[u8], cols: usize, r: usize, k: 
 
 /// Decodes panel `p` into `dst` in the f32 panel layout (`dst[k * 32 + lane]`, `cols * 32`
 /// floats): what the portable path multiplies with (and the SIMD paths' reference).
-pub(crate) fn dequant_panel(dtype: WeightDtype, packed: &[u8], cols: usize, p: usize, dst: &mut [f32]) {
+pub(crate) fn dequant_panel(
+    dtype: WeightDtype,
+    packed: &[u8],
+    cols: usize,
+    p: usize,
+    dst: &mut [f32],
+) {
     crate::error::assert_len("quant::dequant_panel", "dst", cols * PANEL_ROWS, dst.len());
     let base = p * PANEL_ROWS;
     for k in 0..cols {
@@ -237,9 +268,10 @@ mod tests {
                 }
             }
         }
-        for (dtype, blocks, expect) in
-            [(WeightDtype::Q4_1, &q4, &expect4), (WeightDtype::Q8_0, &q8, &expect8)]
-        {
+        for (dtype, blocks, expect) in [
+            (WeightDtype::Q4_1, &q4, &expect4),
+            (WeightDtype::Q8_0, &q8, &expect8),
+        ] {
             let w = Weight::from_gguf_blocks(rows, cols, dtype, blocks).unwrap();
             assert_eq!(w.size_bytes(), 2 * panel_bytes(dtype, cols));
             let mut row = vec![0f32; cols];
@@ -253,18 +285,29 @@ mod tests {
     #[test]
     fn quantizing_f32_round_trips_within_half_a_step() {
         let (rows, cols) = (5, 64);
-        let data: Vec<f32> = (0..rows * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 40.0).collect();
+        let data: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 40.0)
+            .collect();
         for (dtype, steps) in [(WeightDtype::Q8_0, 254.0), (WeightDtype::Q4_1, 15.0)] {
             let w = Weight::from_f32(rows, cols, data.clone(), dtype).unwrap();
             for r in 0..rows {
                 for b in 0..cols / QK {
                     let block = &data[r * cols + b * QK..r * cols + (b + 1) * QK];
-                    let (lo, hi) = block.iter().fold((f32::MAX, f32::MIN), |(l, h), &v| (l.min(v), h.max(v)));
-                    let range = if dtype == WeightDtype::Q8_0 { 2.0 * lo.abs().max(hi.abs()) } else { hi - lo };
+                    let (lo, hi) = block
+                        .iter()
+                        .fold((f32::MAX, f32::MIN), |(l, h), &v| (l.min(v), h.max(v)));
+                    let range = if dtype == WeightDtype::Q8_0 {
+                        2.0 * lo.abs().max(hi.abs())
+                    } else {
+                        hi - lo
+                    };
                     for (k, v) in block.iter().enumerate() {
                         let got = w.get(r, b * QK + k);
                         // half a quantization step, plus the f16 rounding of the scale
-                        assert!((got - v).abs() <= range / steps * 0.51 + 1e-3, "{dtype} ({r},{k}): {got} vs {v}");
+                        assert!(
+                            (got - v).abs() <= range / steps * 0.51 + 1e-3,
+                            "{dtype} ({r},{k}): {got} vs {v}"
+                        );
                     }
                 }
             }
@@ -280,11 +323,26 @@ mod tests {
         ));
         assert!(matches!(
             Weight::from_gguf_blocks(2, 32, WeightDtype::Q4_1, &block),
-            Err(KernelError::ShapeMismatch { expected: 40, got: 20, .. })
+            Err(KernelError::ShapeMismatch {
+                expected: 40,
+                got: 20,
+                ..
+            })
         ));
         block[2..4].copy_from_slice(&f16::NAN.to_bits().to_le_bytes());
         let e = Weight::from_gguf_blocks(1, 32, WeightDtype::Q4_1, &block).unwrap_err();
-        assert!(matches!(e, KernelError::BadQuantBlock { row: 0, block: 0, what: "min", .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                KernelError::BadQuantBlock {
+                    row: 0,
+                    block: 0,
+                    what: "min",
+                    ..
+                }
+            ),
+            "{e}"
+        );
         assert!(Weight::from_gguf_blocks(1, 32, WeightDtype::F16, &[0; 64]).is_err());
     }
 }

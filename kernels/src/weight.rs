@@ -246,7 +246,12 @@ impl Weight {
         blocks: &[u8],
     ) -> Result<Weight, KernelError> {
         let data = crate::quant::pack_gguf(dtype, rows, cols, blocks)?;
-        Ok(Weight { rows, cols, dtype, data })
+        Ok(Weight {
+            rows,
+            cols,
+            dtype,
+            data,
+        })
     }
 
     /// Output features.

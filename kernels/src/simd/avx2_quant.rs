@@ -46,7 +46,12 @@ unsafe fn load_f16x32(p: *const u8) -> [__m256; 4] {
 /// Column `k` of record `rec` (32 rows) as 4 vectors of exact f32 weights.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn decode<const Q: u8>(rec: *const u8, k: usize, d: &[__m256; 4], m: &[__m256; 4]) -> [__m256; 4] {
+unsafe fn decode<const Q: u8>(
+    rec: *const u8,
+    k: usize,
+    d: &[__m256; 4],
+    m: &[__m256; 4],
+) -> [__m256; 4] {
     unsafe {
         if Q == Q8_0 {
             let qp = rec.add(quants_offset(WeightDtype::Q8_0) + k * PANEL_ROWS);
@@ -83,14 +88,26 @@ unsafe fn decode<const Q: u8>(rec: *const u8, k: usize, d: &[__m256; 4], m: &[__
 unsafe fn block_params<const Q: u8>(rec: *const u8) -> ([__m256; 4], [__m256; 4]) {
     unsafe {
         let d = load_f16x32(rec);
-        let m = if Q == Q4_1 { load_f16x32(rec.add(2 * PANEL_ROWS)) } else { [_mm256_setzero_ps(); 4] };
+        let m = if Q == Q4_1 {
+            load_f16x32(rec.add(2 * PANEL_ROWS))
+        } else {
+            [_mm256_setzero_ps(); 4]
+        };
         (d, m)
     }
 }
 
 /// One row times one panel: the panel's 32 outputs `out[j0..j0 + 32]` (those `< rows`).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn gemv_panel<const Q: u8>(x: *const f32, cols: usize, pw: *const u8, rec_bytes: usize, out: *mut f32, rows: usize, j0: usize) {
+unsafe fn gemv_panel<const Q: u8>(
+    x: *const f32,
+    cols: usize,
+    pw: *const u8,
+    rec_bytes: usize,
+    out: *mut f32,
+    rows: usize,
+    j0: usize,
+) {
     unsafe {
         let mut acc = [_mm256_setzero_ps(); 4];
         for b in 0..cols / QK {
@@ -137,7 +154,14 @@ unsafe fn decode_panel<const Q: u8>(pw: *const u8, cols: usize, rec_bytes: usize
 /// The CPU supports AVX2, FMA and F16C; `w` is quantized; `x` holds `m * cols` floats; `out`
 /// is valid for writes of `m * rows` floats and no other thread writes these panels' features.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn linear_panels(x: &[f32], m: usize, w: &Weight, out: *mut f32, p0: usize, p1: usize) {
+pub(crate) unsafe fn linear_panels(
+    x: &[f32],
+    m: usize,
+    w: &Weight,
+    out: *mut f32,
+    p0: usize,
+    p1: usize,
+) {
     let (cols, rows, dtype) = (w.cols(), w.rows(), w.dtype());
     let (packed, pbytes, rbytes) = (w.packed().as_ptr(), w.panel_bytes(), record_bytes(dtype));
     let q8 = dtype == WeightDtype::Q8_0;
