@@ -13,7 +13,7 @@ use std::path::Path;
 use std::collections::BTreeSet;
 
 use candle_core::Device;
-use candle_core::quantized::GgmlDType;
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::quantized::gguf_file::Content;
 use tandem_kernels::{KernelError, Weight, WeightDtype, quant};
 
@@ -131,38 +131,33 @@ impl Reader<'_> {
         weight(name, rows, cols, data, dtype)
     }
 
-    /// The raw GGUF blocks of tensor `name`, its shape checked.
-    fn read_blocks(&mut self, name: &str, shape: &[usize]) -> Result<Vec<u8>, EngineError> {
-        let bad = |e: candle_core::Error| EngineError::ModelFormat {
-            path: self.path.into(),
-            reason: format!("tensor `{name}`: {e}"),
-        };
-        let q = self.content.tensor(&mut self.file, name, &Device::Cpu).map_err(bad)?;
+    /// Tensor `name` as stored, its shape checked (`[rows, cols]` or `[len]`).
+    fn tensor(&mut self, name: &str, shape: &[usize]) -> Result<QTensor, EngineError> {
+        if !self.content.tensor_infos.contains_key(name) {
+            return Err(EngineError::MissingTensor { name: name.to_string() });
+        }
+        let q = self.content.tensor(&mut self.file, name, &Device::Cpu).map_err(|e| self.bad(name, e))?;
         let dims = q.shape().dims().to_vec();
         if dims != shape {
             return Err(EngineError::TensorShape { name: name.to_string(), expected: shape.to_vec(), got: dims });
         }
-        Ok(q.data().map_err(bad)?.into_owned())
+        Ok(q)
+    }
+
+    fn bad(&self, name: &str, e: candle_core::Error) -> EngineError {
+        EngineError::ModelFormat { path: self.path.into(), reason: format!("tensor `{name}`: {e}") }
+    }
+
+    /// The raw GGUF blocks of tensor `name`, its shape checked.
+    fn read_blocks(&mut self, name: &str, shape: &[usize]) -> Result<Vec<u8>, EngineError> {
+        let q = self.tensor(name, shape)?;
+        Ok(q.data().map_err(|e| self.bad(name, e))?.into_owned())
     }
 
     /// Reads tensor `name` as f32, checking its shape (`[rows, cols]` or `[len]`).
     fn read(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>, EngineError> {
-        if !self.content.tensor_infos.contains_key(name) {
-            return Err(EngineError::MissingTensor { name: name.to_string() });
-        }
-        let bad = |e: candle_core::Error| EngineError::ModelFormat {
-            path: self.path.into(),
-            reason: format!("tensor `{name}`: {e}"),
-        };
-        let q = self.content.tensor(&mut self.file, name, &Device::Cpu).map_err(bad)?;
-        let dims = q.shape().dims().to_vec();
-        if dims != shape {
-            return Err(EngineError::TensorShape {
-                name: name.to_string(),
-                expected: shape.to_vec(),
-                got: dims,
-            });
-        }
+        let q = self.tensor(name, shape)?;
+        let bad = |e: candle_core::Error| self.bad(name, e);
         let t = q.dequantize(&Device::Cpu).map_err(bad)?;
         let data = t.flatten_all().and_then(|t| t.to_vec1::<f32>()).map_err(bad)?;
         if let Some(i) = data.iter().position(|x| !x.is_finite()) {

@@ -175,27 +175,45 @@ pub(crate) unsafe fn linear_panels(
     p0: usize,
     p1: usize,
 ) {
-    let (cols, rows) = (w.cols(), w.rows());
-    let esz = w.dtype().elem_bytes();
-    let bytes = w.packed();
-    let mut acc = [0.0f32; PANEL_ROWS];
+    let (cols, esz, bytes) = (w.cols(), w.dtype().elem_bytes(), w.packed());
     for p in p0..p1 {
         let base = p * cols * PANEL_ROWS;
-        for i in 0..m {
-            acc.fill(0.0);
-            let xi = &x[i * cols..(i + 1) * cols];
-            for (k, &xk) in xi.iter().enumerate() {
-                for (r, a) in acc.iter_mut().enumerate() {
-                    let wv = load_elem(w.dtype(), bytes, (base + k * PANEL_ROWS + r) * esz);
-                    *a = xk.mul_add(wv, *a);
-                }
+        // SAFETY: as this function's contract.
+        unsafe {
+            panel_chains(x, m, w, out, p, |k, r| {
+                load_elem(w.dtype(), bytes, (base + k * PANEL_ROWS + r) * esz)
+            })
+        };
+    }
+}
+
+/// One panel's outputs for rows `i < m`: lane `r`'s chain `acc = fma(x[i][k], weight(k, r), acc)`
+/// over `k` ascending, stored where the feature exists (`< rows`).
+///
+/// # Safety
+/// As [`linear_panels`], for panel `p`.
+unsafe fn panel_chains(
+    x: &[f32],
+    m: usize,
+    w: &Weight,
+    out: *mut f32,
+    p: usize,
+    weight: impl Fn(usize, usize) -> f32,
+) {
+    let (cols, rows) = (w.cols(), w.rows());
+    let mut acc = [0.0f32; PANEL_ROWS];
+    for i in 0..m {
+        acc.fill(0.0);
+        for (k, &xk) in x[i * cols..(i + 1) * cols].iter().enumerate() {
+            for (r, a) in acc.iter_mut().enumerate() {
+                *a = xk.mul_add(weight(k, r), *a);
             }
-            for (r, a) in acc.iter().enumerate() {
-                let j = p * PANEL_ROWS + r;
-                if j < rows {
-                    // SAFETY: in bounds (i < m, j < rows); exclusive per the contract.
-                    unsafe { *out.add(i * rows + j) = *a };
-                }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            let j = p * PANEL_ROWS + r;
+            if j < rows {
+                // SAFETY: in bounds (i < m, j < rows); exclusive per the contract.
+                unsafe { *out.add(i * rows + j) = *a };
             }
         }
     }
@@ -326,7 +344,7 @@ mod tests {
 }
 
 /// [`linear_panels`] for a quantized weight: each panel decoded to its exact f32 values
-/// ([`crate::quant::dequant_panel`]), then the same chain per output.
+/// ([`crate::quant::dequant_panel`]), then the same chains.
 ///
 /// # Safety
 /// As [`linear_panels`].
@@ -338,25 +356,11 @@ pub(crate) unsafe fn linear_panels_quant(
     p0: usize,
     p1: usize,
 ) {
-    let (cols, rows) = (w.cols(), w.rows());
+    let cols = w.cols();
     let mut panel = vec![0f32; cols * PANEL_ROWS];
-    let mut acc = [0.0f32; PANEL_ROWS];
     for p in p0..p1 {
         crate::quant::dequant_panel(w.dtype(), w.packed(), cols, p, &mut panel);
-        for i in 0..m {
-            acc.fill(0.0);
-            for (k, &xk) in x[i * cols..(i + 1) * cols].iter().enumerate() {
-                for (r, a) in acc.iter_mut().enumerate() {
-                    *a = xk.mul_add(panel[k * PANEL_ROWS + r], *a);
-                }
-            }
-            for (r, a) in acc.iter().enumerate() {
-                let j = p * PANEL_ROWS + r;
-                if j < rows {
-                    // SAFETY: in bounds (i < m, j < rows); exclusive per the contract.
-                    unsafe { *out.add(i * rows + j) = *a };
-                }
-            }
-        }
+        // SAFETY: as this function's contract.
+        unsafe { panel_chains(x, m, w, out, p, |k, r| panel[k * PANEL_ROWS + r]) };
     }
 }
