@@ -1,28 +1,37 @@
-//! `tandem bench-serve`: a short serving benchmark, disaggregated vs colocated, side by side.
+//! `tandem bench-serve`: the serving curve, disaggregated vs colocated, side by side.
 //!
 //! - **Disaggregated**: a local cluster started as `tandem up` does (1 prefill + 1 decode node
 //!   and the router, real processes), driven over the router's gRPC ingress.
 //! - **Colocated**: one engine doing prefill and decode, in this process, driven the same way
 //!   (no RPC, no KV transfer): the baseline disaggregation is measured against.
 //!
-//! Load: closed-loop clients, `c` at a time for each `--concurrency c`, each sending the next
-//! request as soon as its previous one finished, `--requests` per level, every prompt
-//! `--prompt-len` seeded random tokens (distinct, so no prefix-cache hits) and `--max-tokens`
-//! output tokens (EOS ignored). Reported per level: TTFT median and p90, inter-token latency
-//! median, end-to-end median, and output tokens/s over the level's wall time.
+//! Load, per level (`--requests` each): closed loop at each `--concurrency c` (`c` clients, each
+//! sending its next request when its last one finished), then open loop at each `--rates r`
+//! (Poisson arrivals at `r` requests/s, seeded). Every prompt is `--prompt-len` seeded random
+//! tokens (distinct, so no prefix-cache hits) and asks for `--max-tokens` (EOS ignored).
+//! Reported per level: TTFT, inter-token latency and end-to-end p50/p90/p99 (from the scheduled
+//! arrival), output tokens/s, requests/s, and goodput: requests/s that met the SLO
+//! (`--slo-ttft-ms`, `--slo-itl-ms`). `--json` prints the report as JSON; `--plot-dir` draws the
+//! throughput–latency curves as PNG (one per load kind). A progress bar on stderr counts
+//! requests when stderr is a terminal; a line per finished level is printed either way.
 //! On a 2-core machine both nodes and the router share the cores the colocated engine has to
 //! itself: the comparison shows the cost of disaggregation there, not its benefit at scale.
 
-use std::collections::HashMap;
-use std::time::{Duration, Instant};
+mod drive;
+mod plot;
+mod stats;
+
+use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use plotters::style::{BLUE, RED};
 use serde::Serialize;
+use tandem_engine::EngineArgs;
 use tandem_engine::rng::Rng;
-use tandem_engine::{EngineArgs, Priority, Request, SamplingParams};
-use tandem_proto::v1::inference_client::InferenceClient;
-use tandem_proto::v1::{GenerateRequest, TokenIds, generate_request, generate_response};
+
+pub use stats::{Level, Load, Sample, Slo};
 
 use crate::load::engine_from_args;
 use crate::up::{self, UpArgs};
@@ -52,7 +61,11 @@ pub struct BenchServeArgs {
     /// Concurrency levels, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
     pub concurrency: Vec<usize>,
-    /// Requests per concurrency level.
+    /// Poisson arrival rates to sweep after the concurrency levels, requests/s, comma-separated
+    /// (open loop; none by default).
+    #[arg(long, value_delimiter = ',')]
+    pub rates: Vec<f64>,
+    /// Requests per level.
     #[arg(long, default_value_t = 16)]
     pub requests: usize,
     /// Prompt length in tokens.
@@ -67,6 +80,17 @@ pub struct BenchServeArgs {
     /// JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Goodput's TTFT objective, ms: a request meets the SLO when its TTFT and its mean
+    /// inter-token latency are both within theirs.
+    #[arg(long, default_value_t = Slo::default().ttft_ms)]
+    pub slo_ttft_ms: f64,
+    /// Goodput's inter-token latency objective, ms.
+    #[arg(long, default_value_t = Slo::default().itl_ms)]
+    pub slo_itl_ms: f64,
+    /// Draw the throughput–latency curves into this directory: `bench-serve-concurrency.png`
+    /// and (with `--rates`) `bench-serve-rate.png`.
+    #[arg(long)]
+    pub plot_dir: Option<PathBuf>,
     /// Model (default: the cached SmolLM2-135M-Instruct).
     #[arg(long, env = "TANDEM_MODEL")]
     pub model: Option<std::path::PathBuf>,
@@ -78,66 +102,6 @@ pub struct BenchServeArgs {
     /// prefill node).
     #[arg(long, value_delimiter = ',', default_value = "16,64,256")]
     pub prompt_lens: Vec<usize>,
-}
-
-/// One request's timings.
-#[derive(Clone, Copy, Debug)]
-struct Sample {
-    ttft: Duration,
-    e2e: Duration,
-    tokens: usize,
-}
-
-/// Figures of one concurrency level.
-#[derive(Clone, Debug, Serialize)]
-pub struct Level {
-    /// Clients at once.
-    pub concurrency: usize,
-    /// Median time to first token, ms.
-    pub ttft_p50_ms: f64,
-    /// 90th percentile time to first token, ms.
-    pub ttft_p90_ms: f64,
-    /// Median inter-token latency, ms.
-    pub itl_p50_ms: f64,
-    /// Median end-to-end latency, ms.
-    pub e2e_p50_ms: f64,
-    /// Output tokens per second over the level's wall time.
-    pub output_tok_s: f64,
-    /// Requests that finished.
-    pub requests: usize,
-    /// Output tokens received, all requests together.
-    pub output_tokens: usize,
-}
-
-fn pct(v: &mut [f64], p: f64) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[((v.len() - 1) as f64 * p).round() as usize]
-}
-
-fn summarize(concurrency: usize, samples: &[Sample], wall: Duration) -> Level {
-    let ms = |d: Duration| d.as_secs_f64() * 1e3;
-    let mut ttft: Vec<f64> = samples.iter().map(|s| ms(s.ttft)).collect();
-    let mut e2e: Vec<f64> = samples.iter().map(|s| ms(s.e2e)).collect();
-    let mut itl: Vec<f64> = samples
-        .iter()
-        .filter(|s| s.tokens > 1)
-        .map(|s| ms(s.e2e - s.ttft) / (s.tokens - 1) as f64)
-        .collect();
-    let tokens: usize = samples.iter().map(|s| s.tokens).sum();
-    Level {
-        concurrency,
-        ttft_p50_ms: pct(&mut ttft, 0.5),
-        ttft_p90_ms: pct(&mut ttft, 0.9),
-        itl_p50_ms: if itl.is_empty() {
-            0.0
-        } else {
-            pct(&mut itl, 0.5)
-        },
-        e2e_p50_ms: pct(&mut e2e, 0.5),
-        output_tok_s: tokens as f64 / wall.as_secs_f64(),
-        requests: samples.len(),
-        output_tokens: tokens,
-    }
 }
 
 pub(crate) fn prompts(args: &BenchServeArgs, level: usize, vocab: usize) -> Vec<Vec<u32>> {
@@ -153,106 +117,17 @@ pub(crate) fn prompts(args: &BenchServeArgs, level: usize, vocab: usize) -> Vec<
         .collect()
 }
 
+/// One closed-loop level through the cluster at `grpc` (the telemetry and placement benchmarks'
+/// driver): `c` clients, the default SLO.
 pub(crate) async fn disaggregated_level(
     grpc: std::net::SocketAddr,
     c: usize,
     prompts: Vec<Vec<u32>>,
     max_tokens: u32,
 ) -> anyhow::Result<Level> {
-    let queue = std::sync::Arc::new(std::sync::Mutex::new(prompts));
-    let t0 = Instant::now();
-    let mut workers = Vec::new();
-    for _ in 0..c {
-        let queue = queue.clone();
-        workers.push(tokio::spawn(async move {
-            let mut client = InferenceClient::connect(format!("http://{grpc}")).await?;
-            let mut out = Vec::new();
-            loop {
-                let next = queue.lock().expect("queue lock").pop();
-                let Some(ids) = next else { break };
-                let req = GenerateRequest {
-                    input: Some(generate_request::Input::TokenIds(TokenIds { ids })),
-                    sampling: Some(tandem_proto::v1::SamplingParams {
-                        max_tokens,
-                        ignore_eos: true,
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                };
-                let start = Instant::now();
-                let mut stream = client.generate(req).await?.into_inner();
-                let (mut ttft, mut tokens) = (None, 0);
-                while let Some(m) = stream.message().await? {
-                    if let Some(generate_response::Event::Delta(d)) = m.event
-                        && !d.token_ids.is_empty() {
-                            ttft.get_or_insert(start.elapsed());
-                            tokens += d.token_ids.len();
-                        }
-                }
-                out.push(Sample {
-                    ttft: ttft.unwrap_or_default(),
-                    e2e: start.elapsed(),
-                    tokens,
-                });
-            }
-            anyhow::Ok(out)
-        }));
-    }
-    let mut samples = Vec::new();
-    for w in workers {
-        samples.extend(w.await??);
-    }
-    Ok(summarize(c, &samples, t0.elapsed()))
-}
-
-fn colocated_level(
-    engine: &mut tandem_engine::Engine,
-    c: usize,
-    mut prompts: Vec<Vec<u32>>,
-    max_tokens: usize,
-    id0: u64,
-) -> anyhow::Result<Level> {
-    let mut live: HashMap<u64, (Instant, Option<Duration>, usize)> = HashMap::new();
-    let mut samples = Vec::new();
-    let mut next_id = id0;
-    let t0 = Instant::now();
-    loop {
-        while live.len() < c {
-            let Some(p) = prompts.pop() else { break };
-            let params = SamplingParams {
-                ignore_eos: true,
-                ..SamplingParams::greedy(max_tokens)
-            };
-            engine.add_request(
-                Request {
-                    id: next_id,
-                    prompt: p,
-                    params,
-                    priority: Priority::Interactive,
-                },
-                Instant::now(),
-            )?;
-            live.insert(next_id, (Instant::now(), None, 0));
-            next_id += 1;
-        }
-        if live.is_empty() {
-            break;
-        }
-        for o in engine.step()? {
-            let e = live.get_mut(&o.request_id).expect("live request");
-            e.1.get_or_insert(e.0.elapsed());
-            e.2 += 1;
-            if o.finished.is_some() {
-                let (start, ttft, tokens) = live.remove(&o.request_id).expect("live request");
-                samples.push(Sample {
-                    ttft: ttft.unwrap_or_default(),
-                    e2e: start.elapsed(),
-                    tokens,
-                });
-            }
-        }
-    }
-    Ok(summarize(c, &samples, t0.elapsed()))
+    let load = Load::Concurrency(c);
+    let (samples, wall) = drive::disaggregated(grpc, load, prompts, max_tokens, None).await?;
+    Ok(stats::summarize(load, &samples, wall, &Slo::default()))
 }
 
 #[derive(Serialize)]
@@ -260,8 +135,30 @@ struct Report {
     prompt_len: usize,
     max_tokens: usize,
     requests_per_level: usize,
+    slo: Slo,
     disaggregated: Vec<Level>,
     colocated: Vec<Level>,
+}
+
+/// The levels to run, in order: the concurrency sweep, then the rate sweep.
+fn loads(args: &BenchServeArgs) -> Vec<Load> {
+    let closed = args.concurrency.iter().map(|&c| Load::Concurrency(c));
+    closed.chain(args.rates.iter().map(|&r| Load::Rate(r))).collect()
+}
+
+/// Prompts of the level at `index` of [`loads`] (seeded by its position, so distinct per level).
+fn level_prompts(args: &BenchServeArgs, index: usize, vocab: usize) -> Vec<Vec<u32>> {
+    prompts(args, 1_000 + index, vocab)
+}
+
+/// A bar counting every measured request of the run, drawn on stderr only when it is a terminal.
+fn progress_bar(total_requests: u64) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(Some(total_requests), ProgressDrawTarget::stderr());
+    let style = ProgressStyle::with_template(
+        "bench-serve [{elapsed_precise}] {bar:30} {pos}/{len} requests, {msg} (eta {eta})",
+    )
+    .expect("a valid progress template");
+    bar.with_style(style)
 }
 
 /// Runs the benchmark and returns what to print.
@@ -274,6 +171,19 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<String> {
         args.concurrency.iter().all(|&c| c > 0),
         "concurrency levels must be > 0"
     );
+    anyhow::ensure!(
+        args.rates.iter().all(|&r| r.is_finite() && r > 0.0),
+        "--rates must be finite and > 0 requests/s, got {:?}",
+        args.rates
+    );
+    anyhow::ensure!(
+        args.slo_ttft_ms > 0.0 && args.slo_itl_ms > 0.0,
+        "--slo-ttft-ms and --slo-itl-ms must be > 0"
+    );
+    if let Some(dir) = &args.plot_dir {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("--plot-dir {}: cannot create it", dir.display()))?;
+    }
     let model = match &args.model {
         Some(m) => m.clone(),
         None => crate::fetch::ensure_default_model()?,
@@ -285,13 +195,18 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<String> {
     if args.mode == Mode::Placement {
         return crate::bench_placement::run(args, &model, vocab);
     }
+    let slo = Slo { ttft_ms: args.slo_ttft_ms, itl_ms: args.slo_itl_ms };
     let mut report = Report {
         prompt_len: args.prompt_len,
         max_tokens: args.max_tokens,
         requests_per_level: args.requests,
+        slo,
         disaggregated: vec![],
         colocated: vec![],
     };
+    let loads = loads(args);
+    let sides = if args.mode == Mode::Both { 2 } else { 1 };
+    let bar = progress_bar((sides * loads.len() * args.requests) as u64);
     if args.mode != Mode::Colocated {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -316,23 +231,22 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<String> {
             ..UpArgs::defaults()
         };
         let interrupt = up::Interrupt::install(&rt)?;
+        bar.set_message("starting the 1P+1D cluster");
         let mut cluster =
             up::start(&up_args, &rt, &interrupt).context("starting the local 1P+1D cluster")?;
         // Warm-up: one request through the whole path.
-        rt.block_on(disaggregated_level(
-            up_args.grpc,
-            1,
-            prompts(args, 0, vocab)[..1].to_vec(),
-            4,
-        ))?;
-        for &c in &args.concurrency {
-            let level = rt.block_on(disaggregated_level(
+        rt.block_on(disaggregated_level(up_args.grpc, 1, prompts(args, 0, vocab)[..1].to_vec(), 4))?;
+        for (i, &load) in loads.iter().enumerate() {
+            bar.set_message(format!("disaggregated, {load}"));
+            let (samples, wall) = rt.block_on(drive::disaggregated(
                 up_args.grpc,
-                c,
-                prompts(args, c, vocab),
+                load,
+                level_prompts(args, i, vocab),
                 args.max_tokens as u32,
+                Some(&bar),
             ))?;
-            progress("disaggregated", &level);
+            let level = stats::summarize(load, &samples, wall, &slo);
+            bar.suspend(|| progress("disaggregated", &level));
             report.disaggregated.push(level);
         }
         cluster.shutdown();
@@ -343,73 +257,125 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<String> {
             model: Some(model.clone()),
             ..<EngineArgsDefaults as clap::Parser>::parse_from(["x"]).engine
         };
+        bar.set_message("loading the colocated engine");
         let mut engine = engine_from_args(&eargs)?;
-        colocated_level(
-            &mut engine,
-            1,
-            prompts(args, 0, vocab)[..1].to_vec(),
-            4,
-            1 << 40,
-        )?;
-        for &c in &args.concurrency {
-            let level = colocated_level(
-                &mut engine,
-                c,
-                prompts(args, c, vocab),
-                args.max_tokens,
-                (c as u64) << 32,
-            )?;
-            progress("colocated", &level);
+        let warm = prompts(args, 0, vocab)[..1].to_vec();
+        drive::colocated(&mut engine, Load::Concurrency(1), warm, 4, 1 << 40, None)?;
+        for (i, &load) in loads.iter().enumerate() {
+            bar.set_message(format!("colocated, {load}"));
+            let prompts = level_prompts(args, i, vocab);
+            let id0 = ((i + 1) as u64) << 32;
+            let (samples, wall) =
+                drive::colocated(&mut engine, load, prompts, args.max_tokens, id0, Some(&bar))?;
+            let level = stats::summarize(load, &samples, wall, &slo);
+            bar.suspend(|| progress("colocated", &level));
             report.colocated.push(level);
+        }
+    }
+    bar.finish_and_clear();
+    if let Some(dir) = &args.plot_dir {
+        for written in draw(&report, dir)? {
+            eprintln!("bench-serve: wrote {}", written.display());
         }
     }
     if args.json {
         return Ok(serde_json::to_string(&report)?);
     }
-    let mut s = format!(
-        "serving benchmark: {} requests per level, {}-token prompts, {} output tokens, greedy\n\
-         {:>5} | {:^44} | {:^44}\n\
-         {:>5} | {:>9} {:>9} {:>8} {:>8} {:>7} | {:>9} {:>9} {:>8} {:>8} {:>7}\n",
-        args.requests,
-        args.prompt_len,
-        args.max_tokens,
-        "",
-        "disaggregated (1 prefill + 1 decode + router)",
-        "colocated (one engine, in-process)",
-        "conc",
-        "TTFT p50",
-        "TTFT p90",
-        "ITL p50",
-        "e2e p50",
-        "tok/s",
-        "TTFT p50",
-        "TTFT p90",
-        "ITL p50",
-        "e2e p50",
-        "tok/s"
-    );
-    let cell = |l: Option<&Level>| match l {
-        Some(l) => format!(
-            "{:>7.1}ms {:>7.1}ms {:>6.1}ms {:>6.0}ms {:>7.1}",
-            l.ttft_p50_ms, l.ttft_p90_ms, l.itl_p50_ms, l.e2e_p50_ms, l.output_tok_s
-        ),
-        None => format!("{:>44}", "-"),
-    };
-    for (i, &c) in args.concurrency.iter().enumerate() {
-        s += &format!(
-            "{c:>5} | {} | {}\n",
-            cell(report.disaggregated.get(i)),
-            cell(report.colocated.get(i))
+    Ok(table(args, &report, &loads))
+}
+
+/// Draws one PNG per load kind that has levels; returns the files written.
+fn draw(report: &Report, dir: &std::path::Path) -> anyhow::Result<Vec<PathBuf>> {
+    let mut written = Vec::new();
+    let kinds: [(&str, fn(&Level) -> bool, &str); 2] = [
+        ("bench-serve-concurrency.png", |l| l.concurrency.is_some(), "closed loop, concurrency sweep"),
+        ("bench-serve-rate.png", |l| l.rate_req_s.is_some(), "open loop, Poisson arrival rate sweep"),
+    ];
+    for (file, is_kind, what) in kinds {
+        let sides: Vec<plot::Side> = [
+            ("disaggregated (1 prefill + 1 decode + router)", &report.disaggregated, BLUE),
+            ("colocated (one engine)", &report.colocated, RED),
+        ]
+        .into_iter()
+        .map(|(name, levels, color)| plot::Side {
+            name,
+            levels: levels.iter().filter(|l| is_kind(l)).collect(),
+            color,
+        })
+        .filter(|s| !s.levels.is_empty())
+        .collect();
+        if sides.is_empty() {
+            continue;
+        }
+        let title = format!(
+            "tandem bench-serve: {what}; {}-token prompts, {} output tokens, {} requests per level",
+            report.prompt_len, report.max_tokens, report.requests_per_level
         );
+        let path = dir.join(file);
+        plot::curves(&path, &title, &sides)?;
+        written.push(path);
     }
-    Ok(s)
+    Ok(written)
+}
+
+/// The human-readable report: one block per side, a row per level.
+fn table(args: &BenchServeArgs, report: &Report, loads: &[Load]) -> String {
+    let mut s = format!(
+        "serving benchmark: {} requests per level, {}-token prompts, {} output tokens, greedy; \
+         SLO: TTFT ≤ {} ms and ITL ≤ {} ms\n",
+        args.requests, args.prompt_len, args.max_tokens, report.slo.ttft_ms, report.slo.itl_ms
+    );
+    let sides = [
+        ("disaggregated (1 prefill + 1 decode + router)", &report.disaggregated),
+        ("colocated (one engine, in-process)", &report.colocated),
+    ];
+    for (name, levels) in sides {
+        if levels.is_empty() {
+            continue;
+        }
+        s += &format!(
+            "\n{name}\n{:>12} | {:>23} | {:>20} | {:>23} | {:>7} {:>7} {:>7} {:>5}\n",
+            "load",
+            "TTFT p50/p90/p99 ms",
+            "ITL p50/p90/p99 ms",
+            "e2e p50/p90/p99 ms",
+            "tok/s",
+            "req/s",
+            "good/s",
+            "SLO"
+        );
+        for (load, l) in loads.iter().zip(levels) {
+            s += &format!(
+                "{:>12} | {:>7.0} {:>7.0} {:>7.0} | {:>6.1} {:>6.1} {:>6.1} | {:>7.0} {:>7.0} {:>7.0} | \
+                 {:>7.1} {:>7.2} {:>7.2} {:>4.0}%\n",
+                load.label(),
+                l.ttft_p50_ms,
+                l.ttft_p90_ms,
+                l.ttft_p99_ms,
+                l.itl_p50_ms,
+                l.itl_p90_ms,
+                l.itl_p99_ms,
+                l.e2e_p50_ms,
+                l.e2e_p90_ms,
+                l.e2e_p99_ms,
+                l.output_tok_s,
+                l.throughput_req_s,
+                l.goodput_req_s,
+                l.slo_attainment * 100.0
+            );
+        }
+    }
+    s
 }
 
 /// One progress line per finished level on stderr (stdout carries only the report).
 pub(crate) fn progress(side: &str, l: &Level) {
     eprintln!(
-        "bench-serve: {side} concurrency {} done: TTFT p50 {:.1} ms, {:.1} output tok/s",
-        l.concurrency, l.ttft_p50_ms, l.output_tok_s
+        "bench-serve: {side} {} done: TTFT p50 {:.1} ms, {:.1} output tok/s, SLO met by {:.0}%",
+        l.load(),
+        l.ttft_p50_ms,
+        l.output_tok_s,
+        l.slo_attainment * 100.0
     );
 }
 
