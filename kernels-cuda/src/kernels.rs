@@ -806,6 +806,33 @@ mod tests {
     }
 
     #[test]
+    fn the_host_rope_table_is_the_cpu_kernels_table_bit_for_bit() {
+        for (hd, theta) in [(64, 10_000.0), (128, 500_000.0), (80, 100_000.0)] {
+            let cpu = tandem_kernels::RopeTable::new(hd, 3000, theta);
+            let (cos, sin) = rope_table_host(hd, 3000, theta).unwrap();
+            for pos in [0, 1, 2, 17, 1000, 2999] {
+                let (c, s) = cpu.row(pos);
+                let at = pos * hd / 2;
+                assert_eq!(
+                    c.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    cos[at..at + hd / 2]
+                        .iter()
+                        .map(|x| x.to_bits())
+                        .collect::<Vec<_>>()
+                );
+                assert_eq!(
+                    s.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    sin[at..at + hd / 2]
+                        .iter()
+                        .map(|x| x.to_bits())
+                        .collect::<Vec<_>>()
+                );
+            }
+        }
+        assert!(rope_table_host(63, 4, 1e4).is_err());
+    }
+
+    #[test]
     fn int8_kv_is_refused() {
         assert!(matches!(
             check_dtype("x", KvDtype::Int8),

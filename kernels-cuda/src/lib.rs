@@ -53,6 +53,10 @@ pub const MIN_COMPUTE_CAPABILITY: (u32, u32) = (8, 0);
 pub mod env {
     /// Directory of the PTX cache.
     pub const TANDEM_PTX_CACHE: &str = "TANDEM_PTX_CACHE";
+    /// The XDG cache root (PTX cache fallback: `$XDG_CACHE_HOME/tandem/ptx`).
+    pub const XDG_CACHE_HOME: &str = "XDG_CACHE_HOME";
+    /// Home directory (PTX cache fallback: `$HOME/.cache/tandem/ptx`).
+    pub const HOME: &str = "HOME";
     /// The dynamic loader's search path (read only to report it in errors).
     pub const LD_LIBRARY_PATH: &str = "LD_LIBRARY_PATH";
 }

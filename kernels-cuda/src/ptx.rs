@@ -335,9 +335,9 @@ pub fn default_dir() -> PathBuf {
     };
     if let Some(d) = var(env::TANDEM_PTX_CACHE) {
         d
-    } else if let Some(d) = var("XDG_CACHE_HOME") {
+    } else if let Some(d) = var(env::XDG_CACHE_HOME) {
         d.join("tandem").join("ptx")
-    } else if let Some(d) = var("HOME") {
+    } else if let Some(d) = var(env::HOME) {
         d.join(".cache").join("tandem").join("ptx")
     } else {
         std::env::temp_dir().join("tandem-ptx")
