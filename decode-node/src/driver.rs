@@ -23,6 +23,8 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use tandem_engine::{Engine, EngineError, Request, StepOutput};
+
+use crate::step_budget::StepBudget;
 use tandem_node::engine_thread::{Driver, share_step_time};
 use tandem_node::metrics::Outcome;
 use tandem_node::{InFlightGuard, NodeMetrics, convert, status};
@@ -197,14 +199,37 @@ impl Stream {
 pub struct DecodeDriver {
     streams: HashMap<u64, Stream>,
     metrics: NodeMetrics,
+    /// Sizes the engine's prompt tokens per step from measured steps (`None`: uncapped).
+    budget: Option<StepBudget>,
+    /// The cap last given to the engine.
+    cap: Option<usize>,
 }
 
 impl DecodeDriver {
-    /// A driver with no streams, counting into `metrics`.
-    pub fn new(metrics: NodeMetrics) -> Self {
+    /// A driver with no streams, counting into `metrics`; with `budget`, the prompts this node
+    /// computes itself are chunked to fit its step-time target.
+    pub fn new(metrics: NodeMetrics, budget: Option<StepBudget>) -> Self {
         DecodeDriver {
             streams: HashMap::new(),
             metrics,
+            budget,
+            cap: None,
+        }
+    }
+
+    /// Feeds the last step to the budget and hands the engine the cap it gives now.
+    fn resize_budget(&mut self, engine: &mut Engine, elapsed: std::time::Duration) {
+        let Some(budget) = self.budget.as_mut() else { return };
+        let (mut prompt, mut decode) = (0, 0);
+        for &(_, n) in engine.last_step_tokens() {
+            if n > 1 { prompt += n } else { decode += n }
+        }
+        budget.observe(elapsed, prompt, decode);
+        let cap = Some(budget.cap());
+        if cap != self.cap {
+            tracing::debug!(prompt_tokens_per_step = cap, "step budget resized");
+            engine.set_prefill_token_cap(cap);
+            self.cap = cap;
         }
     }
 
@@ -338,10 +363,18 @@ impl Driver for DecodeDriver {
     }
 
     fn step(&mut self, engine: &mut Engine) -> Result<usize, EngineError> {
+        if self.cap.is_none()
+            && let Some(b) = &self.budget
+        {
+            self.cap = Some(b.cap());
+            engine.set_prefill_token_cap(self.cap);
+        }
         let t0 = Instant::now();
         let outputs = engine.step()?;
+        let elapsed = t0.elapsed();
+        self.resize_budget(engine, elapsed);
         let streams = &mut self.streams;
-        share_step_time(engine, t0.elapsed(), |id, secs| {
+        share_step_time(engine, elapsed, |id, secs| {
             if let Some(s) = streams.get_mut(&id) {
                 s.node_seconds += secs;
             }

@@ -8,6 +8,7 @@
 //! | [`driver`] | the engine driver: reserve/release, adopt KV with the first token, batched streams |
 //! | [`reservations`] | unclaimed reservations, their inbound transfers, expiry, fenced release |
 //! | [`service`] | the gRPC service |
+//! | [`step_budget`] | the prompt tokens per step, sized from measured steps (`--max-step-ms`) |
 //! | this file | [`DecodeArgs`], [`DecodeNode`] (start / addresses / shutdown), [`run`] |
 //!
 //! Startup: validate flags → bind the gRPC and KV listeners → start the KV transport → load the
@@ -20,6 +21,7 @@
 pub mod driver;
 pub mod reservations;
 pub mod service;
+pub mod step_budget;
 
 use std::ffi::OsString;
 use std::future::Future;
@@ -45,6 +47,7 @@ use tokio_util::sync::CancellationToken;
 use crate::driver::{Command, DecodeDriver};
 use crate::reservations::Reservations;
 use crate::service::DecodeService;
+use crate::step_budget::StepBudget;
 
 /// Engine commands queued before callers wait.
 const COMMAND_QUEUE: usize = 256;
@@ -73,6 +76,14 @@ pub struct DecodeArgs {
     /// CPU).
     #[arg(long, env = TANDEM_KV_STALL_TIMEOUT_MS, default_value_t = 5_000)]
     pub kv_stall_timeout_ms: u64,
+
+    /// Target length of one engine step, in ms, for the prompts this node computes itself
+    /// (conditional disaggregation): their chunks are sized from measured steps so a step
+    /// stays near this, and every stream decoding here gets a token at least that often
+    /// (the node also answers `Reserve` between steps). Decode tokens are never capped. 0 = off:
+    /// a step may take the engine's whole `--max-tokens-per-step` of prompt.
+    #[arg(long, env = TANDEM_MAX_STEP_MS, default_value_t = 100)]
+    pub max_step_ms: u64,
 
     /// Log filter for stderr (RUST_LOG syntax).
     #[arg(long, env = "RUST_LOG", default_value = "info")]
@@ -141,7 +152,10 @@ impl DecodeNode {
         metrics.watch_transfers(kind.as_str(), Arc::clone(net.metrics()));
         let engine_args = args.node.engine.clone();
         let alloc = Arc::clone(&net);
-        let driver = DecodeDriver::new(metrics.clone());
+        let budget = (args.max_step_ms > 0).then(|| {
+            StepBudget::new(Duration::from_millis(args.max_step_ms), args.node.engine.max_tokens_per_step)
+        });
+        let driver = DecodeDriver::new(metrics.clone(), budget);
         let (engine, (layout, num_blocks, registration)) = engine_thread::spawn_with(
             "decode-engine",
             COMMAND_QUEUE,

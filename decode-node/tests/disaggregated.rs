@@ -581,8 +581,8 @@ async fn a_prompt_computed_on_the_decode_node_reports_progress_until_its_first_t
     }
     let first_at = first_at.expect("tokens came");
     assert_eq!(tokens, 2);
-    // A report at the first loop iteration a second or more after the last message: between
-    // steps, so one a step while steps take over a second (here a 512-token chunk takes ~3 s).
+    // A report at the first loop iteration a second or more after the last message (between
+    // steps: the prompt runs in chunks sized to the node's `--max-step-ms`).
     assert!(!progress.is_empty(), "no progress in {first_at:?}");
     assert!(progress.windows(2).all(|w| w[0] <= w[1]), "{progress:?}");
     assert!(progress.iter().all(|&n| n as usize <= prompt.len()), "{progress:?}");

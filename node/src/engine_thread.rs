@@ -120,6 +120,8 @@ pub struct EngineSnapshot {
     pub preemptions: u64,
     /// Structured outputs ended early because their grammar failed, since start.
     pub grammar_failures: u64,
+    /// Prompt tokens one step may compute now (the scheduler's cap, or its whole step budget).
+    pub prefill_token_cap: usize,
 }
 
 impl EngineSnapshot {
@@ -141,6 +143,7 @@ impl EngineSnapshot {
             decode_tokens: stats.decode_tokens,
             preemptions: stats.preemptions,
             grammar_failures: stats.grammar_failures,
+            prefill_token_cap: s.prefill_token_cap(),
         }
     }
 

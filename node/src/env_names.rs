@@ -46,6 +46,9 @@ pub const TANDEM_PUSH_DEADLINE_MS: &str = "TANDEM_PUSH_DEADLINE_MS";
 pub const TANDEM_RESERVATION_TTL_MS: &str = "TANDEM_RESERVATION_TTL_MS";
 /// `--kv-stall-timeout-ms` (decode): a KV push that lands nothing for this long is ended.
 pub const TANDEM_KV_STALL_TIMEOUT_MS: &str = "TANDEM_KV_STALL_TIMEOUT_MS";
+/// `--max-step-ms` (decode): the step-time target the prompts a decode node computes are
+/// chunked to.
+pub const TANDEM_MAX_STEP_MS: &str = "TANDEM_MAX_STEP_MS";
 /// `--kv-fault` (prefill, fault-injection builds only): a fault applied to every push.
 pub const TANDEM_KV_FAULT: &str = "TANDEM_KV_FAULT";
 /// `--kv-fault-on-sigusr1` (prefill, fault-injection builds only): the fault starts off and

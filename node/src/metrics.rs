@@ -20,6 +20,7 @@
 //! | `tandem_node_engine_steps_total`, `_computed_prompt_tokens_total`, `_generated_tokens_total`, `_preemptions_total` | counter | – | the engine's own counts |
 //! | `tandem_node_grammar_failures_total` | counter | – | structured outputs ended early because llguidance failed (its limits); each also logged |
 //! | `tandem_node_tokens_per_second` | gauge | – | prompt + generated tokens/s over the last 0.5 s |
+//! | `tandem_node_prompt_tokens_per_step` | gauge | – | prompt tokens one engine step may compute now (decode: sized from measured steps to `--max-step-ms`) |
 //! | `tandem_kv_transfer_bytes_total` | counter | transport, direction | KV bytes sent (prefill) / received and verified (decode) |
 //! | `tandem_kv_transfers_total` | counter | transport, result | started, confirmed (outbound), received (inbound, verified) |
 //! | `tandem_kv_transfer_duration_seconds` | histogram | transport | outbound transfer, start to confirmation |
@@ -318,6 +319,11 @@ fn engine_families(s: &EngineSnapshot) -> Vec<tm::Family> {
             "Structured outputs ended early because their grammar failed (llguidance's limits).",
         )
         .value(s.grammar_failures as f64),
+        tm::Family::gauge(
+            "tandem_node_prompt_tokens_per_step",
+            "Prompt tokens one engine step may compute now (a decode node sizes it from its step time).",
+        )
+        .value(s.prefill_token_cap as f64),
     ]
 }
 

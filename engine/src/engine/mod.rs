@@ -144,6 +144,11 @@ impl Engine {
         &self.sched
     }
 
+    /// Caps the prompt tokens a step computes ([`Scheduler::set_prefill_token_cap`]).
+    pub fn set_prefill_token_cap(&mut self, cap: Option<usize>) {
+        self.sched.set_prefill_token_cap(cap);
+    }
+
     /// Starts logging prefix-cache changes (nodes publish them as KV events).
     pub fn log_cache_events(&mut self) {
         self.sched.log_cache_events();

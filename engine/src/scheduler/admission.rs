@@ -155,7 +155,13 @@ impl Scheduler {
     /// Admits waiting sequences into the step (after the running ones took their share of
     /// `budget`), appending their first chunks to `chunks`: batch sequences waiting since
     /// `batch_aging` before `now` first, then interactive, then batch.
-    pub(super) fn admit_waiting(&mut self, mut budget: usize, now: Instant, chunks: &mut Vec<ScheduledChunk>) {
+    pub(super) fn admit_waiting(
+        &mut self,
+        mut budget: usize,
+        mut prefill_budget: usize,
+        now: Instant,
+        chunks: &mut Vec<ScheduledChunk>,
+    ) {
         let mut head_bucket = [None, None];
         let aging = self.cfg.batch_aging;
         let aged = |s: &Scheduler| {
@@ -168,13 +174,26 @@ impl Scheduler {
                 && !self.waiting[c].is_empty()
                 && (!aged_only || aged(self))
             {
-                let pick = if aged_only { 0 } else { self.pick_waiting(c, head_bucket[c]) };
+                let mut pick = if aged_only { 0 } else { self.pick_waiting(c, head_bucket[c]) };
+                if prefill_budget == 0 && self.left(self.waiting[c][pick]) > 1 {
+                    // No prompt can run this step: a sequence that arrived with its KV (one
+                    // token to run) may still join; the prompts keep their order.
+                    match self.waiting[c].iter().take(16).position(|&id| self.left(id) == 1) {
+                        Some(p) => pick = p,
+                        None => break 'passes,
+                    }
+                }
                 let id = self.waiting[c][pick];
-                match self.try_admit(id, budget) {
+                let decoding = self.left(id) == 1;
+                let cap = if decoding { budget } else { budget.min(prefill_budget) };
+                match self.try_admit(id, cap) {
                     Some(chunk) => {
                         self.waiting[c].remove(pick);
                         head_bucket[c].get_or_insert(self.bucket(c, chunk.len));
                         budget -= chunk.len;
+                        if !decoding {
+                            prefill_budget -= chunk.len;
+                        }
                         chunks.push(chunk);
                     }
                     None => break 'passes, // no room: keep order, stop admitting

@@ -222,6 +222,9 @@ pub struct Scheduler {
     waiting: [VecDeque<u64>; 2],
     running: Vec<u64>,
     next_arrival: u64,
+    /// Prompt tokens one step may compute beyond the decode tokens (`None`: only
+    /// `max_tokens_per_step` bounds them); set at run time ([`Scheduler::set_prefill_token_cap`]).
+    prefill_cap: Option<usize>,
 }
 
 fn class(p: Priority) -> usize {
@@ -246,6 +249,7 @@ impl Scheduler {
             waiting: [VecDeque::new(), VecDeque::new()],
             running: Vec::new(),
             next_arrival: 0,
+            prefill_cap: None,
         })
     }
 
@@ -321,11 +325,40 @@ impl Scheduler {
         self.running.sort_by_key(|id| (seqs[id].priority, seqs[id].arrival));
     }
 
+    /// Caps the prompt tokens (prefill chunks) a step computes at `cap` (at least 1), or lifts
+    /// the cap with `None`. Decode tokens (sequences with one token to run) are not capped, and
+    /// under a cap the prefill chunks also leave room in `max_tokens_per_step` for every
+    /// decoding sequence: a long prompt never holds back the streams already decoding, and a
+    /// step's length stays near what the cap was sized for (a decode node sizes it from its
+    /// measured step time).
+    pub fn set_prefill_token_cap(&mut self, cap: Option<usize>) {
+        self.prefill_cap = cap.map(|c| c.max(1));
+    }
+
+    /// Prompt tokens one step may compute now: the cap, or `max_tokens_per_step` without one.
+    pub fn prefill_token_cap(&self) -> usize {
+        self.prefill_cap.unwrap_or(usize::MAX).min(self.cfg.max_tokens_per_step)
+    }
+
+    /// Tokens `id` still has to run (1: it is decoding, or has one prompt token left).
+    fn left(&self, id: u64) -> usize {
+        let s = &self.seqs[&id];
+        s.tokens.len() - s.num_computed
+    }
+
     /// Decides the next step's work at time `now` (batch waiters older than `batch_aging` go
-    /// first).
+    /// first). Each sequence with one token left takes one; prefill chunks share what is left
+    /// of `max_tokens_per_step` and of the prefill cap.
     pub fn schedule(&mut self, now: Instant) -> SchedulerOutput {
         let mut out = SchedulerOutput::default();
         let mut budget = self.cfg.max_tokens_per_step;
+        let mut prefill_budget = match self.prefill_cap {
+            None => budget,
+            Some(cap) => {
+                let decoding = self.running.iter().filter(|&&id| self.left(id) == 1).count();
+                cap.min(budget.saturating_sub(decoding))
+            }
+        };
 
         // 1. Running sequences, in priority/arrival order.
         let mut i = 0;
@@ -335,7 +368,12 @@ impl Scheduler {
                 let s = &self.seqs[&id];
                 (s.num_computed, s.tokens.len(), s.blocks.len())
             };
-            let n = (len - computed).min(budget);
+            let decoding = len - computed == 1;
+            let n = if decoding { 1 } else { (len - computed).min(budget).min(prefill_budget) };
+            if n == 0 {
+                i += 1; // a prompt with no prefill budget left this step
+                continue;
+            }
             let need = self.blocks_for(computed + n).saturating_sub(held);
             if !self.make_room(need, id, &mut out.preempted) {
                 continue; // `id` itself was preempted
@@ -345,12 +383,15 @@ impl Scheduler {
             s.blocks.extend(new_blocks);
             out.chunks.push(ScheduledChunk { seq_id: id, first_pos: computed, len: n, want_logits: computed + n == len });
             budget -= n;
+            if !decoding {
+                prefill_budget -= n;
+            }
             i += 1;
         }
 
         // 2. Admit waiting sequences, unless this step had to preempt (no room).
         if out.preempted.is_empty() {
-            self.admit_waiting(budget, now, &mut out.chunks);
+            self.admit_waiting(budget, prefill_budget, now, &mut out.chunks);
         }
         out
     }
@@ -502,6 +543,58 @@ mod tests {
         assert_eq!(s.pending_prompt_tokens(), 2);
         s.add(3, (100..122).collect(), 1, Priority::Interactive, Instant::now()).unwrap();
         assert_eq!(s.pending_prompt_tokens(), 2 + 22);
+    }
+
+    #[test]
+    fn a_prefill_cap_bounds_prompt_chunks_and_never_holds_back_decoding_streams() {
+        let mut s = sched(256, 64);
+        let now = Instant::now();
+        // Two streams decoding, then a long prompt arrives ahead of... nothing: it is the newest.
+        s.add(1, vec![1; 4], 50, Priority::Interactive, now).unwrap();
+        s.add(2, vec![2; 4], 50, Priority::Interactive, now).unwrap();
+        run_step(&mut s);
+        s.set_prefill_token_cap(Some(10));
+        assert_eq!(s.prefill_token_cap(), 10);
+        s.add(3, (0..100).collect(), 2, Priority::Interactive, now).unwrap();
+        let mut prompt_chunks = Vec::new();
+        for _ in 0..10 {
+            let out = run_step(&mut s);
+            let mut decoded: Vec<u64> = out.chunks.iter().filter(|c| c.len == 1).map(|c| c.seq_id).collect();
+            decoded.sort();
+            assert_eq!(decoded, [1, 2], "both streams decode every step: {out:?}");
+            prompt_chunks.extend(out.chunks.iter().filter(|c| c.seq_id == 3).map(|c| c.len));
+        }
+        assert_eq!(prompt_chunks, [10; 10], "the prompt runs 10 tokens a step");
+        // Lifted: the rest of the prompt (0 + 100 - 100 = done, so add another) takes the budget.
+        s.set_prefill_token_cap(None);
+        assert_eq!(s.prefill_token_cap(), 64);
+        s.add(4, (200..300).collect(), 2, Priority::Interactive, now).unwrap();
+        let out = run_step(&mut s);
+        let c4 = out.chunks.iter().find(|c| c.seq_id == 4).unwrap();
+        assert_eq!(c4.len, 64 - 3, "the whole budget but the three decoding streams' tokens");
+    }
+
+    #[test]
+    fn under_a_spent_prefill_cap_an_arrival_with_its_kv_still_joins() {
+        let mut s = sched(256, 64);
+        let now = Instant::now();
+        s.set_prefill_token_cap(Some(8));
+        s.add(1, (0..40).collect(), 2, Priority::Interactive, now).unwrap();
+        s.add(2, (100..140).collect(), 2, Priority::Interactive, now).unwrap();
+        let out = run_step(&mut s);
+        assert_eq!(out.chunks.iter().map(|c| (c.seq_id, c.len)).collect::<Vec<_>>(), [(1, 8)]);
+        // A sequence whose prompt was computed elsewhere (a prefill node): 12 tokens with KV,
+        // one (the first sampled token) to run; queued behind prompt 2 (as after a preemption).
+        let blocks = s.blocks.allocate_n(4).unwrap();
+        let mut toks: Vec<u32> = (500..512).collect();
+        toks.push(9);
+        s.add_prefilled(3, toks, 12, blocks, Priority::Interactive, now).unwrap();
+        s.waiting[0].retain(|&id| id != 3);
+        s.waiting[0].push_back(3);
+        let out = run_step(&mut s);
+        let by: Vec<(u64, usize)> = out.chunks.iter().map(|c| (c.seq_id, c.len)).collect();
+        assert_eq!(by, [(1, 8), (3, 1)], "the cap went to the running prompt; the arrival with its KV joined; prompt 2 waits");
+        assert_eq!(s.waiting[0].iter().copied().collect::<Vec<_>>(), [2]);
     }
 
     #[test]
