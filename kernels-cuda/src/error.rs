@@ -143,15 +143,6 @@ pub enum CudaError {
         /// What (`int8 KV`, `head_dim 512`).
         what: String,
     },
-
-    /// The PTX cache directory could not be created or written.
-    #[error("PTX cache at {path}: {source}")]
-    CacheIo {
-        /// The file or directory.
-        path: std::path::PathBuf,
-        /// The I/O error.
-        source: std::io::Error,
-    },
 }
 
 /// The CUDA libraries this crate loads at run time.
@@ -200,7 +191,6 @@ impl CudaError {
             CudaError::Nvrtc { .. } => "nvrtc",
             CudaError::Shape { .. } => "shape",
             CudaError::Unsupported { .. } => "unsupported",
-            CudaError::CacheIo { .. } => "cache_io",
         }
     }
 

@@ -11,6 +11,7 @@
 //! | [`device`] | [`CudaDevice::open`]: context, stream, name, compute capability, memory; checked allocation |
 //! | [`ptx`] | NVRTC compile for an [`Arch`], and the on-disk [`PtxCache`] |
 //! | [`launch`] | grid, block and shared-memory sizes of every kernel, as pure functions |
+//! | [`buffers`] | the device KV pool and its per-layer [`KvGeom`], the RoPE table, the decode workspace |
 //! | [`kernels`] | [`CudaKernels`]: the loaded module's functions, one typed launch wrapper per kernel |
 //! | `src/cu/*.cu` | the CUDA C sources ([`SOURCES`]); each header states the layout it assumes |
 //!
@@ -33,6 +34,7 @@
 //! - `LD_LIBRARY_PATH`: where the dynamic loader (and so cudarc) finds `libnvrtc.so.13`,
 //!   `libcuda.so.1`, `libcublas.so.13`. There is no `CUDA_PATH` lookup.
 
+pub mod buffers;
 pub mod device;
 pub mod error;
 pub mod kernels;
@@ -42,7 +44,8 @@ pub mod ptx;
 
 pub use device::{CudaDevice, device_count};
 pub use error::{CudaError, CudaLib};
-pub use kernels::{CudaKernels, DecodeWorkspace, DeviceKvPool, DeviceRopeTable, KvGeom};
+pub use buffers::{DecodeWorkspace, DeviceKvPool, DeviceRopeTable, KvGeom};
+pub use kernels::CudaKernels;
 pub use ptx::{Arch, CacheOutcome, PtxCache};
 
 /// The oldest compute capability the kernels support (Ampere: `cp.async`-era shared memory

@@ -17,7 +17,7 @@ use cudarc::driver::CudaSlice;
 use std::io::Write;
 use std::time::Instant;
 use tandem_kernels::{AttnSeq, KvCacheMut, RopeTable};
-use tandem_kernels_cuda::kernels::{DecodeWorkspace, DeviceKvPool, DeviceRopeTable};
+use tandem_kernels_cuda::buffers::{DecodeWorkspace, DeviceKvPool, DeviceRopeTable};
 use tandem_kernels_cuda::{CudaDevice, CudaError, CudaKernels, PtxCache, launch};
 use tandem_kv_layout::{KvDtype, KvLayout};
 

@@ -1,0 +1,259 @@
+//! Device buffers the kernels work on: the KV pool in `tandem-kv-layout`'s byte layout and its
+//! per-layer geometry ([`KvGeom`], the C struct's twin), the RoPE table (the CPU's, uploaded
+//! once), and the decode workspace (allocated once, so a decode step allocates nothing).
+
+use crate::device::CudaDevice;
+use crate::error::{CudaError, check_len};
+use crate::launch;
+use cudarc::driver::{CudaSlice, DeviceRepr};
+use tandem_kv_layout::{KvDtype, KvLayout};
+
+/// Where one layer of the KV pool is and how it is shaped, as the kernels take it (`KvGeom` in
+/// `cu/common.cuh`; the field order and padding must match it).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvGeom {
+    /// Byte offset of slab (layer, block 0): `layer * num_blocks * slab_bytes`.
+    pub layer_base: i64,
+    /// Bytes of one (layer, block) slab.
+    pub slab_bytes: i64,
+    /// Blocks in the pool.
+    pub num_blocks: i64,
+    /// KV heads.
+    pub kv_heads: i32,
+    /// Elements per head.
+    pub head_dim: i32,
+    /// Tokens per block.
+    pub block_size: i32,
+    _pad: i32,
+}
+
+// SAFETY: `#[repr(C)]`, plain integers, the same layout as the CUDA struct (3 × i64, 3 × int,
+// padded to 40 bytes, 8-byte aligned).
+unsafe impl DeviceRepr for KvGeom {}
+
+impl KvGeom {
+    /// The geometry of `layer` of a pool of `num_blocks` blocks.
+    pub fn new(layout: &KvLayout, num_blocks: usize, layer: usize) -> KvGeom {
+        KvGeom {
+            layer_base: layout.slab_offset(num_blocks, layer, 0) as i64,
+            slab_bytes: layout.slab_bytes() as i64,
+            num_blocks: num_blocks as i64,
+            kv_heads: layout.num_kv_heads as i32,
+            head_dim: layout.head_dim as i32,
+            block_size: layout.block_size_tokens as i32,
+            _pad: 0,
+        }
+    }
+}
+
+/// A paged KV pool in device memory, in `tandem-kv-layout`'s byte layout.
+#[derive(Debug)]
+pub struct DeviceKvPool {
+    /// The layout (f32, f16 or bf16).
+    pub layout: KvLayout,
+    /// Blocks in the pool.
+    pub num_blocks: usize,
+    /// `layout.pool_bytes(num_blocks)` bytes.
+    pub bytes: CudaSlice<u8>,
+}
+
+impl DeviceKvPool {
+    /// A zeroed pool of `num_blocks` blocks; Int8 layouts are refused.
+    pub fn new(
+        dev: &CudaDevice,
+        layout: KvLayout,
+        num_blocks: usize,
+    ) -> Result<DeviceKvPool, CudaError> {
+        check_dtype("DeviceKvPool::new", layout.dtype)?;
+        let bytes = dev.alloc_zeros::<u8>(layout.pool_bytes(num_blocks))?;
+        Ok(DeviceKvPool {
+            layout,
+            num_blocks,
+            bytes,
+        })
+    }
+
+    pub(crate) fn check(&self, op: &'static str, layer: usize) -> Result<KvGeom, CudaError> {
+        check_dtype(op, self.layout.dtype)?;
+        check_len(
+            op,
+            "pool bytes (layout.pool_bytes(num_blocks))",
+            self.layout.pool_bytes(self.num_blocks),
+            self.bytes.len(),
+        )?;
+        if layer >= self.layout.num_layers {
+            return Err(CudaError::Shape {
+                op,
+                what: "layer (< num_layers)",
+                expected: self.layout.num_layers,
+                got: layer,
+            });
+        }
+        Ok(KvGeom::new(&self.layout, self.num_blocks, layer))
+    }
+}
+
+pub(crate) fn check_dtype(op: &'static str, dtype: KvDtype) -> Result<(), CudaError> {
+    match dtype {
+        KvDtype::F32 | KvDtype::F16 | KvDtype::Bf16 => Ok(()),
+        KvDtype::Int8 => Err(CudaError::Unsupported {
+            op,
+            what: "int8 KV".to_string(),
+        }),
+    }
+}
+
+/// The RoPE cos/sin table on the device: `[max_positions × head_dim/2]` each, the same values as
+/// `tandem_kernels::RopeTable` (computed here by the same f64 formula).
+#[derive(Debug)]
+pub struct DeviceRopeTable {
+    /// Head dimension the table was built for.
+    pub head_dim: usize,
+    /// Positions covered.
+    pub max_positions: usize,
+    /// cos, row-major by position.
+    pub cos: CudaSlice<f32>,
+    /// sin, row-major by position.
+    pub sin: CudaSlice<f32>,
+}
+
+impl DeviceRopeTable {
+    /// The table for `head_dim` (even, > 0) and `theta`, uploaded.
+    pub fn new(
+        dev: &CudaDevice,
+        head_dim: usize,
+        max_positions: usize,
+        theta: f64,
+    ) -> Result<DeviceRopeTable, CudaError> {
+        let (cos, sin) = rope_table_host(head_dim, max_positions, theta)?;
+        Ok(DeviceRopeTable {
+            head_dim,
+            max_positions,
+            cos: dev.upload(&cos)?,
+            sin: dev.upload(&sin)?,
+        })
+    }
+}
+
+/// The RoPE table on the host: `(cos, sin)`, each `max_positions × head_dim/2`, row `pos` at
+/// `pos * head_dim/2`: `inv_freq_i = theta^(-2i/head_dim)`, angle `pos * inv_freq_i`, in f64,
+/// stored as f32 (tandem-kernels' `RopeTable::new`, operation for operation).
+pub fn rope_table_host(
+    head_dim: usize,
+    max_positions: usize,
+    theta: f64,
+) -> Result<(Vec<f32>, Vec<f32>), CudaError> {
+    if head_dim == 0 || !head_dim.is_multiple_of(2) {
+        return Err(CudaError::Shape {
+            op: "rope_table",
+            what: "head_dim (even, > 0)",
+            expected: head_dim + head_dim % 2,
+            got: head_dim,
+        });
+    }
+    let half = head_dim / 2;
+    let mut cos = Vec::with_capacity(max_positions * half);
+    let mut sin = Vec::with_capacity(max_positions * half);
+    for pos in 0..max_positions {
+        for i in 0..half {
+            let inv_freq = theta.powf(-((2 * i) as f64) / head_dim as f64);
+            let angle = pos as f64 * inv_freq;
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    Ok((cos, sin))
+}
+
+/// Scratch of the split decode: per (sequence, head, split) an unnormalised accumulator and
+/// its (max, sum). Allocated once, for the largest batch, so a decode step allocates nothing
+/// (and can be captured in a CUDA graph).
+#[derive(Debug)]
+pub struct DecodeWorkspace {
+    pub(crate) max_seqs: usize,
+    pub(crate) n_heads: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) max_splits: usize,
+    pub(crate) part_acc: CudaSlice<f32>,
+    pub(crate) part_ml: CudaSlice<f32>,
+}
+
+impl DecodeWorkspace {
+    /// Room for `max_seqs` sequences of `n_heads` heads of `head_dim`, cut into at most
+    /// `max_splits` splits (≤ [`launch::MAX_DECODE_SPLITS`]).
+    pub fn new(
+        dev: &CudaDevice,
+        max_seqs: usize,
+        n_heads: usize,
+        head_dim: usize,
+        max_splits: usize,
+    ) -> Result<DecodeWorkspace, CudaError> {
+        let max_splits = max_splits.clamp(1, launch::MAX_DECODE_SPLITS);
+        let parts = max_seqs * n_heads * max_splits;
+        Ok(DecodeWorkspace {
+            max_seqs,
+            n_heads,
+            head_dim,
+            max_splits,
+            part_acc: dev.alloc_zeros(parts * head_dim)?,
+            part_ml: dev.alloc_zeros(parts * 2)?,
+        })
+    }
+}
+
+const _: () = assert!(std::mem::size_of::<KvGeom>() == 40 && std::mem::align_of::<KvGeom>() == 8);
+
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_geom_addresses_the_layouts_slabs() {
+        let l = KvLayout::new(3, 2, 8, 4, KvDtype::F16, 0).unwrap();
+        let g = KvGeom::new(&l, 5, 2);
+        assert_eq!(g.layer_base as usize, l.slab_offset(5, 2, 0));
+        assert_eq!(g.slab_bytes as usize, l.slab_bytes());
+        assert_eq!(
+            (g.num_blocks, g.kv_heads, g.head_dim, g.block_size),
+            (5, 2, 8, 4)
+        );
+    }
+
+    #[test]
+    fn the_host_rope_table_is_the_cpu_kernels_table_bit_for_bit() {
+        for (hd, theta) in [(64, 10_000.0), (128, 500_000.0), (80, 100_000.0)] {
+            let cpu = tandem_kernels::RopeTable::new(hd, 3000, theta);
+            let (cos, sin) = rope_table_host(hd, 3000, theta).unwrap();
+            for pos in [0, 1, 2, 17, 1000, 2999] {
+                let (c, s) = cpu.row(pos);
+                let at = pos * hd / 2;
+                assert_eq!(
+                    c.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    cos[at..at + hd / 2]
+                        .iter()
+                        .map(|x| x.to_bits())
+                        .collect::<Vec<_>>()
+                );
+                assert_eq!(
+                    s.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    sin[at..at + hd / 2]
+                        .iter()
+                        .map(|x| x.to_bits())
+                        .collect::<Vec<_>>()
+                );
+            }
+        }
+        assert!(rope_table_host(63, 4, 1e4).is_err());
+    }
+
+    #[test]
+    fn int8_kv_is_refused() {
+        assert!(matches!(
+            check_dtype("x", KvDtype::Int8),
+            Err(CudaError::Unsupported { .. })
+        ));
+        assert!(check_dtype("x", KvDtype::Bf16).is_ok());
+    }
+}
