@@ -96,6 +96,8 @@ impl Spread {
 #[derive(Debug, Serialize)]
 struct Report {
     model: String,
+    /// Where the forward ran (`--device`: `cpu`, `cuda:0`).
+    device: String,
     /// The `--dtype` choice and the storage it gave, e.g. `auto (q4_1+q8_0)`.
     dtype: String,
     kv_dtype: &'static str,
@@ -299,10 +301,12 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<String> {
         None
     };
     let report = Report {
-        model: eargs.model.as_ref().map_or_else(
-            || "SmolLM2-135M-Instruct (default)".into(),
-            |p| p.display().to_string(),
-        ),
+        model: match (&eargs.model, &eargs.dummy_weights) {
+            (_, Some(cfg)) => format!("dummy weights of {} (seed {})", cfg.display(), eargs.dummy_seed),
+            (Some(p), None) => p.display().to_string(),
+            (None, None) => "SmolLM2-135M-Instruct (default)".into(),
+        },
+        device: eargs.device.to_string(),
         dtype: format!("{} ({storage})", eargs.dtype),
         kv_dtype: eargs.kv_dtype.as_str(),
         threads: tandem_engine::kernels_threads(),
@@ -327,8 +331,9 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<String> {
         Format::Json => serde_json::to_string(&report)?,
         Format::Table => {
             let mut s = format!(
-                "model {} · weights {} · KV {} · {} threads · medians of {} runs (min–max){}{}\n",
+                "model {} · device {} · weights {} · KV {} · {} threads · medians of {} runs (min–max){}{}\n",
                 report.model,
+                report.device,
                 report.dtype,
                 report.kv_dtype,
                 report.threads,
@@ -342,12 +347,16 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<String> {
             );
             for (b, sp) in &decode {
                 s += &format!(
-                    "decode   batch {:>3}         {:>9.1} tok/s  ({:.1}–{:.1})\n",
-                    b, sp.median, sp.min, sp.max
+                    "decode   batch {:>3}         {:>9.1} tok/s  ({:.1}–{:.1})  {:.3} ms/step\n",
+                    b,
+                    sp.median,
+                    sp.min,
+                    sp.max,
+                    1e3 * *b as f64 / sp.median
                 );
             }
             s += &format!(
-                "bound    1 seq at {:.1} GB/s  {:>9.1} tok/s  ({} MB of weights per token)\n",
+                "bound    1 seq at {:.1} GB/s (host memory)  {:>9.1} tok/s  ({} MB of weights per token)\n",
                 mem_bw,
                 report.bandwidth_bound_tok_s,
                 bytes_per_token / 1_000_000

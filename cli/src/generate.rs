@@ -15,8 +15,12 @@ use crate::load::engine_from_args;
 #[derive(Args, Debug, Clone)]
 pub struct GenerateArgs {
     /// The prompt text (with --chat: the user message).
-    #[arg(long)]
-    pub prompt: String,
+    #[arg(long, required_unless_present = "prompt_ids", conflicts_with = "prompt_ids")]
+    pub prompt: Option<String>,
+    /// The prompt as token ids, comma-separated, instead of text: for models without a
+    /// tokenizer (`--dummy-weights`). Output is then token ids only (see --print-token-ids).
+    #[arg(long, value_delimiter = ',', conflicts_with = "chat")]
+    pub prompt_ids: Vec<u32>,
     /// Wrap the prompt as a chat user message in the model's chat template (ChatML).
     #[arg(long)]
     pub chat: bool,
@@ -59,7 +63,7 @@ pub struct GenerateArgs {
 
 /// Runs `tandem generate`.
 pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
-    if args.prompt.is_empty() {
+    if args.prompt.as_deref().is_some_and(str::is_empty) {
         bail!("invalid request: `prompt` is empty");
     }
     let params = SamplingParams {
@@ -76,27 +80,10 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     };
     params.validate()?;
     let mut engine = engine_from_args(&args.engine)?;
-    let tok = engine
-        .tokenizer()
-        .context("this model has no tokenizer; `generate` needs text")?
-        .clone();
-    let text = if args.chat {
-        let mut msgs = Vec::new();
-        if let Some(s) = &args.system {
-            msgs.push(ChatMessage {
-                role: "system".into(),
-                content: s.clone(),
-            });
-        }
-        msgs.push(ChatMessage {
-            role: "user".into(),
-            content: args.prompt.clone(),
-        });
-        tok.apply_chat_template(&msgs, true)?
-    } else {
-        args.prompt.clone()
+    let prompt = match &args.prompt {
+        None => args.prompt_ids.clone(),
+        Some(prompt) => encode_prompt(&engine, args, prompt)?,
     };
-    let prompt = tok.encode(&text);
     let t0 = Instant::now();
     let mut first_token_at = None;
     let stdout = std::io::stdout();
@@ -140,4 +127,28 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         eprintln!("token_ids: {:?}", c.tokens);
     }
     Ok(())
+}
+
+/// `prompt` (with --chat: wrapped in the chat template) encoded by the model's tokenizer.
+fn encode_prompt(engine: &tandem_engine::Engine, args: &GenerateArgs, prompt: &str) -> anyhow::Result<Vec<u32>> {
+    let tok = engine
+        .tokenizer()
+        .context("this model has no tokenizer; `generate` needs text (or token ids: --prompt-ids)")?;
+    let text = if args.chat {
+        let mut msgs = Vec::new();
+        if let Some(s) = &args.system {
+            msgs.push(ChatMessage {
+                role: "system".into(),
+                content: s.clone(),
+            });
+        }
+        msgs.push(ChatMessage {
+            role: "user".into(),
+            content: prompt.to_string(),
+        });
+        tok.apply_chat_template(&msgs, true)?
+    } else {
+        prompt.to_string()
+    };
+    Ok(tok.encode(&text))
 }

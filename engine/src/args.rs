@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use tandem_kv_layout::KvDtype;
 
+use crate::backend::Device;
 use crate::engine::{EngineConfig, KvCapacity};
 use crate::error::EngineError;
 use crate::loader::{DtypeChoice, ModelSource};
@@ -34,11 +35,20 @@ pub struct EngineArgs {
     #[arg(long, env = "TANDEM_DUMMY_SEED", default_value_t = 0)]
     pub dummy_seed: u64,
 
+    /// Where the forward runs: `cpu`, `cuda` (device 0) or `cuda:N`. CUDA needs an NVIDIA
+    /// driver and libnvrtc / libcublas on LD_LIBRARY_PATH; without them it is an error, never a
+    /// silent fallback. Disaggregated serving (prefill, decode, up) is CPU-only for now.
+    #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu", value_parser = parse_device)]
+    #[serde(default)]
+    pub device: Device,
+
     /// How the weights are held: `auto` (default) keeps a GGUF's Q8_0 / Q4_1 blocks and
     /// F16 / BF16 tensors as stored, computing exactly the f32 path's output with the file's
     /// bytes in memory (other quantization types are dequantised to f32, said in the log);
     /// `f32`, `f16`, `bf16`, `q8_0` or `q4_1` converts every matrix (f16 halves the bytes of f32
-    /// but rounds; q8_0 / q4_1 quantize what the file does not already store so).
+    /// but rounds; q8_0 / q4_1 quantize what the file does not already store so). On CUDA:
+    /// `auto` means bf16 (quantized and f32 tensors converted at load, said in the log), and
+    /// only `f32` (the exactness check) and `bf16` have GPU kernels.
     #[arg(long, env = "TANDEM_DTYPE", default_value = "auto", value_parser = parse_weight_dtype)]
     #[serde(with = "weight_dtype_name")]
     pub dtype: DtypeChoice,
@@ -133,6 +143,10 @@ fn parse_weight_dtype(s: &str) -> Result<DtypeChoice, String> {
     s.parse::<DtypeChoice>().map_err(|e| e.to_string())
 }
 
+fn parse_device(s: &str) -> Result<Device, String> {
+    s.parse::<Device>().map_err(|e| e.to_string())
+}
+
 fn parse_kv_dtype(s: &str) -> Result<KvDtype, String> {
     s.parse::<KvDtype>().map_err(|e| e.to_string())
 }
@@ -144,6 +158,35 @@ impl EngineArgs {
             (_, Some(config)) => ModelSource::Dummy { config: config.clone(), seed: self.dummy_seed },
             (Some(p), None) => ModelSource::Path(p.clone()),
             (None, None) => ModelSource::Path(default_model()),
+        }
+    }
+
+    /// The weight dtype to load for `--device`: `--dtype` as given on the CPU; on CUDA, `auto`
+    /// becomes bf16 (logged once), `f32` and `bf16` stay, and dtypes with no GPU kernel (f16,
+    /// q8_0, q4_1) are refused with the dtypes that have one.
+    pub fn load_dtype(&self) -> Result<DtypeChoice, EngineError> {
+        use tandem_kernels::WeightDtype;
+        if !self.device.is_cuda() {
+            return Ok(self.dtype);
+        }
+        match self.dtype {
+            DtypeChoice::Auto => {
+                tracing::info!(
+                    device = %self.device,
+                    "--dtype auto on CUDA: weights load as bf16 (quantized and f32 tensors converted; cuBLAS bf16 in, f32 accumulate)"
+                );
+                Ok(DtypeChoice::Fixed(WeightDtype::Bf16))
+            }
+            DtypeChoice::Fixed(WeightDtype::F32 | WeightDtype::Bf16) => Ok(self.dtype),
+            DtypeChoice::Fixed(d) => Err(EngineError::InvalidConfig {
+                field: "dtype",
+                value: d.as_str().to_string(),
+                reason: format!(
+                    "no GPU kernel for {} weights on --device {}: use --dtype bf16 (or auto), or f32",
+                    d.as_str(),
+                    self.device
+                ),
+            }),
         }
     }
 

@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use crate::tokenizer::TokenizerError;
 use tandem_grammar::GrammarError;
 use tandem_kernels::KernelError;
+use tandem_kernels_cuda::CudaError;
 use tandem_kv_layout::LayoutError;
 
 /// Everything the engine can fail with.
@@ -126,6 +127,21 @@ pub enum EngineError {
     /// A request id is already in use.
     #[error("request id {0} is already in use")]
     DuplicateRequest(u64),
+    /// The CUDA backend failed: no driver or library (names what was searched), no such device,
+    /// an unsupported arch, out of device memory, a kernel that did not compile, a failed call.
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
+    /// Something this build can do on the CPU but not yet on this device (e.g. disaggregated
+    /// serving with `--device cuda`, issue 16 item 3). Never run on the CPU instead.
+    #[error("{what} on --device {device} is not built yet ({tracking}); use --device cpu")]
+    NotBuiltOnDevice {
+        /// What was asked for.
+        what: &'static str,
+        /// The device it was asked on.
+        device: crate::backend::Device,
+        /// Where the work is tracked.
+        tracking: &'static str,
+    },
     /// Structured output: the request's `response_format` is invalid or unsupported
     /// ([`GrammarError::Invalid`], the caller's mistake), or the grammar machinery failed.
     #[error(transparent)]
@@ -152,6 +168,8 @@ impl EngineError {
             EngineError::QueueFull { .. } | EngineError::OutOfBlocks { .. } => "overloaded",
             EngineError::UnknownReservation(_) => "unknown_reservation",
             EngineError::DuplicateRequest(_) => "duplicate_request",
+            EngineError::Cuda(_) => "cuda",
+            EngineError::NotBuiltOnDevice { .. } => "not_built_on_device",
             EngineError::Grammar(GrammarError::Invalid { .. }) => "invalid_request",
             EngineError::Grammar(_) => "grammar",
         }

@@ -9,7 +9,8 @@
 //! |---|---|
 //! | [`config`] | the model's shape (GGUF metadata, HF config.json, dummy configs) |
 //! | [`loader`] | weights from GGUF / safetensors / seeded random, in the compute dtype |
-//! | [`model`] | the forward pass over block tables |
+//! | [`model`] | the forward pass over block tables (the seam to its backend) |
+//! | [`backend`] | where the forward runs: CPU kernels or CUDA (`--device`), and the KV store there |
 //! | [`kv`] | KV pool bytes and the block manager (ref counts, prefix cache, LRU) |
 //! | [`scheduler`] | continuous batching, chunked prefill, priorities, preemption |
 //! | [`sampler`] | penalties, greedy / temperature / top-k / top-p with per-request seeds, logprobs |
@@ -20,6 +21,7 @@
 //! alone or in any batch, chunked or not** (see [`model`]).
 
 pub mod args;
+pub mod backend;
 pub mod config;
 pub mod engine;
 pub mod error;
@@ -31,6 +33,7 @@ pub mod sampler;
 pub mod scheduler;
 
 pub use args::EngineArgs;
+pub use backend::{Device, KvStore};
 pub use config::ModelConfig;
 pub use engine::{
     ChunkView, Completion, Engine, EngineConfig, EngineStats, FinishReason, KvCapacity, LayerDone, Request, StepOutput, Usage,

@@ -13,7 +13,8 @@ use tandem_engine::{Engine, KvDtype, Priority, Request, SamplingParams, TokenLog
 fn copy_blocks(src: &Engine, src_blocks: &[u32], dst: &mut Engine, dst_blocks: &[u32]) {
     for layer in 0..src.kv_layout().num_layers {
         for (&s, &d) in src_blocks.iter().zip(dst_blocks) {
-            dst.kv_pool_mut().slab_mut(layer, d).copy_from_slice(src.kv_pool().slab(layer, s));
+            let from = src.kv_pool().expect("CPU engines keep KV in host memory").slab(layer, s);
+            dst.kv_pool_mut().expect("CPU engines keep KV in host memory").slab_mut(layer, d).copy_from_slice(from);
         }
     }
 }

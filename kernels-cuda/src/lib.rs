@@ -13,6 +13,7 @@
 //! | [`launch`] | grid, block and shared-memory sizes of every kernel, as pure functions |
 //! | [`buffers`] | the device KV pool and its per-layer [`KvGeom`], the RoPE table, the decode workspace |
 //! | [`kernels`] | [`CudaKernels`]: the loaded module's functions, one typed launch wrapper per kernel |
+//! | [`gemm`] | [`Gemm`]: the linear layers on cuBLAS (f32 sgemm; bf16 in, f32 accumulate and out) |
 //! | `src/cu/*.cu` | the CUDA C sources ([`SOURCES`]); each header states the layout it assumes |
 //!
 //! # Invariants
@@ -37,6 +38,7 @@
 pub mod buffers;
 pub mod device;
 pub mod error;
+pub mod gemm;
 pub mod kernels;
 pub mod launch;
 pub mod libs;
@@ -45,6 +47,7 @@ pub mod ptx;
 pub use device::{CudaDevice, device_count};
 pub use error::{CudaError, CudaLib};
 pub use buffers::{DecodeWorkspace, DeviceKvPool, DeviceRopeTable, KvGeom};
+pub use gemm::Gemm;
 pub use kernels::CudaKernels;
 pub use ptx::{Arch, CacheOutcome, PtxCache};
 

@@ -6,6 +6,8 @@
 //! - bit for bit: RoPE'd q, the KV pool bytes written by the fused RoPE + KV write (f32, f16,
 //!   bf16), SiLU-mul, residual add, argmax, embedding, bf16 conversions (the GPU performs the
 //!   CPU's operations in the same order: `--fmad=false`, the canonical `exp`);
+//! - cuBLAS linear (f32, and bf16 in / f32 out): within 1e-4 relative, 1e-3 absolute, of an f64
+//!   matmul of the same values (another summation order);
 //! - RMSNorm: |gpu - cpu| <= 2e-5 * max(1, |cpu|) (the sum of squares is reduced in another order);
 //! - attention (decode and prefill, all KV dtypes): |gpu - cpu| <= 5e-5 (outputs are convex
 //!   combinations of V rows in [-1, 1]; the softmax sums run in another order, online).
@@ -21,7 +23,7 @@ use tandem_kernels_cuda::buffers::{DecodeWorkspace, DeviceKvPool, DeviceRopeTabl
 use tandem_kernels_cuda::{CudaDevice, CudaError, CudaKernels, PtxCache, launch};
 use tandem_kv_layout::{KvDtype, KvLayout};
 
-const CHECKS: &str = "rms_norm, silu_mul, add_inplace, argmax, embed f32/bf16, f32<->bf16, \
+const CHECKS: &str = "cuBLAS linear f32/bf16, rms_norm, silu_mul, add_inplace, argmax, embed f32/bf16, f32<->bf16, \
                       rope+write_kv (f32/f16/bf16), paged attention decode and prefill (f32/f16/bf16, GQA, \
                       head_dim 64/80/128/256) against tandem-kernels";
 
@@ -77,6 +79,7 @@ fn gpu_kernels_match_the_cpu_kernels() {
             check_attention(&dev, &k, &mut rng, dtype, n_heads, kv_heads, hd);
         }
     }
+    check_gemm(&dev, &mut rng);
     time_attention(&dev, &k, &mut rng);
     let _ = std::fs::remove_dir_all(&cache_dir);
 }
@@ -566,4 +569,46 @@ fn time_attention(dev: &CudaDevice, k: &CudaKernels, rng: &mut Rng) {
         std::io::stderr(),
         "kernels-cuda: prefill bf16 9/3x64, 512 tokens: {us:.1} us/call"
     );
+}
+
+/// cuBLAS linear layers (`Gemm`) against a plain f64 matmul over the same (bf16-rounded) values,
+/// on a row range of a larger weight (as the engine takes Q, K and V from the fused matrix):
+/// f32 within 1e-4 relative (1e-3 absolute), bf16 inputs likewise (the products
+/// of bf16 values are exact in f32; only the sum order differs).
+fn check_gemm(dev: &CudaDevice, rng: &mut Rng) {
+    use tandem_kernels_cuda::Gemm;
+    let g = Gemm::new(dev).unwrap_or_else(|e| panic!("{e}"));
+    let (m, n_all, k, r0, r1) = (5usize, 96usize, 200usize, 24usize, 88usize);
+    let n = r1 - r0;
+    let bf = |v: f32| half::bf16::from_f32(v);
+    let x = rng.vec(m * k);
+    let w = rng.vec(n_all * k);
+    let want = |xs: &[f32], ws: &[f32]| -> Vec<f32> {
+        let mut out = vec![0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let s: f64 = (0..k).map(|t| xs[i * k + t] as f64 * ws[(r0 + j) * k + t] as f64).sum();
+                out[i * n + j] = s as f32;
+            }
+        }
+        out
+    };
+    let wd = up(dev, &w);
+    let mut out = zeros::<f32>(dev, m * n);
+    g.linear_f32(&up(dev, &x), m, &wd.slice(r0 * k..r1 * k), n, k, &mut out)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_close("linear_f32", &down(dev, &out), &want(&x, &w), 1e-3, 1e-4);
+    let (xb, wb): (Vec<f32>, Vec<f32>) = (
+        x.iter().map(|&v| bf(v).to_f32()).collect(),
+        w.iter().map(|&v| bf(v).to_f32()).collect(),
+    );
+    let bits = |v: &[f32]| v.iter().map(|&a| bf(a).to_bits()).collect::<Vec<u16>>();
+    let wbd = up(dev, &bits(&w));
+    g.linear_bf16(&up(dev, &bits(&x)), m, &wbd.slice(r0 * k..r1 * k), n, k, &mut out)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_close("linear_bf16", &down(dev, &out), &want(&xb, &wb), 1e-3, 1e-4);
+    assert!(matches!(
+        g.linear_f32(&up(dev, &x), m + 1, &wd, n_all, k, &mut out),
+        Err(CudaError::Shape { .. })
+    ));
 }

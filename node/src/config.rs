@@ -166,6 +166,7 @@ impl NodeArgs {
         }
         self.listen.validate()?;
         self.engine.engine_config().map_err(NodeError::Engine)?;
+        crate::model::require_cpu(&self.engine)?;
         Ok(())
     }
 

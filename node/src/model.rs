@@ -30,6 +30,20 @@ pub fn resolve_source(args: &EngineArgs) -> Result<ModelSource, NodeError> {
     })
 }
 
+/// Refuses `--device cuda`: a node ships KV from host (transport) memory, and KV in device
+/// memory with CUDA IPC / staged transfers is issue 16 item 3, not built yet. Never a silent
+/// CPU run under a "cuda" flag.
+pub fn require_cpu(args: &EngineArgs) -> Result<(), NodeError> {
+    if args.device.is_cuda() {
+        return Err(NodeError::Engine(tandem_engine::EngineError::NotBuiltOnDevice {
+            what: "disaggregated serving (prefill and decode nodes, `tandem up`)",
+            device: args.device,
+            tracking: "issue 16 item 3",
+        }));
+    }
+    Ok(())
+}
+
 /// The warm-up's forward pass: a 4-token prompt, 2 greedy tokens, every block freed after
 /// (the engine's counters keep it: a node's first step counts are the warm-up's).
 fn warm_forward_pass(engine: &mut Engine) -> Result<std::time::Duration, NodeError> {
@@ -61,6 +75,7 @@ pub fn build_engine(
     args: &EngineArgs,
     transport: &dyn KvTransport,
 ) -> Result<(Engine, PoolRegistration), NodeError> {
+    require_cpu(args)?;
     let source = resolve_source(args)?;
     let cfg = args.engine_config().map_err(NodeError::Engine)?;
     let t0 = Instant::now();

@@ -54,6 +54,10 @@ pub struct UpArgs {
     /// Model for every node and the router (default: SmolLM2-135M-Instruct, fetched on first use).
     #[arg(long, env = "TANDEM_MODEL")]
     pub model: Option<PathBuf>,
+    /// Where the nodes' forward runs. Only `cpu` is built for disaggregated serving: `cuda`
+    /// (KV shipped from device memory) is issue 16 item 3 and is refused before anything starts.
+    #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
+    pub device: tandem_engine::Device,
     /// The etcd binary (Debian package `etcd-server`).
     #[arg(long, default_value = "etcd")]
     pub etcd_bin: String,
@@ -184,6 +188,14 @@ pub fn start(
     rt: &tokio::runtime::Runtime,
     interrupt: &Interrupt,
 ) -> anyhow::Result<Cluster> {
+    if args.device.is_cuda() {
+        return Err(tandem_engine::EngineError::NotBuiltOnDevice {
+            what: "disaggregated serving (`tandem up`: prefill and decode nodes)",
+            device: args.device,
+            tracking: "issue 16 item 3",
+        }
+        .into());
+    }
     anyhow::ensure!(
         args.prefill > 0 && args.decode > 0,
         "--prefill and --decode must each be at least 1"

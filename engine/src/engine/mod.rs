@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 use tandem_grammar::{Constraint, Vocabulary};
 use tandem_kv_layout::KvLayout;
 
+use crate::backend::{Device, KvStore};
 use crate::error::EngineError;
 use crate::kv::{BlockId, KvPool};
 use crate::model::Model;
@@ -54,7 +55,8 @@ struct ReqState {
 /// The inference engine.
 pub struct Engine {
     model: Model,
-    pool: KvPool,
+    /// The KV cache, on the model's device.
+    pool: KvStore,
     sched: Scheduler,
     tokenizer: Option<Arc<Tokenizer>>,
     reqs: HashMap<u64, ReqState>,
@@ -72,11 +74,12 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Builds an engine around `model`; the KV pool is allocated here, once.
+    /// Builds an engine around `model`; the KV pool is allocated here, once, on the model's
+    /// device (host memory, or device memory for CUDA).
     pub fn new(model: Model, tokenizer: Option<Tokenizer>, cfg: EngineConfig) -> Result<Self, EngineError> {
         let (layout, num_blocks) = Self::pool_shape(&model, &cfg)?;
-        let pool = KvPool::new(layout, num_blocks)?;
-        Self::with_pool(model, tokenizer, cfg, pool)
+        let pool = model.new_kv(layout, num_blocks)?;
+        Self::with_store(model, tokenizer, cfg, pool)
     }
 
     /// The KV layout and block count `cfg` asks of `model` (to allocate external memory for).
@@ -97,8 +100,21 @@ impl Engine {
     }
 
     /// Builds an engine whose KV lives in `pool` (e.g. [`KvPool::external`] over memory a KV
-    /// transport allocated); the pool's layout must be the model's.
+    /// transport allocated); the pool's layout must be the model's, and the model must run on
+    /// the CPU (a CUDA model's KV is in device memory: disaggregation on CUDA, issue 16 item 3,
+    /// is not built yet and is refused with [`EngineError::NotBuiltOnDevice`]).
     pub fn with_pool(model: Model, tokenizer: Option<Tokenizer>, cfg: EngineConfig, pool: KvPool) -> Result<Self, EngineError> {
+        if model.device() != Device::Cpu {
+            return Err(EngineError::NotBuiltOnDevice {
+                what: "a KV pool in host or transport memory (disaggregated serving)",
+                device: model.device(),
+                tracking: "issue 16 item 3",
+            });
+        }
+        Self::with_store(model, tokenizer, cfg, KvStore::Host(pool))
+    }
+
+    fn with_store(model: Model, tokenizer: Option<Tokenizer>, cfg: EngineConfig, pool: KvStore) -> Result<Self, EngineError> {
         model.kv_layout(cfg.block_size_tokens, cfg.kv_dtype)?.check_compatible(pool.layout())?;
         let num_blocks = pool.num_blocks();
         let mut sched_cfg = cfg.scheduler.clone();
@@ -128,15 +144,22 @@ impl Engine {
         self.pool.layout()
     }
 
-    /// The KV pool (kv-transfer reads and writes its bytes).
-    pub fn kv_pool(&self) -> &KvPool {
-        &self.pool
+    /// The host KV pool (kv-transfer reads and writes its bytes); `None` when the KV lives in
+    /// device memory (`--device cuda`).
+    pub fn kv_pool(&self) -> Option<&KvPool> {
+        self.pool.host()
     }
 
-    /// The KV pool, mutable: for copying received KV into reserved blocks in-process (colocated
-    /// transfers, tests). Writing blocks a sequence owns corrupts its output.
-    pub fn kv_pool_mut(&mut self) -> &mut KvPool {
-        &mut self.pool
+    /// The host KV pool, mutable: for copying received KV into reserved blocks in-process
+    /// (colocated transfers, tests). Writing blocks a sequence owns corrupts its output. `None`
+    /// when the KV lives in device memory.
+    pub fn kv_pool_mut(&mut self) -> Option<&mut KvPool> {
+        self.pool.host_mut()
+    }
+
+    /// Where the forward runs (and the KV lives).
+    pub fn device(&self) -> Device {
+        self.model.device()
     }
 
     /// The scheduler (queue lengths, block counts).

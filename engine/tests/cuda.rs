@@ -1,0 +1,165 @@
+//! The CUDA backend against the CPU backend, on the same seeded dummy weights. Each test means
+//! something with or without a GPU: without a CUDA driver it asserts the typed `NoDriver` error
+//! (naming libcuda and what was tried) and prints one line saying what it did not run; with a
+//! driver it runs the engine on the GPU and compares it with the CPU.
+//!
+//! Tolerance: f32 weights on the GPU sum in other orders (cuBLAS, RMSNorm, online softmax), so
+//! logits agree within float rounding; on these weights the greedy tokens are asserted equal
+//! (a divergence would be a near-tie, and is reported with both tokens). bf16 is compared for
+//! agreement only (printed), not asserted.
+
+use std::path::PathBuf;
+
+use tandem_engine::kv::KvPool;
+use tandem_engine::{
+    Completion, Device, Engine, EngineConfig, EngineError, KvCapacity, KvDtype, Model, ModelSource, Priority, Request,
+    SamplingParams, SchedulerConfig, WeightDtype, loader,
+};
+use tandem_kernels_cuda::CudaError;
+
+/// A small Llama shape with GQA (9 heads over 3 KV heads, head_dim 64: SmolLM2's attention).
+const CONFIG: &str = r#"{"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 4,
+    "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 2048,
+    "max_position_embeddings": 2048, "rope_theta": 100000.0, "tie_word_embeddings": true}"#;
+
+fn config_file() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tandem-cuda-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join("config.json");
+    std::fs::write(&p, CONFIG).unwrap();
+    p
+}
+
+fn load(dtype: WeightDtype) -> loader::LoadedModel {
+    loader::load(&ModelSource::Dummy { config: config_file(), seed: 7 }, dtype).expect("dummy weights")
+}
+
+fn engine_config(kv_dtype: KvDtype, max_tokens_per_step: usize) -> EngineConfig {
+    EngineConfig {
+        block_size_tokens: 16,
+        kv_dtype,
+        kv_capacity: KvCapacity::Blocks(256),
+        scheduler: SchedulerConfig { max_tokens_per_step, max_model_len: 2048, ..SchedulerConfig::default() },
+    }
+}
+
+/// `Some(model)` on a machine with a usable GPU; `None` (after asserting the error is the typed
+/// no-driver one, and printing what was not run) without a driver.
+fn cuda_model(dtype: WeightDtype, what: &str) -> Option<Model> {
+    match Model::on_device(load(dtype).weights, Device::Cuda(0)) {
+        Ok(m) => Some(m),
+        Err(EngineError::Cuda(e @ CudaError::NoDriver { .. })) => {
+            let msg = e.to_string();
+            assert!(msg.contains("libcuda"), "the error names the library: {msg}");
+            assert!(msg.contains("tried"), "the error names what was searched: {msg}");
+            eprintln!("engine cuda tests: not run on a GPU ({what}): {msg}");
+            None
+        }
+        Err(e) => panic!("opening cuda:0 for {what}: {e}"),
+    }
+}
+
+/// 8 prompts of different lengths (one shares a prefix with another), 24 greedy tokens each.
+fn requests() -> Vec<Request> {
+    (0..8u64)
+        .map(|i| {
+            let len = 5 + 13 * i as usize;
+            let mut prompt: Vec<u32> = (0..len).map(|j| ((j * 31 + i as usize * 97) % 1900 + 50) as u32).collect();
+            if i == 7 {
+                prompt[..18].copy_from_slice(&requests_prefix());
+            }
+            Request {
+                id: i,
+                prompt,
+                params: SamplingParams { ignore_eos: true, ..SamplingParams::greedy(24) },
+                priority: Priority::Interactive,
+            }
+        })
+        .collect()
+}
+
+fn requests_prefix() -> [u32; 18] {
+    let mut p = [0u32; 18];
+    for (j, x) in p.iter_mut().enumerate() {
+        *x = ((j * 31 + 6 * 97) % 1900 + 50) as u32;
+    }
+    p
+}
+
+fn run(engine: &mut Engine) -> Vec<Completion> {
+    engine.generate(requests(), |_| {}).expect("generate")
+}
+
+fn first_divergence(a: &[Completion], b: &[Completion]) -> Option<String> {
+    a.iter().zip(b).find_map(|(x, y)| {
+        let at = x.tokens.iter().zip(&y.tokens).position(|(p, q)| p != q)?;
+        Some(format!("request {}: token {at}: cpu {} vs cuda {}", x.request_id, x.tokens[at], y.tokens[at]))
+    })
+}
+
+#[test]
+fn cuda_f32_greedy_tokens_equal_the_cpus_batched_and_chunked() {
+    let Some(mut gpu) = cuda_model(WeightDtype::F32, "f32 exactness") else { return };
+    assert_eq!(gpu.device(), Device::Cuda(0));
+    // 48 tokens a step: prompts are chunked, and chunks share steps with decode tokens.
+    for (kv, step_tokens) in [(KvDtype::F32, 48), (KvDtype::F32, 512), (KvDtype::Bf16, 512)] {
+        let mut cpu = Engine::new(Model::new(load(WeightDtype::F32).weights), None, engine_config(kv, step_tokens)).unwrap();
+        let mut cuda = Engine::new(gpu, None, engine_config(kv, step_tokens)).unwrap();
+        assert!(cuda.kv_pool().is_none(), "a CUDA engine's KV is in device memory");
+        let (c, g) = (run(&mut cpu), run(&mut cuda));
+        if let Some(d) = first_divergence(&c, &g) {
+            panic!("kv {kv}, {step_tokens} tokens a step: {d}");
+        }
+        drop(cuda);
+        gpu = cuda_model(WeightDtype::F32, "f32 exactness").expect("the GPU opened a moment ago");
+    }
+}
+
+#[test]
+fn cuda_bf16_runs_and_reports_its_agreement_with_the_cpu() {
+    let Some(gpu) = cuda_model(WeightDtype::Bf16, "bf16 agreement") else { return };
+    let mut cuda = Engine::new(gpu, None, engine_config(KvDtype::Bf16, 512)).unwrap();
+    let mut cpu = Engine::new(Model::new(load(WeightDtype::Bf16).weights), None, engine_config(KvDtype::Bf16, 512)).unwrap();
+    let (c, g) = (run(&mut cpu), run(&mut cuda));
+    assert!(g.iter().all(|x| x.tokens.len() == 24));
+    let same: usize = c.iter().zip(&g).map(|(x, y)| x.tokens.iter().zip(&y.tokens).take_while(|(p, q)| p == q).count()).sum();
+    eprintln!(
+        "engine cuda tests: bf16 weights, bf16 KV: {same} of {} greedy tokens agree with the CPU before the first divergence ({})",
+        24 * c.len(),
+        first_divergence(&c, &g).unwrap_or_else(|| "none".into())
+    );
+}
+
+#[test]
+fn a_cuda_model_refuses_host_kv_int8_kv_and_weights_without_a_gpu_kernel() {
+    let Some(gpu) = cuda_model(WeightDtype::F32, "refusals") else { return };
+    let cfg = engine_config(KvDtype::F32, 512);
+    let (layout, n) = Engine::pool_shape(&gpu, &cfg).unwrap();
+    let pool = KvPool::new(layout, n).unwrap();
+    match Engine::with_pool(gpu, None, cfg, pool) {
+        Err(e @ EngineError::NotBuiltOnDevice { .. }) => assert!(e.to_string().contains("issue 16"), "{e}"),
+        Err(e) => panic!("expected NotBuiltOnDevice, got {e}"),
+        Ok(_) => panic!("expected NotBuiltOnDevice, got an engine"),
+    }
+    let gpu = cuda_model(WeightDtype::F32, "refusals").unwrap();
+    match Engine::new(gpu, None, engine_config(KvDtype::Int8, 512)) {
+        Err(EngineError::Cuda(CudaError::Unsupported { .. })) => {}
+        Err(e) => panic!("expected Cuda(Unsupported), got {e}"),
+        Ok(_) => panic!("int8 KV on CUDA must be refused"),
+    }
+    match Model::on_device(load(WeightDtype::Q8_0).weights, Device::Cuda(0)) {
+        Err(EngineError::InvalidConfig { field: "dtype", .. }) => {}
+        Err(e) => panic!("expected InvalidConfig(dtype), got {e}"),
+        Ok(_) => panic!("q8_0 weights have no GPU kernel"),
+    }
+}
+
+#[test]
+fn a_cpu_engine_keeps_its_kv_in_host_memory() {
+    // CPU side only: a CPU model's KV store is host memory, and the engine says so.
+    let cpu = Model::new(load(WeightDtype::F32).weights);
+    assert_eq!(cpu.device(), Device::Cpu);
+    let e = Engine::new(cpu, None, engine_config(KvDtype::F32, 512)).unwrap();
+    assert!(e.kv_pool().is_some());
+    assert_eq!(e.device(), Device::Cpu);
+}

@@ -1,0 +1,209 @@
+#!/usr/bin/env bash
+# The one prepared GPU check (issue 16), run ON THE GPU MACHINE from the repository root, with
+# the binaries scripts/gpu-pack.sh built here carried along in .gpu/ (there is no cargo there).
+#
+#   run(command="bash scripts/gpu-check.sh", carry=[".gpu"], timeout_s=540)
+#
+# Steps (each prints its name; a failing step is named in the log and in RESULTS-gpu.md, and the
+# script goes on to the next step unless nothing after it can work):
+#   1. nvidia-smi
+#   2. LD_LIBRARY_PATH for libcuda / libnvrtc / libcublas (/usr/local/cuda/lib64 and the PyTorch
+#      venv's nvidia/cu13/lib)
+#   3. kernels-cuda's GPU test (every kernel against the CPU kernels)
+#   4. the engine's CUDA test (engine on cuda:0 against the CPU engine, dummy weights)
+#   5. exactness: `tandem generate` on --device cuda vs --device cpu, f32, SmolLM2-135M shape,
+#      8 prompts x 64 greedy tokens: identical, or the first divergence; then bf16 on cuda vs f32
+#   6. PyTorch anchor (../shared/gpu/anchor.py smollm2-135m), in the same call
+#   7. `tandem bench-engine --device cuda` on the SmolLM2-135M shape (prefill 512; decode batch
+#      1 / 32 / 256 around ctx 96), JSON
+#   8. optional (GPU_CHECK_70B=1): bench-engine on the 70B shape (8 layers built)
+# Everything goes to $OUT (the run tool returns it): gpu-check.log, one file per step, and
+# RESULTS-gpu.md, a draft for bench/RESULTS-gpu.md.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+OUT="${OUT:-/tmp/gpu-check-out}"
+mkdir -p "$OUT"
+LOG="$OUT/gpu-check.log"
+RESULTS="$OUT/RESULTS-gpu.md"
+exec > >(tee -a "$LOG") 2>&1
+
+G=.gpu
+TANDEM="$G/tandem"
+SMOL=scripts/gpu/smollm2-135m.json
+BIG=scripts/gpu/llama70b-8l.json
+FAILED=()
+
+step() { echo; echo "=== gpu-check: $* ($(date -u +%H:%M:%S))"; }
+failed() { echo "gpu-check: FAILED at step: $*"; FAILED+=("$*"); }
+die() { failed "$*"; finish; exit 1; }
+md() { printf '%s\n' "$*" >> "$RESULTS"; }
+
+finish() {
+    md ""
+    if [ ${#FAILED[@]} -eq 0 ]; then md "All steps ran."; else
+        md "## Failed steps"; for f in "${FAILED[@]}"; do md "- $f"; done; fi
+    echo "gpu-check: results in $RESULTS; failed steps: ${#FAILED[@]}"
+}
+
+: > "$RESULTS"
+md "# tandem on the GPU: draft results ($(date -u +%Y-%m-%d))"
+md ""
+md "Written by scripts/gpu-check.sh; binaries from $(tr '\n' ' ' < "$G/COMMIT" 2>/dev/null || echo 'an unknown commit')."
+
+# ------------------------------------------------------------------------------------------------
+step "1. nvidia-smi"
+for f in "$TANDEM" "$G/kernels-cuda-gpu" "$G/engine-cuda" "$G/anchor.py"; do
+    [ -e "$f" ] || die "find $f (run scripts/gpu-pack.sh on the build machine and carry .gpu)"
+done
+nvidia-smi | tee "$OUT/nvidia-smi.txt" || failed "nvidia-smi"
+GPU_NAME=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -n 1)
+md ""
+md "Device: ${GPU_NAME:-unknown} (nvidia-smi: name, memory, driver)."
+
+# ------------------------------------------------------------------------------------------------
+step "2. LD_LIBRARY_PATH for libcuda, libnvrtc, libcublas"
+PY="${PYTHON:-python3}"
+NV_DIR=$("$PY" -c 'import nvidia, os; print(list(nvidia.__path__)[0])' 2>/dev/null || true)
+LIBS=/usr/local/cuda/lib64
+[ -n "$NV_DIR" ] && [ -d "$NV_DIR/cu13/lib" ] && LIBS="$LIBS:$NV_DIR/cu13/lib"
+export LD_LIBRARY_PATH="$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export TANDEM_PTX_CACHE="$OUT/ptx-cache"
+echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+for lib in libcuda.so.1 libnvrtc.so.13 libcublas.so.13; do
+    if "$PY" -c "import ctypes, sys; ctypes.CDLL(sys.argv[1])" "$lib" 2>/dev/null; then
+        echo "  $lib: loadable"
+    else
+        failed "load $lib through the dynamic loader (LD_LIBRARY_PATH above)"
+    fi
+done
+
+# ------------------------------------------------------------------------------------------------
+step "3. kernels-cuda GPU test (every kernel against tandem-kernels)"
+if timeout 180 "$G/kernels-cuda-gpu" --nocapture --test-threads=1 > "$OUT/kernels-cuda-gpu.txt" 2>&1; then
+    KSTATUS=passed
+else
+    KSTATUS="FAILED (exit $?)"; failed "kernels-cuda GPU test"
+fi
+tail -n 30 "$OUT/kernels-cuda-gpu.txt"
+md ""
+md "## Kernels (kernels-cuda tests/gpu.rs): $KSTATUS"
+md '```'
+grep -E "kernels-cuda:|µs|us |ms|GB/s|test result" "$OUT/kernels-cuda-gpu.txt" | head -n 40 >> "$RESULTS"
+md '```'
+
+# ------------------------------------------------------------------------------------------------
+step "4. engine CUDA test (engine on cuda:0 against the CPU engine, dummy weights)"
+if timeout 240 "$G/engine-cuda" --nocapture --test-threads=1 > "$OUT/engine-cuda.txt" 2>&1; then
+    ESTATUS=passed
+else
+    ESTATUS="FAILED (exit $?)"; failed "engine CUDA test"
+fi
+tail -n 30 "$OUT/engine-cuda.txt"
+md ""
+md "## Engine test (engine/tests/cuda.rs): $ESTATUS"
+md '```'
+grep -E "engine cuda tests|panicked|test result|^test " "$OUT/engine-cuda.txt" | head -n 30 >> "$RESULTS"
+md '```'
+
+# ------------------------------------------------------------------------------------------------
+step "5. exactness: generate on cuda vs cpu (f32, SmolLM2-135M shape, 8 prompts x 64 tokens)"
+# Prompt i: 16 + 24 i token ids from a fixed recurrence (no tokenizer: dummy weights).
+prompt_ids() {
+    "$PY" -c 'import sys
+i = int(sys.argv[1]); n = 16 + 24 * i
+print(",".join(str(256 + (j * 7919 + i * 104729) % 48000) for j in range(n)))' "$1"
+}
+gen() { # device dtype prompt -> the token_ids line
+    timeout 120 "$TANDEM" generate --device "$1" --dtype "$2" --dummy-weights "$SMOL" --prompt-ids "$3" \
+        --max-tokens 64 --print-token-ids --kv-dtype f32 --kv-blocks 256 2>&1 >/dev/null | grep '^token_ids:'
+}
+SAME=0; BF_AGREE=0; BF_TOTAL=0; EXACT_LINES=()
+for i in 0 1 2 3 4 5 6 7; do
+    p=$(prompt_ids "$i")
+    cpu=$(gen cpu f32 "$p") || { failed "generate --device cpu (prompt $i)"; continue; }
+    gpu=$(gen cuda f32 "$p") || { failed "generate --device cuda --dtype f32 (prompt $i)"; continue; }
+    bf=$(gen cuda bf16 "$p") || { failed "generate --device cuda --dtype bf16 (prompt $i)"; bf=""; }
+    echo "prompt $i cpu  f32: $cpu" >> "$OUT/exactness.txt"
+    echo "prompt $i cuda f32: $gpu" >> "$OUT/exactness.txt"
+    echo "prompt $i cuda bf16: $bf" >> "$OUT/exactness.txt"
+    line=$("$PY" - "$cpu" "$gpu" "$bf" <<'EOF'
+import ast, sys
+parse = lambda s: ast.literal_eval(s.split(":", 1)[1].strip()) if s else []
+c, g, b = (parse(s) for s in sys.argv[1:4])
+div = next((k for k, (x, y) in enumerate(zip(c, g)) if x != y), None)
+if div is not None:
+    verdict = f"first divergence at token {div}: cpu {c[div]} cuda {g[div]}"
+elif len(c) != len(g):
+    verdict = f"lengths differ: cpu {len(c)} cuda {len(g)}"
+else:
+    verdict = "identical"
+agree = next((k for k, (x, y) in enumerate(zip(c, b)) if x != y), min(len(c), len(b)))
+print(f"{verdict}|{agree}|{len(c)}")
+EOF
+)
+    verdict=${line%%|*}; rest=${line#*|}
+    [ "$verdict" = identical ] && SAME=$((SAME + 1))
+    BF_AGREE=$((BF_AGREE + ${rest%%|*})); BF_TOTAL=$((BF_TOTAL + ${rest##*|}))
+    EXACT_LINES+=("- prompt $i ($((16 + 24 * i)) tokens): f32 cuda vs cpu: $verdict")
+    echo "prompt $i: $verdict; bf16 agrees for ${rest%%|*} tokens"
+done
+md ""
+md "## Exactness (SmolLM2-135M shape, dummy weights seed 0, f32 KV, 64 greedy tokens)"
+md ""
+md "f32 on cuda:0 against f32 on the CPU: $SAME of 8 prompts identical."
+for l in "${EXACT_LINES[@]}"; do md "$l"; done
+md ""
+md "bf16 weights on cuda:0 against f32 on the CPU: $BF_AGREE of $BF_TOTAL tokens agree before each prompt's first divergence."
+[ "$SAME" -eq 8 ] || failed "exactness: $SAME of 8 prompts identical (see exactness.txt)"
+
+# ------------------------------------------------------------------------------------------------
+step "6. PyTorch anchor (anchor.py smollm2-135m)"
+if timeout 240 "$PY" "$G/anchor.py" smollm2-135m > "$OUT/anchor-smollm2.jsonl" 2> "$OUT/anchor-smollm2.err"; then
+    cat "$OUT/anchor-smollm2.jsonl"
+else
+    failed "PyTorch anchor (see anchor-smollm2.err)"; tail -n 20 "$OUT/anchor-smollm2.err"
+fi
+md ""
+md "## PyTorch anchor, same call (anchor.py smollm2-135m)"
+md '```'
+cat "$OUT/anchor-smollm2.jsonl" >> "$RESULTS" 2>/dev/null
+md '```'
+
+# ------------------------------------------------------------------------------------------------
+bench() { # name config extra-args...
+    local name=$1 cfg=$2; shift 2
+    if timeout 300 "$TANDEM" bench-engine --device cuda --dummy-weights "$cfg" --kv-dtype bf16 "$@" --format json \
+        > "$OUT/bench-$name.json" 2> "$OUT/bench-$name.err"; then
+        cat "$OUT/bench-$name.json"; echo
+        md ""; md "## tandem bench-engine --device cuda: $name"; md ""
+        "$PY" - "$OUT/bench-$name.json" >> "$RESULTS" <<'EOF' || failed "render bench-$name.json"
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"{r['model']} · {r['device']} · weights {r['dtype']} · KV {r['kv_dtype']} · medians of {r['runs']} runs")
+print()
+print("| figure | tandem | min–max |")
+print("|---|---|---|")
+p = r["prefill_spread"]
+print(f"| prefill {r['prompt_len']} | {p['median']:,.0f} tok/s | {p['min']:,.0f}–{p['max']:,.0f} |")
+for b, s in sorted(r["decode_spread"].items(), key=lambda kv: int(kv[0])):
+    ms = 1e3 * int(b) / s["median"]
+    print(f"| decode batch {b} | {ms:.2f} ms/step ({s['median']:,.0f} tok/s) | {s['min']:,.0f}–{s['max']:,.0f} tok/s |")
+EOF
+    else
+        failed "bench-engine $name (see bench-$name.err)"; tail -n 20 "$OUT/bench-$name.err"
+    fi
+}
+
+step "7. bench-engine --device cuda, SmolLM2-135M shape (bf16 weights and KV)"
+bench smollm2-135m "$SMOL" --prompt-len 512 --batch 1,32,256 --decode-prompt-len 64 --decode-tokens 64 \
+    --runs 3 --kv-cache-gb 8 --max-model-len 2048
+
+if [ "${GPU_CHECK_70B:-0}" = 1 ]; then
+    step "8. bench-engine --device cuda, 70B shape (8 layers built)"
+    bench llama70b-8l "$BIG" --prompt-len 2048 --batch 1,16 --decode-prompt-len 2048 --decode-tokens 16 \
+        --runs 1 --kv-cache-gb 40 --max-model-len 8192
+fi
+
+finish
+[ ${#FAILED[@]} -eq 0 ]
