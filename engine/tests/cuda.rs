@@ -22,12 +22,18 @@ const CONFIG: &str = r#"{"hidden_size": 576, "intermediate_size": 1536, "num_hid
     "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 2048,
     "max_position_embeddings": 2048, "rope_theta": 100000.0, "tie_word_embeddings": true}"#;
 
+/// Written once per test process: tests run in parallel, and rewriting the file while another
+/// test reads it showed that test an empty file.
 fn config_file() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tandem-cuda-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let p = dir.join("config.json");
-    std::fs::write(&p, CONFIG).unwrap();
-    p
+    static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    PATH.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("tandem-cuda-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("config.json");
+        std::fs::write(&p, CONFIG).unwrap();
+        p
+    })
+    .clone()
 }
 
 fn load(dtype: WeightDtype) -> loader::LoadedModel {
