@@ -71,25 +71,11 @@ impl CpuForward {
         // Positions and cache slots of every token; validate against the block tables.
         s.positions.clear();
         s.slots.clear();
-        for seq in seqs {
-            let end = seq.first_pos + seq.tokens.len();
-            if end > c.max_position_embeddings {
-                return Err(EngineError::ContextOverflow {
-                    prompt_tokens: end,
-                    max_new_tokens: 0,
-                    max_context_tokens: c.max_position_embeddings,
-                });
-            }
-            assert!(
-                seq.block_table.len() * bs >= end,
-                "block table of {} blocks cannot hold {end} tokens. This is a bug.",
-                seq.block_table.len()
-            );
-            for p in seq.first_pos..end {
-                s.positions.push(p);
-                s.slots.push(seq.block_table[p / bs] as usize * bs + p % bs);
-            }
-        }
+        let (positions, slots) = (&mut s.positions, &mut s.slots);
+        super::token_slots(c, seqs, bs, |p, slot| {
+            positions.push(p);
+            slots.push(slot);
+        })?;
         let mut attn_seqs = Vec::with_capacity(seqs.len());
         let mut row = 0;
         for seq in seqs {

@@ -29,8 +29,10 @@ use std::str::FromStr;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use tandem_kv_layout::KvLayout;
 
+use crate::config::ModelConfig;
 use crate::error::EngineError;
 use crate::kv::KvPool;
+use crate::model::ForwardSeq;
 
 /// Where the forward pass runs (`--device`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -169,6 +171,41 @@ impl KvStore {
             KvStore::Cuda(c) => Device::Cuda(c.ordinal()),
         }
     }
+}
+
+/// Checks every sequence of a step against the model's context limit and its block table, then
+/// calls `each(position, cache_slot)` for every token in step order (the order of the rows the
+/// forward computes). Both backends index their step with this, so they refuse the same input
+/// with the same error.
+///
+/// A position past the context limit is [`EngineError::ContextOverflow`]; a block table too
+/// short for its tokens is a bug in the block manager (a panic that says so).
+pub(crate) fn token_slots(
+    c: &ModelConfig,
+    seqs: &[ForwardSeq<'_>],
+    block_size_tokens: usize,
+    mut each: impl FnMut(usize, usize),
+) -> Result<(), EngineError> {
+    let bs = block_size_tokens;
+    for seq in seqs {
+        let end = seq.first_pos + seq.tokens.len();
+        if end > c.max_position_embeddings {
+            return Err(EngineError::ContextOverflow {
+                prompt_tokens: end,
+                max_new_tokens: 0,
+                max_context_tokens: c.max_position_embeddings,
+            });
+        }
+        assert!(
+            seq.block_table.len() * bs >= end,
+            "block table of {} blocks cannot hold {end} tokens. This is a bug.",
+            seq.block_table.len()
+        );
+        for p in seq.first_pos..end {
+            each(p, seq.block_table[p / bs] as usize * bs + p % bs);
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

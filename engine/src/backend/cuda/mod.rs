@@ -119,7 +119,8 @@ impl CudaForward {
         let kernels = CudaKernels::load(&dev, &PtxCache::from_env())?;
         let gemm = Gemm::new(&dev)?;
         let c = &weights.config;
-        let rope = DeviceRopeTable::new(&dev, c.head_dim(), c.max_position_embeddings, c.rope_theta)?;
+        let table = tandem_kernels::RopeTable::new(c.head_dim(), c.max_position_embeddings, c.rope_theta);
+        let rope = DeviceRopeTable::new(&dev, &table)?;
         let w = DevWeights::upload(&dev, weights)?;
         dev.synchronize()?;
         tracing::info!(
@@ -154,25 +155,13 @@ impl CudaForward {
             slots: Vec::with_capacity(t),
             want: Vec::new(),
         };
-        for seq in seqs {
-            let end = seq.first_pos + seq.tokens.len();
-            if end > c.max_position_embeddings {
-                return Err(EngineError::ContextOverflow {
-                    prompt_tokens: end,
-                    max_new_tokens: 0,
-                    max_context_tokens: c.max_position_embeddings,
-                });
-            }
-            assert!(
-                seq.block_table.len() * bs >= end,
-                "block table of {} blocks cannot hold {end} tokens. This is a bug.",
-                seq.block_table.len()
-            );
-            for p in seq.first_pos..end {
-                ix.positions.push(p as i32);
-                ix.slots.push(seq.block_table[p / bs] as i64 * bs as i64 + (p % bs) as i64);
-            }
-        }
+        let (positions, slots) = (&mut ix.positions, &mut ix.slots);
+        super::token_slots(c, seqs, bs, |p, slot| {
+            // Both fit: positions are below the context limit (an i32 on the device), and
+            // slots index a pool that was allocated.
+            positions.push(p as i32);
+            slots.push(slot as i64);
+        })?;
         for seq in seqs {
             for &tok in seq.tokens {
                 if tok as usize >= c.vocab_size {
