@@ -6,6 +6,7 @@ use crate::device::CudaDevice;
 use crate::error::{CudaError, check_len};
 use crate::launch;
 use cudarc::driver::{CudaSlice, DeviceRepr};
+use tandem_kernels::RopeTable;
 use tandem_kv_layout::{KvDtype, KvLayout};
 
 /// Where one layer of the KV pool is and how it is shaped, as the kernels take it (`KvGeom` in
@@ -104,8 +105,8 @@ pub(crate) fn check_dtype(op: &'static str, dtype: KvDtype) -> Result<(), CudaEr
     }
 }
 
-/// The RoPE cos/sin table on the device: `[max_positions × head_dim/2]` each, the same values as
-/// `tandem_kernels::RopeTable` (computed here by the same f64 formula).
+/// The RoPE cos/sin table on the device: `[max_positions × head_dim/2]` each, a copy of the
+/// CPU kernels' [`RopeTable`] (so both backends rotate by the same bits).
 #[derive(Debug)]
 pub struct DeviceRopeTable {
     /// Head dimension the table was built for.
@@ -119,51 +120,16 @@ pub struct DeviceRopeTable {
 }
 
 impl DeviceRopeTable {
-    /// The table for `head_dim` (even, > 0) and `theta`, uploaded.
-    pub fn new(
-        dev: &CudaDevice,
-        head_dim: usize,
-        max_positions: usize,
-        theta: f64,
-    ) -> Result<DeviceRopeTable, CudaError> {
-        let (cos, sin) = rope_table_host(head_dim, max_positions, theta)?;
+    /// Uploads `table`.
+    pub fn new(dev: &CudaDevice, table: &RopeTable) -> Result<DeviceRopeTable, CudaError> {
+        let (cos, sin) = table.tables();
         Ok(DeviceRopeTable {
-            head_dim,
-            max_positions,
-            cos: dev.upload(&cos)?,
-            sin: dev.upload(&sin)?,
+            head_dim: table.head_dim(),
+            max_positions: table.max_positions(),
+            cos: dev.upload(cos)?,
+            sin: dev.upload(sin)?,
         })
     }
-}
-
-/// The RoPE table on the host: `(cos, sin)`, each `max_positions × head_dim/2`, row `pos` at
-/// `pos * head_dim/2`: `inv_freq_i = theta^(-2i/head_dim)`, angle `pos * inv_freq_i`, in f64,
-/// stored as f32 (tandem-kernels' `RopeTable::new`, operation for operation).
-pub fn rope_table_host(
-    head_dim: usize,
-    max_positions: usize,
-    theta: f64,
-) -> Result<(Vec<f32>, Vec<f32>), CudaError> {
-    if head_dim == 0 || !head_dim.is_multiple_of(2) {
-        return Err(CudaError::Shape {
-            op: "rope_table",
-            what: "head_dim (even, > 0)",
-            expected: head_dim + head_dim % 2,
-            got: head_dim,
-        });
-    }
-    let half = head_dim / 2;
-    let mut cos = Vec::with_capacity(max_positions * half);
-    let mut sin = Vec::with_capacity(max_positions * half);
-    for pos in 0..max_positions {
-        for i in 0..half {
-            let inv_freq = theta.powf(-((2 * i) as f64) / head_dim as f64);
-            let angle = pos as f64 * inv_freq;
-            cos.push(angle.cos() as f32);
-            sin.push(angle.sin() as f32);
-        }
-    }
-    Ok((cos, sin))
 }
 
 /// Scratch of the split decode: per (sequence, head, split) an unnormalised accumulator and
@@ -219,33 +185,6 @@ mod tests {
             (g.num_blocks, g.kv_heads, g.head_dim, g.block_size),
             (5, 2, 8, 4)
         );
-    }
-
-    #[test]
-    fn the_host_rope_table_is_the_cpu_kernels_table_bit_for_bit() {
-        for (hd, theta) in [(64, 10_000.0), (128, 500_000.0), (80, 100_000.0)] {
-            let cpu = tandem_kernels::RopeTable::new(hd, 3000, theta);
-            let (cos, sin) = rope_table_host(hd, 3000, theta).unwrap();
-            for pos in [0, 1, 2, 17, 1000, 2999] {
-                let (c, s) = cpu.row(pos);
-                let at = pos * hd / 2;
-                assert_eq!(
-                    c.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                    cos[at..at + hd / 2]
-                        .iter()
-                        .map(|x| x.to_bits())
-                        .collect::<Vec<_>>()
-                );
-                assert_eq!(
-                    s.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                    sin[at..at + hd / 2]
-                        .iter()
-                        .map(|x| x.to_bits())
-                        .collect::<Vec<_>>()
-                );
-            }
-        }
-        assert!(rope_table_host(63, 4, 1e4).is_err());
     }
 
     #[test]

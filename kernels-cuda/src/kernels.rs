@@ -20,7 +20,7 @@ use crate::launch::{self, DecodePlan};
 use crate::ptx::PtxCache;
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -41,6 +41,14 @@ fn to_i32(op: &'static str, what: &'static str, v: usize) -> Result<i32, CudaErr
         expected: i32::MAX as usize,
         got: v,
     })
+}
+
+/// A dimension that must be at least 1.
+fn check_nonzero(op: &'static str, what: &'static str, v: usize) -> Result<(), CudaError> {
+    if v == 0 {
+        return Err(CudaError::Shape { op, what, expected: 1, got: 0 });
+    }
+    Ok(())
 }
 
 fn check_grid_yz(op: &'static str, what: &'static str, v: usize) -> Result<(), CudaError> {
@@ -142,14 +150,7 @@ impl CudaKernels {
     ) -> Result<(), CudaError> {
         const OP: &str = "rms_norm";
         let n = w.len();
-        if n == 0 {
-            return Err(CudaError::Shape {
-                op: OP,
-                what: "weight length",
-                expected: 1,
-                got: 0,
-            });
-        }
+        check_nonzero(OP, "weight length", n)?;
         check_len(
             OP,
             "x (a multiple of weight.len())",
@@ -213,14 +214,7 @@ impl CudaKernels {
         out: &mut CudaSlice<i32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "argmax";
-        if vocab == 0 {
-            return Err(CudaError::Shape {
-                op: OP,
-                what: "vocab",
-                expected: 1,
-                got: 0,
-            });
-        }
+        check_nonzero(OP, "vocab", vocab)?;
         check_len(
             OP,
             "logits (a multiple of vocab)",
@@ -268,14 +262,7 @@ impl CudaKernels {
         hidden: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        if hidden == 0 {
-            return Err(CudaError::Shape {
-                op: name,
-                what: "hidden",
-                expected: 1,
-                got: 0,
-            });
-        }
+        check_nonzero(name, "hidden", hidden)?;
         check_len(
             name,
             "table (a multiple of hidden)",
@@ -297,37 +284,30 @@ impl CudaKernels {
     }
 
     /// bf16 bits of `x` (round to nearest even).
-    pub fn f32_to_bf16(
-        &self,
-        x: &CudaSlice<f32>,
-        out: &mut CudaSlice<u16>,
-    ) -> Result<(), CudaError> {
-        const OP: &str = "f32_to_bf16";
-        check_len(OP, "out", x.len(), out.len())?;
-        if x.is_empty() {
-            return Ok(());
-        }
-        let n = x.len() as i64;
-        let mut b = self.stream.launch_builder(self.f(OP));
-        b.arg(x).arg(out).arg(&n);
-        launch(OP, &mut b, launch::elementwise(x.len()))
+    pub fn f32_to_bf16(&self, x: &CudaSlice<f32>, out: &mut CudaSlice<u16>) -> Result<(), CudaError> {
+        self.convert("f32_to_bf16", x, out)
     }
 
     /// f32 values of bf16 bits `x`.
-    pub fn bf16_to_f32(
+    pub fn bf16_to_f32(&self, x: &CudaSlice<u16>, out: &mut CudaSlice<f32>) -> Result<(), CudaError> {
+        self.convert("bf16_to_f32", x, out)
+    }
+
+    /// An elementwise conversion kernel `name(x, out, n)` over equal-length buffers.
+    fn convert<A: DeviceRepr, B: DeviceRepr>(
         &self,
-        x: &CudaSlice<u16>,
-        out: &mut CudaSlice<f32>,
+        name: &'static str,
+        x: &CudaSlice<A>,
+        out: &mut CudaSlice<B>,
     ) -> Result<(), CudaError> {
-        const OP: &str = "bf16_to_f32";
-        check_len(OP, "out", x.len(), out.len())?;
+        check_len(name, "out", x.len(), out.len())?;
         if x.is_empty() {
             return Ok(());
         }
         let n = x.len() as i64;
-        let mut b = self.stream.launch_builder(self.f(OP));
+        let mut b = self.stream.launch_builder(self.f(name));
         b.arg(x).arg(out).arg(&n);
-        launch(OP, &mut b, launch::elementwise(x.len()))
+        launch(name, &mut b, launch::elementwise(x.len()))
     }
 
     /// RoPE on `q` (`[T × n_heads × hd]`, in place) and `k`, then `k` (rotated) and `v`

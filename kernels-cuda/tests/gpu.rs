@@ -305,7 +305,7 @@ fn check_rope_write_kv(dev: &CudaDevice, k: &CudaKernels, rng: &mut Rng, dtype: 
     let mut cache = KvCacheMut::new(&layout, nb, &mut bytes);
     tandem_kernels::write_kv(&mut cache, 1, &k_cpu, &v, &slots).unwrap();
 
-    let rope = DeviceRopeTable::new(dev, hd, max_pos, 10_000.0).unwrap();
+    let rope = DeviceRopeTable::new(dev, &table).unwrap();
     let mut pool = DeviceKvPool::new(dev, layout, nb).unwrap();
     let mut gq = up(dev, &q);
     let pos32: Vec<i32> = positions.iter().map(|&p| p as i32).collect();

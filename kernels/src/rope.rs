@@ -58,6 +58,12 @@ impl RopeTable {
         self.head_dim
     }
 
+    /// The whole `(cos, sin)` tables, row-major by position (`max_positions × head_dim/2`
+    /// each): what a device copy of the table uploads.
+    pub fn tables(&self) -> (&[f32], &[f32]) {
+        (&self.cos, &self.sin)
+    }
+
     /// `(cos, sin)` rows for `pos`, each `head_dim / 2` long.
     pub fn row(&self, pos: usize) -> (&[f32], &[f32]) {
         assert!(
