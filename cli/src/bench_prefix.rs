@@ -16,9 +16,10 @@ use clap::Args;
 use serde::Serialize;
 use tandem_engine::rng::Rng;
 use tandem_proto::v1::inference_client::InferenceClient;
-use tandem_proto::v1::{GenerateRequest, TokenIds, generate_request, generate_response};
+use tandem_proto::v1::generate_response;
 use tandem_router::routing::PrefillPolicy;
 
+use crate::bench_serve::drive::fixed_length_request;
 use crate::up::{self, UpArgs};
 
 /// `tandem bench-prefix` flags.
@@ -143,15 +144,7 @@ async fn run_workload(
             loop {
                 let next = queue.lock().expect("queue lock").pop();
                 let Some((_, ids)) = next else { break };
-                let req = GenerateRequest {
-                    input: Some(generate_request::Input::TokenIds(TokenIds { ids })),
-                    sampling: Some(tandem_proto::v1::SamplingParams {
-                        max_tokens,
-                        ignore_eos: true,
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                };
+                let req = fixed_length_request(ids, max_tokens);
                 let start = Instant::now();
                 let mut stream = client.generate(req).await?.into_inner();
                 let (mut ttft, mut tokens, mut cached) = (None, 0, 0);

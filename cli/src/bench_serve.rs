@@ -17,7 +17,7 @@
 //! On a 2-core machine both nodes and the router share the cores the colocated engine has to
 //! itself: the comparison shows the cost of disaggregation there, not its benefit at scale.
 
-mod drive;
+pub(crate) mod drive;
 mod plot;
 mod stats;
 

@@ -24,6 +24,16 @@ fn arrival_seed(rate_req_s: f64) -> u64 {
     0xA221_7A15 ^ rate_req_s.to_bits()
 }
 
+/// A benchmark's request over the gRPC ingress: the prompt as token ids, exactly `max_tokens`
+/// generated (EOS ignored), default (greedy) sampling otherwise.
+pub(crate) fn fixed_length_request(ids: Vec<u32>, max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        input: Some(generate_request::Input::TokenIds(TokenIds { ids })),
+        sampling: Some(tandem_proto::v1::SamplingParams { max_tokens, ignore_eos: true, ..Default::default() }),
+        ..Default::default()
+    }
+}
+
 /// One streamed request through the router; times from `arrival`.
 async fn one_request(
     client: &mut InferenceClient<Channel>,
@@ -31,15 +41,7 @@ async fn one_request(
     max_tokens: u32,
     arrival: Instant,
 ) -> anyhow::Result<Sample> {
-    let req = GenerateRequest {
-        input: Some(generate_request::Input::TokenIds(TokenIds { ids })),
-        sampling: Some(tandem_proto::v1::SamplingParams {
-            max_tokens,
-            ignore_eos: true,
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
+    let req = fixed_length_request(ids, max_tokens);
     let mut stream = client.generate(req).await?.into_inner();
     let (mut ttft, mut tokens) = (None, 0);
     while let Some(m) = stream.message().await? {
