@@ -6,7 +6,9 @@
 //! DRAM read, BASELINES.md). m ≥ 4 reports FLOP/s as "elem/s" (2·m·rows·cols per call; compare:
 //! 422 GFLOP/s OpenBLAS f32 GEMM on both cores).
 //!
-//! Run: `cargo bench -p tandem-kernels --bench linear` (filter: `-- f16/576x3072`).
+//! Run: `cargo bench -p tandem-kernels --bench linear` (filter: `-- f16/576x3072`); the
+//! quantized dtypes (`q8_0`, `q4_1`) take their ISA's decode kernels, so
+//! `TANDEM_KERNELS=avx2` against the default compares the AVX2 and AVX-512 decoders.
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use std::time::Duration;
@@ -84,7 +86,7 @@ fn bench(c: &mut Criterion) {
         .measurement_time(Duration::from_millis(1200))
         .sample_size(10);
     memread(&mut g);
-    for dtype in [WeightDtype::F32, WeightDtype::F16] {
+    for dtype in [WeightDtype::F32, WeightDtype::F16, WeightDtype::Q8_0, WeightDtype::Q4_1] {
         for (name, cols, rows) in SHAPES {
             let data = seeded(rows * cols, 7);
             let w = Weight::from_f32(rows, cols, data, dtype).unwrap();

@@ -9,8 +9,7 @@
 //! - `m > 1`: each panel is decoded once into a thread-local f32 panel, and the f32 tiles of
 //!   `avx2_gemm` run over every row block: the decode is paid once a call, not once a row.
 //!
-//! CPUs with AVX-512 use these kernels too (AVX-512F CPUs have AVX2, FMA and F16C); results do
-//! not depend on it.
+//! `avx512_quant` is the same method on 16-lane vectors; the bits are the same either way.
 
 use super::avx2_gemm::{store_n, tile};
 use super::avx512_gemm::DT_F32;

@@ -152,6 +152,54 @@ thread_local! {
     static WIDE: RefCell<AlignedBytes> = RefCell::new(AlignedBytes::zeroed(0));
 }
 
+/// Every row block of `x` (`m` rows of `cols`) across `g` panels of dtype `dt` at `base`,
+/// `stride` bytes apart, the first of which is panel `g0` of a `rows`-row weight: row blocks
+/// of up to [`MR_MAX`] rows, each swept across the panels while its `x` rows sit in L1.
+///
+/// # Safety
+/// The CPU supports AVX-512F; `base` holds `g` panels as described; `x` holds `m * cols`
+/// floats; `out` is valid for writes of `m * rows` floats and no other thread writes the
+/// features of these panels.
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn sweep(
+    x: &[f32],
+    m: usize,
+    cols: usize,
+    rows: usize,
+    out: *mut f32,
+    base: *const u8,
+    stride: usize,
+    dt: u8,
+    g0: usize,
+    g: usize,
+) {
+    let mut i = 0;
+    while i < m {
+        let mr = MR_MAX.min(m - i);
+        let mut p = 0;
+        while p < g {
+            let nv = nv_for(mr, g - p);
+            let j0 = (g0 + p) * PANEL_ROWS;
+            let dst = Dst {
+                ptr: unsafe { out.add(i * rows + j0) },
+                ld: rows,
+                n: rows - j0,
+            };
+            let xi = unsafe { x.as_ptr().add(i * cols) };
+            let args = (xi, cols, unsafe { base.add(p * stride) }, stride, cols, dst);
+            unsafe {
+                dispatch_tile!(dt, mr, nv, args;
+                    1 => [2, 4, 8, 16], 2 => [2, 4, 8], 3 => [2, 4], 4 => [2, 4],
+                    5 => [2], 6 => [2], 7 => [2], 8 => [2], 9 => [2], 10 => [2],
+                    11 => [2], 12 => [2]);
+            }
+            p += nv / 2;
+        }
+        i += mr;
+    }
+}
+
 /// Widens `n` packed panels starting at `src` into f32 panels at `dst` (same layout).
 #[target_feature(enable = "avx512f")]
 unsafe fn widen<const DT: u8>(src: *const u8, elems: usize, dst: *mut f32) {
@@ -213,30 +261,8 @@ pub(crate) unsafe fn linear_panels(
             } else {
                 (src, pbytes, dt_of(w.dtype()))
             };
-            let mut i = 0;
-            while i < m {
-                let mr = MR_MAX.min(m - i);
-                let mut p = 0;
-                while p < g {
-                    let nv = nv_for(mr, g - p);
-                    let j0 = (g0 + p) * PANEL_ROWS;
-                    let dst = Dst {
-                        ptr: unsafe { out.add(i * rows + j0) },
-                        ld: rows,
-                        n: rows - j0,
-                    };
-                    let xi = unsafe { x.as_ptr().add(i * cols) };
-                    let args = (xi, cols, unsafe { base.add(p * stride) }, stride, cols, dst);
-                    unsafe {
-                        dispatch_tile!(dt, mr, nv, args;
-                            1 => [2, 4, 8, 16], 2 => [2, 4, 8], 3 => [2, 4], 4 => [2, 4],
-                            5 => [2], 6 => [2], 7 => [2], 8 => [2], 9 => [2], 10 => [2],
-                            11 => [2], 12 => [2]);
-                    }
-                    p += nv / 2;
-                }
-                i += mr;
-            }
+            // SAFETY: as this function's contract; `base` holds `g` panels of `dt`, `stride` apart.
+            unsafe { sweep(x, m, cols, rows, out, base, stride, dt, g0, g) };
             g0 += g;
         }
     });

@@ -27,6 +27,8 @@ pub(crate) mod avx2_quant;
 pub(crate) mod avx512;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512_gemm;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512_quant;
 pub(crate) mod portable;
 
 /// An implementation of the kernels' inner loops.
