@@ -1,7 +1,8 @@
 //! Every way in: the engine serves the same model from a Hugging Face safetensors directory
 //! (converted by an independent Python script) as from the GGUF, the GGUF's quantized blocks
-//! kept as stored (`--dtype auto`) serve the f32 path's exact output, and `--dummy-weights`
-//! builds seeded random weights of any shape, identical for identical seeds.
+//! kept as stored (`--dtype auto`) serve the f32 path's exact output (a type with no kernel is
+//! dequantised and reported), and `--dummy-weights` builds seeded random weights of any shape,
+//! identical for identical seeds.
 
 mod common;
 
@@ -143,4 +144,55 @@ fn a_fixed_quantized_dtype_requantizes_what_the_file_does_not_store_so() {
     let prompts = test_prompts(&e);
     let out = run(&mut e, vec![greedy(1, prompts[0].clone(), 8)]).remove(0);
     assert_eq!(out.tokens.len(), 8);
+}
+
+/// A GGUF whose tensors include a quantization type with no kernel (here `blk.3.ffn_down`
+/// rewritten as Q5_0 by candle's quantizer) loads under `--dtype auto`: that tensor is
+/// dequantised to f32 (and the type reported, the same set the load logs a warning from, once
+/// per type), every other tensor keeps the file's type, and the output is the f32 load's of
+/// the same file, token for token.
+#[test]
+fn a_quantization_type_without_a_kernel_is_dequantised_at_load_and_reported() {
+    use candle_core::Device;
+    use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
+
+    let name = "blk.3.ffn_down.weight";
+    let mut file = std::fs::File::open(model_path()).unwrap();
+    let content = gguf_file::Content::read(&mut file).unwrap();
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    for n in content.tensor_infos.keys() {
+        let mut t = content.tensor(&mut file, n, &Device::Cpu).unwrap();
+        if n == name {
+            t = QTensor::quantize(&t.dequantize(&Device::Cpu).unwrap(), GgmlDType::Q5_0).unwrap();
+        }
+        tensors.push((n.clone(), t));
+    }
+    let path = std::env::temp_dir().join(format!("tandem-q5_0-{}.gguf", std::process::id()));
+    {
+        let mut out = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());
+        let meta: Vec<(&str, &gguf_file::Value)> = content.metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        gguf_file::write(&mut out, &meta, &ts).unwrap();
+    }
+    let src = ModelSource::Path(path.clone());
+    let auto = loader::load(&src, DtypeChoice::Auto);
+    let f32w = loader::load(&src, WeightDtype::F32);
+    let _ = std::fs::remove_file(&path);
+    let (auto, f32w) = (auto.unwrap(), f32w.unwrap());
+
+    assert_eq!(auto.dequantized_types, vec!["Q5_0".to_string()]);
+    assert!(f32w.dequantized_types.is_empty(), "a fixed dtype converts everything and reports nothing");
+    for (i, l) in auto.weights.layers.iter().enumerate() {
+        let want = if i == 3 { WeightDtype::F32 } else { WeightDtype::Q4_1 };
+        assert_eq!(l.down.dtype(), want, "layer {i} ffn_down");
+        assert_eq!(l.gate_up.dtype(), WeightDtype::Q4_1, "layer {i} gate_up keeps the file's type");
+    }
+    let mut a = Engine::new(Model::new(auto.weights), auto.tokenizer, config(KvDtype::F32, 64)).unwrap();
+    let mut f = Engine::new(Model::new(f32w.weights), f32w.tokenizer, config(KvDtype::F32, 64)).unwrap();
+    let prompts = test_prompts(&f);
+    for p in prompts.iter().take(2) {
+        let want = run(&mut f, vec![greedy(1, p.clone(), 8)]).remove(0).tokens;
+        let got = run(&mut a, vec![greedy(1, p.clone(), 8)]).remove(0).tokens;
+        assert_eq!(got, want, "auto (Q4_1 kernels + a dequantised Q5_0 tensor) against f32");
+    }
 }

@@ -219,6 +219,7 @@ pub fn load(path: &Path, choice: DtypeChoice) -> Result<LoadedModel, EngineError
     Ok(LoadedModel {
         weights: ModelWeights { config, embed, layers, final_norm, lm_head, fingerprint },
         tokenizer: Some(tokenizer),
+        dequantized_types: r.dequantized.into_iter().collect(),
     })
 }
 

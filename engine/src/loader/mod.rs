@@ -59,6 +59,10 @@ pub struct LoadedModel {
     pub weights: ModelWeights,
     /// The tokenizer, when the checkpoint carries one (dummy weights do not).
     pub tokenizer: Option<Tokenizer>,
+    /// The file's quantization types that have no kernel (GGUF names, e.g. `Q5_0`): under
+    /// `--dtype auto` their tensors were dequantised to f32 at load, and each type was logged
+    /// once as a warning. Empty when every tensor kept its type or the dtype was fixed.
+    pub dequantized_types: Vec<String>,
 }
 
 /// Where the weights come from.
@@ -155,7 +159,11 @@ pub fn load(source: &ModelSource, dtype: impl Into<DtypeChoice>) -> Result<Loade
         }
         ModelSource::Dummy { config, seed } => {
             let cfg = ModelConfig::from_json_file(config)?;
-            Ok(LoadedModel { weights: dummy::build(cfg, *seed, dtype.for_tensor(None))?, tokenizer: None })
+            Ok(LoadedModel {
+                weights: dummy::build(cfg, *seed, dtype.for_tensor(None))?,
+                tokenizer: None,
+                dequantized_types: Vec::new(),
+            })
         }
     }
 }

@@ -102,5 +102,6 @@ pub fn load_dir(dir: &Path, dtype: WeightDtype) -> Result<LoadedModel, EngineErr
     Ok(LoadedModel {
         weights: ModelWeights { config, embed, layers, final_norm, lm_head, fingerprint },
         tokenizer: Some(tokenizer),
+        dequantized_types: Vec::new(),
     })
 }
