@@ -42,13 +42,13 @@ pub struct EngineArgs {
     #[serde(default)]
     pub device: Device,
 
-    /// How the weights are held: `auto` (default) keeps a GGUF's Q8_0 / Q4_1 blocks and
+    /// How the weights are held: `auto` (default) keeps a GGUF's Q8_0 / Q4_1 / Q4_0 blocks and
     /// F16 / BF16 tensors as stored, computing exactly the f32 path's output with the file's
     /// bytes in memory (other quantization types are dequantised to f32, said in the log);
-    /// `f32`, `f16`, `bf16`, `q8_0` or `q4_1` converts every matrix (f16 halves the bytes of f32
-    /// but rounds; q8_0 / q4_1 quantize what the file does not already store so). On CUDA:
-    /// `auto` means bf16 (quantized and f32 tensors converted at load, said in the log), and
-    /// only `f32` (the exactness check) and `bf16` have GPU kernels.
+    /// `f32`, `f16`, `bf16`, `q8_0`, `q4_1` or `q4_0` converts every matrix (f16 halves the bytes
+    /// of f32 but rounds; q8_0 / q4_1 / q4_0 quantize what the file does not already store so).
+    /// On CUDA: `auto` means bf16 (quantized and f32 tensors converted at load, said in the
+    /// log), and only `f32` (the exactness check) and `bf16` have GPU kernels.
     #[arg(long, env = "TANDEM_DTYPE", default_value = "auto", value_parser = parse_weight_dtype)]
     #[serde(with = "weight_dtype_name")]
     pub dtype: DtypeChoice,
@@ -163,7 +163,7 @@ impl EngineArgs {
 
     /// The weight dtype to load for `--device`: `--dtype` as given on the CPU; on CUDA, `auto`
     /// becomes bf16 (logged once), `f32` and `bf16` stay, and dtypes with no GPU kernel (f16,
-    /// q8_0, q4_1) are refused with the dtypes that have one.
+    /// q8_0, q4_1, q4_0) are refused with the dtypes that have one.
     pub fn load_dtype(&self) -> Result<DtypeChoice, EngineError> {
         use tandem_kernels::WeightDtype;
         if !self.device.is_cuda() {

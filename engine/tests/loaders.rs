@@ -149,21 +149,23 @@ fn a_fixed_quantized_dtype_requantizes_what_the_file_does_not_store_so() {
 /// A GGUF whose tensors include a quantization type with no kernel (here `blk.3.ffn_down`
 /// rewritten as Q5_0 by candle's quantizer) loads under `--dtype auto`: that tensor is
 /// dequantised to f32 (and the type reported, the same set the load logs a warning from, once
-/// per type), every other tensor keeps the file's type, and the output is the f32 load's of
-/// the same file, token for token.
+/// per type), every other tensor keeps the file's type (`blk.5.ffn_down`, rewritten as Q4_0,
+/// runs on the Q4_0 kernels), and the output is the f32 load's of the same file, token for
+/// token.
 #[test]
 fn a_quantization_type_without_a_kernel_is_dequantised_at_load_and_reported() {
     use candle_core::Device;
     use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
 
-    let name = "blk.3.ffn_down.weight";
+    let (name, q4_0) = ("blk.3.ffn_down.weight", "blk.5.ffn_down.weight");
     let mut file = std::fs::File::open(model_path()).unwrap();
     let content = gguf_file::Content::read(&mut file).unwrap();
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
     for n in content.tensor_infos.keys() {
         let mut t = content.tensor(&mut file, n, &Device::Cpu).unwrap();
-        if n == name {
-            t = QTensor::quantize(&t.dequantize(&Device::Cpu).unwrap(), GgmlDType::Q5_0).unwrap();
+        if n == name || n == q4_0 {
+            let to = if n == name { GgmlDType::Q5_0 } else { GgmlDType::Q4_0 };
+            t = QTensor::quantize(&t.dequantize(&Device::Cpu).unwrap(), to).unwrap();
         }
         tensors.push((n.clone(), t));
     }
@@ -183,7 +185,11 @@ fn a_quantization_type_without_a_kernel_is_dequantised_at_load_and_reported() {
     assert_eq!(auto.dequantized_types, vec!["Q5_0".to_string()]);
     assert!(f32w.dequantized_types.is_empty(), "a fixed dtype converts everything and reports nothing");
     for (i, l) in auto.weights.layers.iter().enumerate() {
-        let want = if i == 3 { WeightDtype::F32 } else { WeightDtype::Q4_1 };
+        let want = match i {
+            3 => WeightDtype::F32,
+            5 => WeightDtype::Q4_0,
+            _ => WeightDtype::Q4_1,
+        };
         assert_eq!(l.down.dtype(), want, "layer {i} ffn_down");
         assert_eq!(l.gate_up.dtype(), WeightDtype::Q4_1, "layer {i} gate_up keeps the file's type");
     }
@@ -193,6 +199,6 @@ fn a_quantization_type_without_a_kernel_is_dequantised_at_load_and_reported() {
     for p in prompts.iter().take(2) {
         let want = run(&mut f, vec![greedy(1, p.clone(), 8)]).remove(0).tokens;
         let got = run(&mut a, vec![greedy(1, p.clone(), 8)]).remove(0).tokens;
-        assert_eq!(got, want, "auto (Q4_1 kernels + a dequantised Q5_0 tensor) against f32");
+        assert_eq!(got, want, "auto (Q4_1 and Q4_0 kernels, a dequantised Q5_0 tensor) against f32");
     }
 }

@@ -106,8 +106,8 @@ pub enum KernelError {
         /// The other.
         seq_b: usize,
     },
-    /// A weight dtype name is not one of f32, f16, bf16, q8_0, q4_1.
-    #[error("unknown weight dtype `{0}` (expected f32, f16, bf16, q8_0 or q4_1)")]
+    /// A weight dtype name is not one of f32, f16, bf16, q8_0, q4_1, q4_0.
+    #[error("unknown weight dtype `{0}` (expected f32, f16, bf16, q8_0, q4_1 or q4_0)")]
     UnknownWeightDtype(String),
     /// A quantized block's scale (or minimum) is not a finite number: the file is corrupt.
     #[error("quantized weight row {row}, block {block}: its {what} is {value} (not finite)")]

@@ -1,4 +1,4 @@
-//! tandem's CPU compute kernels: dense and block-quantized (GGUF Q8_0 / Q4_1) linear layers,
+//! tandem's CPU compute kernels: dense and block-quantized (GGUF Q8_0 / Q4_1 / Q4_0) linear layers,
 //! RMSNorm, RoPE, SiLU-gating, paged-KV writes and causal paged attention, multi-threaded on a
 //! persistent [`WorkerPool`] and vectorised for AVX-512 and AVX2 with a portable fallback.
 //!

@@ -1,10 +1,11 @@
-//! Block-quantized weights, GGUF's `Q8_0` and `Q4_1`, kept as the file stores them and decoded in
+//! Block-quantized weights, GGUF's `Q8_0`, `Q4_1` and `Q4_0`, kept as the file stores them and decoded in
 //! registers by `linear`.
 //!
 //! Values (GGUF's definitions, blocks of 32 consecutive columns of one row):
 //! - `Q8_0`: `d: f16`, `q: [i8; 32]`; weight `q as f32 * d`.
 //! - `Q4_1`: `d: f16`, `m: f16`, `q: [u4; 32]`; weight `q as f32 * d + m` (the multiply rounded,
 //!   then the add rounded: no fused multiply-add).
+//! - `Q4_0`: `d: f16`, `q: [u4; 32]`; weight `(q - 8) as f32 * d` (the subtraction in integers).
 //!
 //! Exactness: that is the very f32 value the loader's dequantisation (candle's `to_float`)
 //! produces, and the kernels decode each weight to it and then run the canonical chain of
@@ -19,10 +20,11 @@
 //! Q8_0 record (1,088 B): d[32 rows] f16 | q[k = 0..32][32 rows] i8
 //! Q4_1 record   (640 B): d[32 rows] f16 | m[32 rows] f16 | q[k = 0..32][16 B]
 //!                        byte i of a k: row i in the low nibble, row i + 16 in the high one
+//! Q4_0 record   (576 B): d[32 rows] f16 | q[k = 0..32][16 B] (nibbles as Q4_1)
 //! ```
 //!
 //! Records are multiples of 64 bytes, so each starts a cache line; the bytes per weight equal the
-//! file's (8.5 and 5 bits). The last panel's padding rows are zero (`d = m = 0`: weight 0).
+//! file's (8.5, 5 and 4.5 bits). The last panel's padding rows are zero (`d = m = 0`: weight 0).
 
 use crate::{KernelError, WeightDtype, weight::AlignedBytes, weight::PANEL_ROWS};
 use half::f16;
@@ -35,6 +37,7 @@ pub const fn gguf_block_bytes(dtype: WeightDtype) -> usize {
     match dtype {
         WeightDtype::Q8_0 => 2 + QK,
         WeightDtype::Q4_1 => 4 + QK / 2,
+        WeightDtype::Q4_0 => 2 + QK / 2,
         _ => panic!("gguf_block_bytes: not a quantized dtype"),
     }
 }
@@ -44,6 +47,7 @@ pub(crate) const fn record_bytes(dtype: WeightDtype) -> usize {
     match dtype {
         WeightDtype::Q8_0 => 2 * PANEL_ROWS + QK * PANEL_ROWS,
         WeightDtype::Q4_1 => 4 * PANEL_ROWS + QK * PANEL_ROWS / 2,
+        WeightDtype::Q4_0 => 2 * PANEL_ROWS + QK * PANEL_ROWS / 2,
         _ => panic!("record_bytes: not a quantized dtype"),
     }
 }
@@ -130,9 +134,13 @@ pub(crate) fn pack_gguf(
                     }
                 }
                 _ => {
-                    finite(f16_at(src, 2), r, b, "min")?;
-                    out[at + 64 + 2 * lane..at + 64 + 2 * lane + 2].copy_from_slice(&src[2..4]);
-                    let qs = &src[4..];
+                    let qs = if dtype == WeightDtype::Q4_1 {
+                        finite(f16_at(src, 2), r, b, "min")?;
+                        out[at + 64 + 2 * lane..at + 64 + 2 * lane + 2].copy_from_slice(&src[2..4]);
+                        &src[4..]
+                    } else {
+                        &src[2..]
+                    };
                     for k in 0..QK {
                         let q = if k < QK / 2 {
                             qs[k] & 0x0f
@@ -151,7 +159,8 @@ pub(crate) fn pack_gguf(
 
 /// Quantizes a row-major matrix (`get(r, k)`) into GGUF blocks of `dtype`, as llama.cpp's
 /// reference quantizers do (`Q8_0`: `d = amax / 127`, `q = round(x / d)`; `Q4_1`:
-/// `d = (max - min) / 15`, `m = min`, `q = min(15, trunc((x - m) / d + 0.5))`).
+/// `d = (max - min) / 15`, `m = min`, `q = min(15, trunc((x - m) / d + 0.5))`; `Q4_0`:
+/// `d = x_amax / -8` for the value of largest magnitude, `q = min(15, trunc(x / d + 8.5))`).
 pub(crate) fn quantize_rows(
     dtype: WeightDtype,
     rows: usize,
@@ -174,6 +183,14 @@ pub(crate) fn quantize_rows(
                     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
                     out.extend_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
                     out.extend(x.iter().map(|v| (v * id).round() as i8 as u8));
+                }
+                WeightDtype::Q4_0 => {
+                    let max = x.iter().fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
+                    let d = max / -8.0;
+                    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                    out.extend_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
+                    let q = |v: f32| ((v * id + 8.5) as u8).min(15);
+                    out.extend((0..QK / 2).map(|j| q(x[j]) | (q(x[j + QK / 2]) << 4)));
                 }
                 _ => {
                     let min = x.iter().fold(f32::INFINITY, |a, &v| a.min(v));
@@ -202,14 +219,17 @@ pub(crate) fn load(dtype: WeightDtype, packed: &[u8], cols: usize, r: usize, k: 
     match dtype {
         WeightDtype::Q8_0 => rec[qo + kk * PANEL_ROWS + lane] as i8 as f32 * d,
         _ => {
-            let m = f16_at(rec, 64 + 2 * lane).to_f32();
             let byte = rec[qo + kk * (PANEL_ROWS / 2) + lane % (PANEL_ROWS / 2)];
             let q = if lane < PANEL_ROWS / 2 {
                 byte & 0x0f
             } else {
                 byte >> 4
             };
-            q as f32 * d + m
+            if dtype == WeightDtype::Q4_0 {
+                (q as i32 - 8) as f32 * d
+            } else {
+                q as f32 * d + f16_at(rec, 64 + 2 * lane).to_f32()
+            }
         }
     }
 }
@@ -251,6 +271,8 @@ mod tests {
         let (rows, cols) = (33, 64);
         let mut q4 = Vec::new();
         let mut q8 = Vec::new();
+        let mut q40 = Vec::new();
+        let mut expect40 = vec![0f32; rows * cols];
         let mut expect4 = vec![0f32; rows * cols];
         let mut expect8 = vec![0f32; rows * cols];
         for r in 0..rows {
@@ -258,10 +280,14 @@ mod tests {
                 let (d, m) = (0.01 * (r + 1) as f32, -0.5 + 0.1 * b as f32);
                 let q: [u8; 32] = std::array::from_fn(|j| ((r * 7 + b * 3 + j) % 16) as u8);
                 q4.extend(q4_1_block(d, m, q));
+                // Q4_0: Q4_1's block without the minimum.
+                q40.extend_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
+                q40.extend((0..16).map(|j| q[j] | (q[j + 16] << 4)));
                 q8.extend_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
                 for j in 0..32 {
                     let (dd, mm) = (f16::from_f32(d).to_f32(), f16::from_f32(m).to_f32());
                     expect4[r * cols + b * 32 + j] = q[j] as f32 * dd + mm;
+                    expect40[r * cols + b * 32 + j] = (q[j] as i32 - 8) as f32 * dd;
                     let s = (q[j] as i8 - 8) * 9;
                     q8.push(s as u8);
                     expect8[r * cols + b * 32 + j] = s as f32 * dd;
@@ -271,6 +297,7 @@ mod tests {
         for (dtype, blocks, expect) in [
             (WeightDtype::Q4_1, &q4, &expect4),
             (WeightDtype::Q8_0, &q8, &expect8),
+            (WeightDtype::Q4_0, &q40, &expect40),
         ] {
             let w = Weight::from_gguf_blocks(rows, cols, dtype, blocks).unwrap();
             assert_eq!(w.size_bytes(), 2 * panel_bytes(dtype, cols));
@@ -288,7 +315,9 @@ mod tests {
         let data: Vec<f32> = (0..rows * cols)
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 40.0)
             .collect();
-        for (dtype, steps) in [(WeightDtype::Q8_0, 254.0), (WeightDtype::Q4_1, 15.0)] {
+        // Q4_0 maps the value of largest magnitude to -8 steps, so the other end clamps at +7:
+        // up to a whole step (16 steps over the range, hence 8 here) off.
+        for (dtype, steps) in [(WeightDtype::Q8_0, 254.0), (WeightDtype::Q4_1, 15.0), (WeightDtype::Q4_0, 8.0)] {
             let w = Weight::from_f32(rows, cols, data.clone(), dtype).unwrap();
             for r in 0..rows {
                 for b in 0..cols / QK {
@@ -296,7 +325,7 @@ mod tests {
                     let (lo, hi) = block
                         .iter()
                         .fold((f32::MAX, f32::MIN), |(l, h), &v| (l.min(v), h.max(v)));
-                    let range = if dtype == WeightDtype::Q8_0 {
+                    let range = if dtype != WeightDtype::Q4_1 {
                         2.0 * lo.abs().max(hi.abs())
                     } else {
                         hi - lo

@@ -12,8 +12,8 @@
 //! features, and every output element is one fused-multiply-add chain over `k` (see
 //! [`crate::linear`]). The last panel is padded with zero rows. Buffers are 64-byte aligned.
 //!
-//! Block-quantized weights (`Q8_0`, `Q4_1`: GGUF's formats, kept as the file stores them) use
-//! the same panels with a per-32-column record layout instead; see [`crate::quant`].
+//! Block-quantized weights (`Q8_0`, `Q4_1`, `Q4_0`: GGUF's formats, kept as the file stores
+//! them) use the same panels with a per-32-column record layout instead; see [`crate::quant`].
 //!
 //! Costs: packing is one pass over the matrix at load time; [`Weight::row_to_f32`] (embedding
 //! lookup) gathers one row with stride 32 elements, `cols` reads.
@@ -39,6 +39,9 @@ pub enum WeightDtype {
     /// GGUF Q4_1: blocks of 32 weights `q as f32 * d + m` (`q` 4 bits, `d`, `m` f16), 5 bits a
     /// weight.
     Q4_1,
+    /// GGUF Q4_0: blocks of 32 weights `(q - 8) as f32 * d` (`q` 4 bits, `d` f16), 4.5 bits a
+    /// weight.
+    Q4_0,
 }
 
 impl WeightDtype {
@@ -51,7 +54,7 @@ impl WeightDtype {
         match self {
             WeightDtype::F32 => 4,
             WeightDtype::F16 | WeightDtype::Bf16 => 2,
-            WeightDtype::Q8_0 | WeightDtype::Q4_1 => {
+            WeightDtype::Q8_0 | WeightDtype::Q4_1 | WeightDtype::Q4_0 => {
                 panic!("WeightDtype::elem_bytes: a quantized dtype has no per-element size")
             }
         }
@@ -64,12 +67,13 @@ impl WeightDtype {
             WeightDtype::F16 | WeightDtype::Bf16 => 16.0,
             WeightDtype::Q8_0 => 8.5,
             WeightDtype::Q4_1 => 5.0,
+            WeightDtype::Q4_0 => 4.5,
         }
     }
 
     /// Block-quantized (decoded in registers by the `linear` kernels, columns in blocks of 32).
     pub const fn is_quantized(self) -> bool {
-        matches!(self, WeightDtype::Q8_0 | WeightDtype::Q4_1)
+        matches!(self, WeightDtype::Q8_0 | WeightDtype::Q4_1 | WeightDtype::Q4_0)
     }
 
     /// A stable lowercase name, used in flags, metrics labels and logs.
@@ -80,6 +84,7 @@ impl WeightDtype {
             WeightDtype::Bf16 => "bf16",
             WeightDtype::Q8_0 => "q8_0",
             WeightDtype::Q4_1 => "q4_1",
+            WeightDtype::Q4_0 => "q4_0",
         }
     }
 }
@@ -99,6 +104,7 @@ impl std::str::FromStr for WeightDtype {
             "bf16" | "bfloat16" => Ok(WeightDtype::Bf16),
             "q8_0" => Ok(WeightDtype::Q8_0),
             "q4_1" => Ok(WeightDtype::Q4_1),
+            "q4_0" => Ok(WeightDtype::Q4_0),
             _ => Err(KernelError::UnknownWeightDtype(s.to_string())),
         }
     }
@@ -223,7 +229,7 @@ impl Weight {
                     }
                     WeightDtype::Bf16 => bytes[at..at + 2]
                         .copy_from_slice(&bf16::from_f32(v).to_bits().to_le_bytes()),
-                    WeightDtype::Q8_0 | WeightDtype::Q4_1 => unreachable!("quantized above"),
+                    WeightDtype::Q8_0 | WeightDtype::Q4_1 | WeightDtype::Q4_0 => unreachable!("quantized above"),
                 }
             }
         }
@@ -236,7 +242,7 @@ impl Weight {
     }
 
     /// Keeps GGUF quantized blocks as they are: `blocks` holds `rows` rows of `cols / 32`
-    /// blocks each, row-major, in the file's encoding of `dtype` (`Q8_0` or `Q4_1`). Fails on a
+    /// blocks each, row-major, in the file's encoding of `dtype` (`Q8_0`, `Q4_1` or `Q4_0`). Fails on a
     /// wrong length, `cols` not a multiple of 32, a float `dtype`, or a block whose scale or
     /// minimum is not finite ([`KernelError::BadQuantBlock`]: the file is corrupt).
     pub fn from_gguf_blocks(
@@ -345,7 +351,7 @@ pub(crate) fn load_elem(dtype: WeightDtype, bytes: &[u8], at: usize) -> f32 {
             bytes[at..at + 2].try_into().expect("2 bytes"),
         ))
         .to_f32(),
-        WeightDtype::Q8_0 | WeightDtype::Q4_1 => {
+        WeightDtype::Q8_0 | WeightDtype::Q4_1 | WeightDtype::Q4_0 => {
             unreachable!("load_elem: quantized weights are read by crate::quant")
         }
     }

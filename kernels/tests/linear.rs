@@ -130,7 +130,7 @@ fn the_plain_entry_point_uses_the_global_pool_and_matches_every_isa() {
 fn quantized_weights_give_the_bits_of_their_dequantized_f32_weight() {
     let mut rng = Rng::new(7);
     for &(rows, cols) in &[(1, 32), (33, 64), (70, 96), (200, 576)] {
-        for dtype in [WeightDtype::Q8_0, WeightDtype::Q4_1] {
+        for dtype in [WeightDtype::Q8_0, WeightDtype::Q4_1, WeightDtype::Q4_0] {
             let q = Weight::from_f32(rows, cols, rng.vec(rows * cols, 0.5), dtype).unwrap();
             let deq: Vec<f32> = (0..rows * cols).map(|i| q.get(i / cols, i % cols)).collect();
             let f = Weight::from_f32(rows, cols, deq, WeightDtype::F32).unwrap();
@@ -152,7 +152,7 @@ fn quantized_weights_give_the_bits_of_their_dequantized_f32_weight() {
 #[test]
 fn quantized_weights_take_the_files_bytes() {
     let (rows, cols) = (96, 576);
-    for (dtype, bits) in [(WeightDtype::Q8_0, 8.5), (WeightDtype::Q4_1, 5.0)] {
+    for (dtype, bits) in [(WeightDtype::Q8_0, 8.5), (WeightDtype::Q4_1, 5.0), (WeightDtype::Q4_0, 4.5)] {
         let w = Weight::from_f32(rows, cols, vec![0.25; rows * cols], dtype).unwrap();
         assert_eq!(w.size_bytes() as f64, (rows * cols) as f64 * bits / 8.0, "{dtype}");
         assert_eq!(dtype.bits_per_weight(), bits);

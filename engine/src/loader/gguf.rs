@@ -1,5 +1,5 @@
 //! GGUF checkpoints (llama.cpp's format): metadata, tokenizer and (quantised) tensors, read through
-//! candle-core's GGUF reader. Q8_0 and Q4_1 tensors keep their blocks when the dtype choice allows
+//! candle-core's GGUF reader. Q8_0, Q4_1 and Q4_0 tensors keep their blocks when the dtype choice allows
 //! ([`DtypeChoice`]: `auto`, or that very type), un-permuted and fused by rows as the f32 path
 //! does; every other tensor is dequantised to f32 and converted to the dtype asked for.
 //!
@@ -65,6 +65,7 @@ fn kernel_dtype(t: GgmlDType) -> Option<WeightDtype> {
         GgmlDType::BF16 => Some(WeightDtype::Bf16),
         GgmlDType::Q8_0 => Some(WeightDtype::Q8_0),
         GgmlDType::Q4_1 => Some(WeightDtype::Q4_1),
+        GgmlDType::Q4_0 => Some(WeightDtype::Q4_0),
         _ => None,
     }
 }

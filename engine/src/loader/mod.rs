@@ -82,14 +82,14 @@ pub enum ModelSource {
 /// How the weights are stored in memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DtypeChoice {
-    /// As the checkpoint stores them: a GGUF's Q8_0 and Q4_1 tensors keep their blocks (decoded
+    /// As the checkpoint stores them: a GGUF's Q8_0, Q4_1 and Q4_0 tensors keep their blocks (decoded
     /// in registers to the very values the f32 path computes with, so the output is the f32
     /// path's, bit for bit), its F16 / BF16 tensors stay so (widened exactly), and every other
     /// type is dequantised to f32 (said once per type in the log). Safetensors and dummy
     /// weights: f32.
     /// The fingerprint is the f32 load's: the values are the same.
     Auto,
-    /// Every matrix converted to this dtype (quantizing, for Q8_0 / Q4_1, unless the file's
+    /// Every matrix converted to this dtype (quantizing, for Q8_0 / Q4_1 / Q4_0, unless the file's
     /// tensor already is of that type).
     Fixed(WeightDtype),
 }

@@ -1,11 +1,11 @@
 //! AVX2 + FMA + F16C `linear` over quantized panels ([`crate::quant`]): every weight decoded in
-//! registers to its exact f32 value (`q * d`, or `q * d + m` with two roundings), then the
-//! canonical chain `acc = fma(x[k], w, acc)`, so the bits equal the f32 path's.
+//! registers to its exact f32 value (`q * d`, `(q - 8) * d`, or `q * d + m` with two roundings),
+//! then the canonical chain `acc = fma(x[k], w, acc)`, so the bits equal the f32 path's.
 //!
 //! - `m == 1` (decode of one sequence): one panel at a time, its 32 outputs in 4 accumulator
 //!   vectors; per block the 32 rows' scales (and minimums) are widened once, per column the
-//!   16 (`Q4_1`) or 32 (`Q8_0`) bytes of quants become 4 vectors of 8 weights. This reads the
-//!   file's 5 or 8.5 bits a weight, against 32 for f32.
+//!   16 (`Q4_1`, `Q4_0`) or 32 (`Q8_0`) bytes of quants become 4 vectors of 8 weights. This
+//!   reads the file's 4.5, 5 or 8.5 bits a weight, against 32 for f32.
 //! - `m > 1`: each panel is decoded once into a thread-local f32 panel, and the f32 tiles of
 //!   `avx2_gemm` run over every row block: the decode is paid once a call, not once a row.
 //!
@@ -20,6 +20,25 @@ use std::cell::RefCell;
 
 const Q8_0: u8 = 0;
 const Q4_1: u8 = 1;
+const Q4_0: u8 = 2;
+
+/// The kernel constant of a quantized dtype.
+const fn kernel_of(d: WeightDtype) -> u8 {
+    match d {
+        WeightDtype::Q8_0 => Q8_0,
+        WeightDtype::Q4_1 => Q4_1,
+        _ => Q4_0,
+    }
+}
+
+/// The dtype of kernel constant `Q`.
+const fn dtype_of(q: u8) -> WeightDtype {
+    match q {
+        Q8_0 => WeightDtype::Q8_0,
+        Q4_1 => WeightDtype::Q4_1,
+        _ => WeightDtype::Q4_0,
+    }
+}
 /// Largest row block of the f32 tiles (as avx2_gemm).
 const MR_MAX: usize = 3;
 
@@ -53,7 +72,7 @@ unsafe fn decode<const Q: u8>(
 ) -> [__m256; 4] {
     unsafe {
         if Q == Q8_0 {
-            let qp = rec.add(quants_offset(WeightDtype::Q8_0) + k * PANEL_ROWS);
+            let qp = rec.add(quants_offset(dtype_of(Q)) + k * PANEL_ROWS);
             let mut w = [_mm256_setzero_ps(); 4];
             for (v, wv) in w.iter_mut().enumerate() {
                 let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(qp.add(8 * v).cast()));
@@ -61,7 +80,7 @@ unsafe fn decode<const Q: u8>(
             }
             w
         } else {
-            let qp = rec.add(quants_offset(WeightDtype::Q4_1) + k * (PANEL_ROWS / 2));
+            let qp = rec.add(quants_offset(dtype_of(Q)) + k * (PANEL_ROWS / 2));
             let lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qp.cast()));
             let hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qp.add(8).cast()));
             let mask = _mm256_set1_epi32(0x0f);
@@ -74,7 +93,12 @@ unsafe fn decode<const Q: u8>(
             ];
             let mut w = [_mm256_setzero_ps(); 4];
             for v in 0..4 {
-                w[v] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q[v]), d[v]), m[v]);
+                w[v] = if Q == Q4_1 {
+                    _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q[v]), d[v]), m[v])
+                } else {
+                    // Q4_0: `(q - 8) * d`, the subtraction exact in integers
+                    _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q[v], _mm256_set1_epi32(8))), d[v])
+                };
             }
             w
         }
@@ -163,16 +187,16 @@ pub(crate) unsafe fn linear_panels(
 ) {
     let (cols, rows, dtype) = (w.cols(), w.rows(), w.dtype());
     let (packed, pbytes, rbytes) = (w.packed().as_ptr(), w.panel_bytes(), record_bytes(dtype));
-    let q8 = dtype == WeightDtype::Q8_0;
+    let q = kernel_of(dtype);
     if m == 1 {
         for p in p0..p1 {
             unsafe {
                 let pw = packed.add(p * pbytes);
-                if q8 {
-                    gemv_panel::<Q8_0>(x.as_ptr(), cols, pw, rbytes, out, rows, p * PANEL_ROWS);
-                } else {
-                    gemv_panel::<Q4_1>(x.as_ptr(), cols, pw, rbytes, out, rows, p * PANEL_ROWS);
-                }
+                match q {
+                    Q8_0 => gemv_panel::<Q8_0>(x.as_ptr(), cols, pw, rbytes, out, rows, p * PANEL_ROWS),
+                    Q4_1 => gemv_panel::<Q4_1>(x.as_ptr(), cols, pw, rbytes, out, rows, p * PANEL_ROWS),
+                    _ => gemv_panel::<Q4_0>(x.as_ptr(), cols, pw, rbytes, out, rows, p * PANEL_ROWS),
+                };
             }
         }
         return;
@@ -185,11 +209,11 @@ pub(crate) unsafe fn linear_panels(
             // SAFETY: as the function's contract; `dst` holds one f32 panel.
             unsafe {
                 let pw = packed.add(p * pbytes);
-                if q8 {
-                    decode_panel::<Q8_0>(pw, cols, rbytes, dst);
-                } else {
-                    decode_panel::<Q4_1>(pw, cols, rbytes, dst);
-                }
+                match q {
+                    Q8_0 => decode_panel::<Q8_0>(pw, cols, rbytes, dst),
+                    Q4_1 => decode_panel::<Q4_1>(pw, cols, rbytes, dst),
+                    _ => decode_panel::<Q4_0>(pw, cols, rbytes, dst),
+                };
                 let (src, j0) = (dst.cast_const().cast::<u8>(), p * PANEL_ROWS);
                 let mut i = 0;
                 while i < m {

@@ -33,7 +33,7 @@ pub(crate) const fn dt_of(d: WeightDtype) -> u8 {
         WeightDtype::F32 => DT_F32,
         WeightDtype::F16 => DT_F16,
         WeightDtype::Bf16 => DT_BF16,
-        WeightDtype::Q8_0 | WeightDtype::Q4_1 => {
+        WeightDtype::Q8_0 | WeightDtype::Q4_1 | WeightDtype::Q4_0 => {
             panic!("dt_of: quantized weights take crate::quant's kernels")
         }
     }

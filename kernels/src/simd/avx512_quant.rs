@@ -1,12 +1,12 @@
 //! AVX-512F `linear` over quantized panels ([`crate::quant`]): the AVX2 kernels' method on
-//! 16-lane vectors. Every weight is decoded in registers to its exact f32 value (`q * d`, or
-//! `q * d + m` with two roundings, never a fused multiply-add), then the canonical chain
+//! 16-lane vectors. Every weight is decoded in registers to its exact f32 value (`q * d`,
+//! `(q - 8) * d`, or `q * d + m` with two roundings, never a fused multiply-add), then the canonical chain
 //! `acc = fma(x[k], w, acc)` runs, so the bits equal the f32 path's and the AVX2 path's.
 //!
 //! - `m == 1` (decode of one sequence): [`GEMV_PANELS`] panels at a time, each panel's 32
 //!   outputs in 2 accumulator vectors (8 independent chains in flight, enough to cover the FMA
 //!   latency); per block the rows' scales (and minimums) are widened once, per column the
-//!   16 (`Q4_1`: one byte holds rows `i` and `i + 16`) or 32 (`Q8_0`) bytes of quants become
+//!   16 (`Q4_1`, `Q4_0`: one byte holds rows `i` and `i + 16`) or 32 (`Q8_0`) bytes of quants become
 //!   2 vectors of 16 weights.
 //! - `m > 1`: [`DECODE_PANELS`] panels at a time are decoded into a thread-local f32 buffer that
 //!   stays in L2, and `avx512_gemm`'s f32 tiles sweep every row block across them: the decode is
@@ -20,6 +20,25 @@ use std::cell::RefCell;
 
 const Q8_0: u8 = 0;
 const Q4_1: u8 = 1;
+const Q4_0: u8 = 2;
+
+/// The kernel constant of a quantized dtype.
+const fn kernel_of(d: WeightDtype) -> u8 {
+    match d {
+        WeightDtype::Q8_0 => Q8_0,
+        WeightDtype::Q4_1 => Q4_1,
+        _ => Q4_0,
+    }
+}
+
+/// The dtype of kernel constant `Q`.
+const fn dtype_of(q: u8) -> WeightDtype {
+    match q {
+        Q8_0 => WeightDtype::Q8_0,
+        Q4_1 => WeightDtype::Q4_1,
+        _ => WeightDtype::Q4_0,
+    }
+}
 /// Panels per pass of the one-row kernel.
 const GEMV_PANELS: usize = 4;
 /// Panels decoded to f32 per sweep (`4 × cols × 128` bytes: 288 KiB at 576 columns, in L2).
@@ -63,7 +82,7 @@ unsafe fn block_params<const Q: u8>(rec: *const u8) -> ([__m512; 2], [__m512; 2]
 unsafe fn decode<const Q: u8>(rec: *const u8, k: usize, d: &[__m512; 2], m: &[__m512; 2]) -> [__m512; 2] {
     unsafe {
         if Q == Q8_0 {
-            let qp = rec.add(quants_offset(WeightDtype::Q8_0) + k * PANEL_ROWS);
+            let qp = rec.add(quants_offset(dtype_of(Q)) + k * PANEL_ROWS);
             let q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(qp.cast()));
             let q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(qp.add(16).cast()));
             [
@@ -71,15 +90,24 @@ unsafe fn decode<const Q: u8>(rec: *const u8, k: usize, d: &[__m512; 2], m: &[__
                 _mm512_mul_ps(_mm512_cvtepi32_ps(q1), d[1]),
             ]
         } else {
-            let qp = rec.add(quants_offset(WeightDtype::Q4_1) + k * (PANEL_ROWS / 2));
+            let qp = rec.add(quants_offset(dtype_of(Q)) + k * (PANEL_ROWS / 2));
             let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(qp.cast()));
             // rows 0-15 in the low nibbles, rows 16-31 in the high ones
             let lo = _mm512_and_si512(b, _mm512_set1_epi32(0x0f));
             let hi = _mm512_srli_epi32::<4>(b);
-            [
-                _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo), d[0]), m[0]),
-                _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi), d[1]), m[1]),
-            ]
+            if Q == Q4_1 {
+                [
+                    _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo), d[0]), m[0]),
+                    _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi), d[1]), m[1]),
+                ]
+            } else {
+                // Q4_0: `(q - 8) * d`, the subtraction exact in integers
+                let eight = _mm512_set1_epi32(8);
+                [
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo, eight)), d[0]),
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi, eight)), d[1]),
+                ]
+            }
         }
     }
 }
@@ -191,14 +219,14 @@ unsafe fn gemv_panels<const Q: u8>(x: &[f32], w: &Weight, out: *mut f32, p0: usi
 /// for writes of `m * rows` floats and no other thread writes these panels' features.
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn linear_panels(x: &[f32], m: usize, w: &Weight, out: *mut f32, p0: usize, p1: usize) {
-    let q8 = w.dtype() == WeightDtype::Q8_0;
+    let q = kernel_of(w.dtype());
     if m == 1 {
         // SAFETY: as this function's contract.
         unsafe {
-            if q8 {
-                gemv_panels::<Q8_0>(x, w, out, p0, p1)
-            } else {
-                gemv_panels::<Q4_1>(x, w, out, p0, p1)
+            match q {
+                Q8_0 => gemv_panels::<Q8_0>(x, w, out, p0, p1),
+                Q4_1 => gemv_panels::<Q4_1>(x, w, out, p0, p1),
+                _ => gemv_panels::<Q4_0>(x, w, out, p0, p1),
             }
         }
         return;
@@ -219,11 +247,11 @@ pub(crate) unsafe fn linear_panels(x: &[f32], m: usize, w: &Weight, out: *mut f3
             // caller's contract covers `x` and `out`.
             unsafe {
                 let pw = packed.add(g0 * pbytes);
-                if q8 {
-                    decode_panels::<Q8_0>(pw, g, pbytes, cols, rbytes, dst);
-                } else {
-                    decode_panels::<Q4_1>(pw, g, pbytes, cols, rbytes, dst);
-                }
+                match q {
+                    Q8_0 => decode_panels::<Q8_0>(pw, g, pbytes, cols, rbytes, dst),
+                    Q4_1 => decode_panels::<Q4_1>(pw, g, pbytes, cols, rbytes, dst),
+                    _ => decode_panels::<Q4_0>(pw, g, pbytes, cols, rbytes, dst),
+                };
                 sweep(x, m, cols, rows, out, dst.cast_const().cast(), f32_panel_bytes, DT_F32, g0, g);
             }
             g0 += g;
