@@ -30,7 +30,7 @@ def run(cmd):
     return out.stdout
 
 
-QUANTIZED = ("q8_0", "q4_1")
+QUANTIZED = ("q8_0", "q4_1", "q4_0")
 
 
 def gguf_for(args, dtype):

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Measures tandem's engine against llama.cpp, the peer of ../shared/BASELINES.md, on this machine,
 # in one run: it builds llama.cpp (the revision bundled in llama-cpp-python 0.3.36, the one the
-# baselines used) under .tandem/peer/, makes F32, F16 and Q8_0 GGUFs from the served Q4_1 model
+# baselines used) under .tandem/peer/, makes F32, F16, Q8_0 and Q4_0 GGUFs from the served Q4_1 model
 # with llama-quantize (so both engines run the same weights; q4_1 is the served file itself, run
 # as stored by both), then alternates rounds of
 # `tandem bench-engine` and llama.cpp's llama-bench / llama-batched-bench and prints medians,
 # min–max and per-round ratios (bench/peer.py). Shared, noisy machines: trust the ratios.
 #
-#   bench/peer.sh                # 5 rounds, F32, F16, Q8_0 and Q4_1
+#   bench/peer.sh                # 5 rounds, F32, F16, Q8_0 and Q4_1 (Q4_0 with --dtypes)
 #   bench/peer.sh --rounds 3 --dtypes f16 --json out.json
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -36,9 +36,13 @@ if [[ ! -x "$bin/llama-batched-bench" || ! -x "$bin/llama-bench" || ! -x "$bin/l
 fi
 
 model="$(target/release/tandem model path)"
-for t in F32 F16 Q8_0; do
+for t in F32 F16 Q8_0 Q4_0; do
+  # --pure for Q4_0: every matrix Q4_0, or llama-quantize would make the tied embedding Q6_K
+  # (a type tandem dequantises), and the two engines would not run the same kernels.
+  pure=()
+  [[ $t == Q4_0 ]] && pure=(--pure)
   [[ -f "$peer/smollm2-$t.gguf" ]] ||
-    "$bin/llama-quantize" --allow-requantize "$model" "$peer/smollm2-$t.gguf" "$t" >"$peer/quantize-$t.log" 2>&1
+    "$bin/llama-quantize" --allow-requantize "${pure[@]}" "$model" "$peer/smollm2-$t.gguf" "$t" >"$peer/quantize-$t.log" 2>&1
 done
 exec "$venv/bin/python" bench/peer.py --tandem target/release/tandem --model "$model" \
   --peer-bin "$bin" --peer-models "$peer" "$@"
