@@ -36,6 +36,22 @@ if [[ ! -x "$bin/llama-batched-bench" || ! -x "$bin/llama-bench" || ! -x "$bin/l
 fi
 
 model="$(target/release/tandem model path)"
+# A CPU can advertise AMX while its OS (a VM's, here) has not enabled the tile state: ggml's
+# native build then dies with SIGILL at its first tile instruction. Smoke-run llama-bench and,
+# if it fails, rebuild without AMX (said here; tandem has no AMX path either).
+smoke() { ( "$bin/llama-bench" -m "$model" -t 1 -p 8 -n 0 -r 1 >/dev/null 2>"$peer/smoke.log" ) 2>/dev/null; }
+rc=0
+smoke || rc=$?
+if ((rc != 0)); then
+  why="exit status $rc"
+  ((rc == 132)) && why="SIGILL: an instruction this machine refuses"
+  echo "peer: llama-bench failed a smoke run ($why); rebuilding llama.cpp without AMX (-mno-amx-tile -mno-amx-int8 -mno-amx-bf16)" >&2
+  noamx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  "$venv/bin/cmake" -S "$src" -B "$src/build" -DCMAKE_C_FLAGS="$noamx" -DCMAKE_CXX_FLAGS="$noamx" >>"$peer/cmake.log" 2>&1
+  "$venv/bin/cmake" --build "$src/build" -j"$(nproc)" \
+    --target llama-bench llama-batched-bench llama-quantize >>"$peer/build.log" 2>&1
+  smoke || { echo "peer: FAILED at step: llama-bench smoke run after the rebuild without AMX: $(cat "$peer/smoke.log")" >&2; exit 1; }
+fi
 for t in F32 F16 Q8_0 Q4_0; do
   # --pure for Q4_0: every matrix Q4_0, or llama-quantize would make the tied embedding Q6_K
   # (a type tandem dequantises), and the two engines would not run the same kernels.
