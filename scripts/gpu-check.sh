@@ -53,6 +53,12 @@ md "Written by scripts/gpu-check.sh; binaries from $(tr '\n' ' ' < "$G/COMMIT" 2
 
 # ------------------------------------------------------------------------------------------------
 step "1. nvidia-smi"
+# gpu-pack.sh gzips the binaries to fit the carry limit: unpack them here.
+for b in tandem kernels-cuda-gpu engine-cuda; do
+    if [ -e "$G/$b.gz" ] && [ ! -e "$G/$b" ]; then
+        gunzip -c "$G/$b.gz" > "$G/$b" && chmod +x "$G/$b" || die "unpack $G/$b.gz"
+    fi
+done
 for f in "$TANDEM" "$G/kernels-cuda-gpu" "$G/engine-cuda" "$G/anchor.py"; do
     [ -e "$f" ] || die "find $f (run scripts/gpu-pack.sh on the build machine and carry .gpu)"
 done

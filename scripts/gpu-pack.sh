@@ -2,6 +2,7 @@
 # Builds, HERE (a CPU machine with cargo), everything scripts/gpu-check.sh runs on the GPU machine
 # (which has no cargo), into the ignored folder .gpu/, to be carried there (`carry: [".gpu"]`,
 # 64 MiB at most):
+#   (each binary stripped and gzipped: .gpu/NAME.gz; gpu-check.sh unpacks them there)
 #   .gpu/tandem             the CLI, stripped (release profile; GPU_PACK_PROFILE=dev for the
 #                           optimised dev profile, which builds faster here)
 #   .gpu/kernels-cuda-gpu   kernels-cuda's GPU test (tests/gpu.rs), stripped
@@ -64,8 +65,11 @@ bin=$(test_binary tandem-engine cuda)
 [ -n "$bin" ] && [ -x "$bin" ] || fail "find the engine cuda test binary"
 cp "$bin" "$DEST/engine-cuda"
 
-step "stripping"
+step "stripping and compressing"
 strip "$DEST/tandem" "$DEST/kernels-cuda-gpu" "$DEST/engine-cuda" || fail "strip the binaries"
+# Stripped, the three binaries come near the 64 MiB carry limit (the CLI alone was 38 MB on
+# 2026-12-06); gzip takes them to about a third. gpu-check.sh unpacks them on the GPU machine.
+gzip -9 -f "$DEST/tandem" "$DEST/kernels-cuda-gpu" "$DEST/engine-cuda" || fail "gzip the binaries"
 cp ../shared/gpu/anchor.py "$DEST/anchor.py" || fail "copy anchor.py"
 git rev-parse HEAD > "$DEST/COMMIT" 2>/dev/null || echo unknown > "$DEST/COMMIT"
 git status --porcelain --untracked-files=no | grep -q . && echo "dirty" >> "$DEST/COMMIT" || true
