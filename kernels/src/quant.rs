@@ -29,6 +29,34 @@
 use crate::{KernelError, WeightDtype, weight::AlignedBytes, weight::PANEL_ROWS};
 use half::f16;
 
+/// The quantized dtypes as the SIMD decoders' const generic parameter (`decode::<Q>`).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) mod kind {
+    use crate::WeightDtype;
+
+    pub(crate) const Q8_0: u8 = 0;
+    pub(crate) const Q4_1: u8 = 1;
+    pub(crate) const Q4_0: u8 = 2;
+
+    /// The constant of a quantized dtype.
+    pub(crate) const fn of(d: WeightDtype) -> u8 {
+        match d {
+            WeightDtype::Q8_0 => Q8_0,
+            WeightDtype::Q4_1 => Q4_1,
+            _ => Q4_0,
+        }
+    }
+
+    /// The dtype of constant `q`.
+    pub(crate) const fn dtype(q: u8) -> WeightDtype {
+        match q {
+            Q8_0 => WeightDtype::Q8_0,
+            Q4_1 => WeightDtype::Q4_1,
+            _ => WeightDtype::Q4_0,
+        }
+    }
+}
+
 /// Columns per quantization block.
 pub const QK: usize = 32;
 

@@ -13,32 +13,12 @@
 
 use super::avx2_gemm::{store_n, tile};
 use super::avx512_gemm::DT_F32;
+use crate::quant::kind::{self, Q4_0, Q4_1, Q8_0};
 use crate::quant::{QK, quants_offset, record_bytes};
-use crate::weight::{PANEL_ROWS, Weight, WeightDtype};
+use crate::weight::{PANEL_ROWS, Weight};
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
-const Q8_0: u8 = 0;
-const Q4_1: u8 = 1;
-const Q4_0: u8 = 2;
-
-/// The kernel constant of a quantized dtype.
-const fn kernel_of(d: WeightDtype) -> u8 {
-    match d {
-        WeightDtype::Q8_0 => Q8_0,
-        WeightDtype::Q4_1 => Q4_1,
-        _ => Q4_0,
-    }
-}
-
-/// The dtype of kernel constant `Q`.
-const fn dtype_of(q: u8) -> WeightDtype {
-    match q {
-        Q8_0 => WeightDtype::Q8_0,
-        Q4_1 => WeightDtype::Q4_1,
-        _ => WeightDtype::Q4_0,
-    }
-}
 /// Largest row block of the f32 tiles (as avx2_gemm).
 const MR_MAX: usize = 3;
 
@@ -72,7 +52,7 @@ unsafe fn decode<const Q: u8>(
 ) -> [__m256; 4] {
     unsafe {
         if Q == Q8_0 {
-            let qp = rec.add(quants_offset(dtype_of(Q)) + k * PANEL_ROWS);
+            let qp = rec.add(quants_offset(kind::dtype(Q)) + k * PANEL_ROWS);
             let mut w = [_mm256_setzero_ps(); 4];
             for (v, wv) in w.iter_mut().enumerate() {
                 let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(qp.add(8 * v).cast()));
@@ -80,7 +60,7 @@ unsafe fn decode<const Q: u8>(
             }
             w
         } else {
-            let qp = rec.add(quants_offset(dtype_of(Q)) + k * (PANEL_ROWS / 2));
+            let qp = rec.add(quants_offset(kind::dtype(Q)) + k * (PANEL_ROWS / 2));
             let lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qp.cast()));
             let hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qp.add(8).cast()));
             let mask = _mm256_set1_epi32(0x0f);
@@ -187,7 +167,7 @@ pub(crate) unsafe fn linear_panels(
 ) {
     let (cols, rows, dtype) = (w.cols(), w.rows(), w.dtype());
     let (packed, pbytes, rbytes) = (w.packed().as_ptr(), w.panel_bytes(), record_bytes(dtype));
-    let q = kernel_of(dtype);
+    let q = kind::of(dtype);
     if m == 1 {
         for p in p0..p1 {
             unsafe {

@@ -13,32 +13,12 @@
 //!   paid once a call, not once a row.
 
 use super::avx512_gemm::{DT_F32, sweep};
+use crate::quant::kind::{self, Q4_0, Q4_1, Q8_0};
 use crate::quant::{QK, quants_offset, record_bytes};
-use crate::weight::{AlignedBytes, PANEL_ROWS, Weight, WeightDtype};
+use crate::weight::{AlignedBytes, PANEL_ROWS, Weight};
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
-const Q8_0: u8 = 0;
-const Q4_1: u8 = 1;
-const Q4_0: u8 = 2;
-
-/// The kernel constant of a quantized dtype.
-const fn kernel_of(d: WeightDtype) -> u8 {
-    match d {
-        WeightDtype::Q8_0 => Q8_0,
-        WeightDtype::Q4_1 => Q4_1,
-        _ => Q4_0,
-    }
-}
-
-/// The dtype of kernel constant `Q`.
-const fn dtype_of(q: u8) -> WeightDtype {
-    match q {
-        Q8_0 => WeightDtype::Q8_0,
-        Q4_1 => WeightDtype::Q4_1,
-        _ => WeightDtype::Q4_0,
-    }
-}
 /// Panels per pass of the one-row kernel.
 const GEMV_PANELS: usize = 4;
 /// Panels decoded to f32 per sweep (`4 × cols × 128` bytes: 288 KiB at 576 columns, in L2).
@@ -82,7 +62,7 @@ unsafe fn block_params<const Q: u8>(rec: *const u8) -> ([__m512; 2], [__m512; 2]
 unsafe fn decode<const Q: u8>(rec: *const u8, k: usize, d: &[__m512; 2], m: &[__m512; 2]) -> [__m512; 2] {
     unsafe {
         if Q == Q8_0 {
-            let qp = rec.add(quants_offset(dtype_of(Q)) + k * PANEL_ROWS);
+            let qp = rec.add(quants_offset(kind::dtype(Q)) + k * PANEL_ROWS);
             let q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(qp.cast()));
             let q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(qp.add(16).cast()));
             [
@@ -90,7 +70,7 @@ unsafe fn decode<const Q: u8>(rec: *const u8, k: usize, d: &[__m512; 2], m: &[__
                 _mm512_mul_ps(_mm512_cvtepi32_ps(q1), d[1]),
             ]
         } else {
-            let qp = rec.add(quants_offset(dtype_of(Q)) + k * (PANEL_ROWS / 2));
+            let qp = rec.add(quants_offset(kind::dtype(Q)) + k * (PANEL_ROWS / 2));
             let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(qp.cast()));
             // rows 0-15 in the low nibbles, rows 16-31 in the high ones
             let lo = _mm512_and_si512(b, _mm512_set1_epi32(0x0f));
@@ -219,7 +199,7 @@ unsafe fn gemv_panels<const Q: u8>(x: &[f32], w: &Weight, out: *mut f32, p0: usi
 /// for writes of `m * rows` floats and no other thread writes these panels' features.
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn linear_panels(x: &[f32], m: usize, w: &Weight, out: *mut f32, p0: usize, p1: usize) {
-    let q = kernel_of(w.dtype());
+    let q = kind::of(w.dtype());
     if m == 1 {
         // SAFETY: as this function's contract.
         unsafe {
