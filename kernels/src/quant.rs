@@ -1,5 +1,5 @@
-//! Block-quantized weights, GGUF's `Q8_0`, `Q4_1` and `Q4_0`, kept as the file stores them and decoded in
-//! registers by `linear`.
+//! Block-quantized weights, GGUF's `Q8_0`, `Q4_1` and `Q4_0`, kept as the file stores them and
+//! decoded in registers by `linear`.
 //!
 //! Values (GGUF's definitions, blocks of 32 consecutive columns of one row):
 //! - `Q8_0`: `d: f16`, `q: [i8; 32]`; weight `q as f32 * d`.
