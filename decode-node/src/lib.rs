@@ -165,7 +165,7 @@ impl DecodeNode {
                 cache_events: None,
             },
             move |_ctx| {
-                let (engine, registration) = model::build_engine(&engine_args, &*alloc)?;
+                let (engine, registration) = model::build_engine(&engine_args, &*alloc, tandem_engine::Staging::Receive)?;
                 let layout = *engine.kv_layout();
                 let blocks = engine.scheduler().blocks().num_blocks();
                 Ok((engine, driver, (layout, blocks, registration)))

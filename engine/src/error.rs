@@ -131,17 +131,6 @@ pub enum EngineError {
     /// an unsupported arch, out of device memory, a kernel that did not compile, a failed call.
     #[error(transparent)]
     Cuda(#[from] CudaError),
-    /// Something this build can do on the CPU but not yet on this device (e.g. disaggregated
-    /// serving with `--device cuda`, issue 16 item 3). Never run on the CPU instead.
-    #[error("{what} on --device {device} is not built yet ({tracking}); use --device cpu")]
-    NotBuiltOnDevice {
-        /// What was asked for.
-        what: &'static str,
-        /// The device it was asked on.
-        device: crate::backend::Device,
-        /// Where the work is tracked.
-        tracking: &'static str,
-    },
     /// Structured output: the request's `response_format` is invalid or unsupported
     /// ([`GrammarError::Invalid`], the caller's mistake), or the grammar machinery failed.
     #[error(transparent)]
@@ -169,7 +158,6 @@ impl EngineError {
             EngineError::UnknownReservation(_) => "unknown_reservation",
             EngineError::DuplicateRequest(_) => "duplicate_request",
             EngineError::Cuda(_) => "cuda",
-            EngineError::NotBuiltOnDevice { .. } => "not_built_on_device",
             EngineError::Grammar(GrammarError::Invalid { .. }) => "invalid_request",
             EngineError::Grammar(_) => "grammar",
         }

@@ -33,7 +33,7 @@ pub mod sampler;
 pub mod scheduler;
 
 pub use args::EngineArgs;
-pub use backend::{Device, KvStore};
+pub use backend::{Device, HostMirror, KvStore, Staging};
 pub use config::ModelConfig;
 pub use engine::{
     ChunkView, Completion, Engine, EngineConfig, EngineStats, FinishReason, KvCapacity, LayerDone, Request, StepOutput, Usage,

@@ -28,6 +28,7 @@ use tandem_kv_layout::{KvDtype, KvLayout};
 
 use crate::backend::cpu::CpuForward;
 use crate::backend::cuda::CudaForward;
+use crate::backend::staging::{self, HostMirror, StageOut, Staging};
 use crate::backend::{Device, KvStore};
 use crate::config::ModelConfig;
 use crate::error::EngineError;
@@ -94,6 +95,41 @@ impl Model {
         match &self.backend {
             Backend::Cpu(_) => Ok(KvStore::Host(KvPool::new(layout, num_blocks)?)),
             Backend::Cuda(c) => Ok(KvStore::Cuda(c.new_kv(layout, num_blocks)?)),
+        }
+    }
+
+    /// A host mirror over `host` (the transport's pool; same layout as this model's KV) for a
+    /// cache on this model's device. On a GPU the pool is page-locked for DMA; when the driver
+    /// refuses, the mirror copies through pageable memory and says so once, here.
+    pub fn mirror(&self, host: KvPool, staging: Staging) -> HostMirror {
+        let pinned = match &self.backend {
+            Backend::Cpu(_) => None,
+            Backend::Cuda(c) => match c.pin(&host) {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    tracing::warn!(
+                        error = %e,
+                        bytes = host.layout().pool_bytes(host.num_blocks()),
+                        "KV staging: the host pool could not be page-locked; copies go through pageable memory (slower)"
+                    );
+                    None
+                }
+            },
+        };
+        HostMirror::new(host, staging, pinned)
+    }
+
+    /// Copies every layer of `blocks` from `mirror` into `kv` (a decode node adopting pushed KV);
+    /// they are in `kv` when this returns.
+    pub fn stage_in(&mut self, kv: &mut KvStore, mirror: &mut HostMirror, blocks: &[u32]) -> Result<(), EngineError> {
+        let here = self.device();
+        match (&mut self.backend, kv) {
+            (Backend::Cpu(_), KvStore::Host(pool)) => {
+                mirror.copy_in_host(pool, blocks);
+                Ok(())
+            }
+            (Backend::Cuda(cuda), KvStore::Cuda(pool)) => cuda.stage_in(pool, mirror, blocks),
+            (_, kv) => Err(store_mismatch(here, kv)),
         }
     }
 
@@ -175,20 +211,41 @@ impl Model {
         kv: &mut KvStore,
         on_layer: &mut dyn FnMut(usize),
     ) -> Result<&[f32], EngineError> {
+        self.forward_staged(seqs, kv, None, on_layer)
+    }
+
+    /// [`forward_observed`](Self::forward_observed) with a host mirror of `kv` (the staged path
+    /// of disaggregated serving): a [`Staging::Push`] mirror receives every slab the step
+    /// writes, layer by layer, and `on_layer(l)` is called once layer `l`'s slabs are in the
+    /// mirror. A [`Staging::Receive`] mirror is not touched by a forward pass.
+    pub fn forward_staged(
+        &mut self,
+        seqs: &[ForwardSeq<'_>],
+        kv: &mut KvStore,
+        mirror: Option<&mut HostMirror>,
+        on_layer: &mut dyn FnMut(usize),
+    ) -> Result<&[f32], EngineError> {
+        let mut stage = mirror.filter(|m| m.staging() == Staging::Push).map(|mirror| {
+            let blocks = staging::written_blocks(seqs, kv.layout().block_size_tokens);
+            StageOut { mirror, blocks }
+        });
+        let stage = stage.as_mut();
+        let here = self.device();
         match (&mut self.backend, kv) {
-            (Backend::Cpu(cpu), KvStore::Host(pool)) => cpu.forward(&self.weights, seqs, pool, on_layer),
-            (Backend::Cuda(cuda), KvStore::Cuda(pool)) => cuda.forward(&self.weights.config, seqs, pool, on_layer),
-            (backend, kv) => Err(EngineError::InvalidConfig {
-                field: "kv_store",
-                value: kv.device().to_string(),
-                reason: format!(
-                    "the model runs on {}; its KV must be there too (build it with Model::new_kv)",
-                    match backend {
-                        Backend::Cpu(_) => Device::Cpu,
-                        Backend::Cuda(c) => Device::Cuda(c.ordinal()),
-                    }
-                ),
-            }),
+            (Backend::Cpu(cpu), KvStore::Host(pool)) => cpu.forward(&self.weights, seqs, pool, stage, on_layer),
+            (Backend::Cuda(cuda), KvStore::Cuda(pool)) => {
+                cuda.forward(&self.weights.config, seqs, pool, stage, on_layer)
+            }
+            (_, kv) => Err(store_mismatch(here, kv)),
         }
+    }
+}
+
+/// A KV store on another device than the model's.
+fn store_mismatch(model_device: Device, kv: &KvStore) -> EngineError {
+    EngineError::InvalidConfig {
+        field: "kv_store",
+        value: kv.device().to_string(),
+        reason: format!("the model runs on {model_device}; its KV must be there too (build it with Model::new_kv)"),
     }
 }

@@ -2,63 +2,19 @@
 //! its blocks' bytes are copied into blocks another engine reserved (what kv-transfer does
 //! between nodes), and the second engine continues from the first token. The output must equal
 //! a colocated run exactly, greedy and seeded, and every block must come back on both sides.
+//! The staged path (the KV on the model's device, the transport's pool beside it as a host
+//! mirror: how a GPU node serves) runs here on the CPU, with slab copies for the device copies.
 
 mod common;
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use common::*;
-use tandem_engine::{Engine, KvDtype, Priority, Request, SamplingParams, TokenLogprob, WeightDtype};
-
-fn copy_blocks(src: &Engine, src_blocks: &[u32], dst: &mut Engine, dst_blocks: &[u32]) {
-    for layer in 0..src.kv_layout().num_layers {
-        for (&s, &d) in src_blocks.iter().zip(dst_blocks) {
-            let from = src.kv_pool().expect("CPU engines keep KV in host memory").slab(layer, s);
-            dst.kv_pool_mut().expect("CPU engines keep KV in host memory").slab_mut(layer, d).copy_from_slice(from);
-        }
-    }
-}
-
-fn disaggregated(prefill: &mut Engine, decode: &mut Engine, req: Request) -> Vec<u32> {
-    disaggregated_with_logprobs(prefill, decode, req).0
-}
-
-/// Tokens and (when the request asks) their log probabilities, one engine prefilling and the
-/// other decoding.
-fn disaggregated_with_logprobs(
-    prefill: &mut Engine,
-    decode: &mut Engine,
-    req: Request,
-) -> (Vec<u32>, Vec<Option<TokenLogprob>>) {
-    let now = Instant::now();
-    let id = req.id;
-    prefill.add_prefill_request(req.clone(), now).unwrap();
-    let first = loop {
-        let outs = prefill.step().unwrap();
-        if let Some(o) = outs.into_iter().find(|o| o.request_id == id) {
-            break o;
-        }
-    };
-    assert!(first.finished.is_some(), "prefill-only requests stop after the first token");
-    let held = first.held_blocks.clone().expect("prefill keeps the KV");
-    let reserved = decode.reserve(1000 + id, req.prompt.len() + req.params.max_new_tokens).unwrap();
-    copy_blocks(prefill, &held, decode, &reserved);
-    assert!(prefill.release_held(id));
-    let mut tokens = vec![first.token];
-    let out = decode.add_prefilled(req, 1000 + id, first.token, first.logprob.clone(), 0, now).unwrap();
-    assert_eq!(out.token, first.token);
-    let mut logprobs = vec![out.logprob];
-    let mut done = out.finished.is_some();
-    while !done {
-        for o in decode.step().unwrap() {
-            assert_eq!(o.request_id, id);
-            tokens.push(o.token);
-            logprobs.push(o.logprob);
-            done = o.finished.is_some();
-        }
-    }
-    (tokens, logprobs)
-}
+use tandem_engine::kv::{KvBacking, KvPool};
+use tandem_engine::{
+    Engine, KvDtype, Model, ModelSource, Priority, Request, SamplingParams, Staging, TokenLogprob, WeightDtype, loader,
+};
 
 /// Tokens and log probabilities of `req` run on one engine.
 fn colocated_with_logprobs(engine: &mut Engine, req: Request) -> (Vec<u32>, Vec<Option<TokenLogprob>>) {
@@ -278,4 +234,114 @@ fn structured_output_is_json_of_the_schema_and_survives_the_split_and_a_migratio
     let err = colocated.add_request(bad(resumed, &prose), Instant::now()).unwrap_err();
     assert!(matches!(err, EngineError::InvalidRequest { field: "resumed_output_tokens", .. }), "{err}");
     assert!(colocated.is_idle());
+}
+
+/// An engine on the CPU whose KV is staged through a host mirror (the GPU's path, with slab
+/// copies for device copies).
+fn staged(staging: Staging, cfg: tandem_engine::EngineConfig) -> Engine {
+    let loaded = loader::load(&ModelSource::Path(model_path()), WeightDtype::F32).unwrap();
+    let model = Model::new(loaded.weights);
+    let (layout, n) = Engine::pool_shape(&model, &cfg).unwrap();
+    Engine::with_staged_pool(model, loaded.tokenizer, cfg, KvPool::new(layout, n).unwrap(), staging).unwrap()
+}
+
+#[test]
+fn staged_engines_pass_the_kv_through_their_host_mirrors_and_equal_colocated() {
+    let mut colocated = engine(WeightDtype::F32, config(KvDtype::F16, 256));
+    let prompts = test_prompts(&colocated);
+    let mut prefill = staged(Staging::Push, config(KvDtype::F16, 128));
+    let mut decode = staged(Staging::Receive, config(KvDtype::F16, 256));
+    let mirror = prefill.kv_pool().unwrap() as *const KvPool;
+    assert!(!std::ptr::eq(mirror, prefill.kv_store().host().unwrap()), "the mirror is not the KV itself");
+    let block_bytes = prefill.kv_layout().block_bytes() as u64;
+    let mut pushed_blocks = 0;
+    // Three prompts: the chat ones share the system prompt, so the prefill engine's prefix cache
+    // serves blocks a previous request wrote (and mirrored then).
+    for (i, p) in prompts.iter().take(3).enumerate() {
+        let req = greedy(i as u64, p.clone(), 32);
+        let want = run(&mut colocated, vec![req.clone()]).remove(0).tokens;
+        assert_eq!(disaggregated(&mut prefill, &mut decode, req), want, "prompt {i}");
+        pushed_blocks += p.len().div_ceil(16) as u64;
+    }
+    let (ps, ds) = (prefill.stats(), decode.stats());
+    assert!(ps.kv_staged_out_bytes >= block_bytes, "the prefill engine copied out: {ps:?}");
+    assert_eq!(ps.kv_staged_in_bytes, 0, "and nothing in");
+    assert_eq!(ds.kv_staged_in_bytes, pushed_blocks * block_bytes, "the decode engine copied every prompt block in, once");
+    assert_eq!(ds.kv_staged_out_bytes, 0, "decode steps copy nothing out");
+    assert!(!ps.kv_mirror_pinned && !ds.kv_mirror_pinned, "host memory needs no locking");
+    for e in [&prefill, &decode] {
+        assert!(e.is_idle() && e.reserved_and_held_blocks().is_empty());
+        assert_eq!(e.scheduler().blocks().num_free(), e.scheduler().blocks().num_blocks(), "every block back");
+    }
+}
+
+/// Host memory the test can read while the engine writes it (the transport's view).
+struct SharedBytes {
+    buf: Vec<u64>,
+}
+
+// SAFETY: the buffer is never reallocated; the engine and the test (on the same thread, inside
+// the engine's step callback) are its only users.
+unsafe impl KvBacking for SharedBytes {
+    fn as_ptr(&self) -> *mut u8 {
+        self.buf.as_ptr() as *mut u8
+    }
+    fn len_bytes(&self) -> usize {
+        self.buf.len() * 8
+    }
+}
+
+#[test]
+fn a_pushing_mirror_holds_each_layer_before_the_layer_is_reported() {
+    let cfg = config(KvDtype::F16, 64);
+    let loaded = loader::load(&ModelSource::Path(model_path()), WeightDtype::F32).unwrap();
+    let model = Model::new(loaded.weights);
+    let (layout, n) = Engine::pool_shape(&model, &cfg).unwrap();
+    let shared = Arc::new(SharedBytes { buf: vec![0; layout.pool_bytes(n).div_ceil(8)] });
+    let host = KvPool::external(layout, n, shared.clone()).unwrap();
+    let mut e = Engine::with_staged_pool(model, loaded.tokenizer, cfg, host, Staging::Push).unwrap();
+    let prompt = test_prompts(&e).remove(0);
+    assert!(prompt.len() > 16, "the prompt spans blocks");
+    e.add_prefill_request(greedy(1, prompt.clone(), 4), Instant::now()).unwrap();
+    let slab = layout.slab_bytes();
+    let read = |layer: usize, block: u32| -> Vec<u8> {
+        let at = layout.slab_offset(n, layer, block as usize);
+        // SAFETY: inside the pool; the engine is paused in its callback on this thread.
+        unsafe { std::slice::from_raw_parts(shared.as_ptr().add(at), slab) }.to_vec()
+    };
+    let (mut seen, mut blocks) = (Vec::new(), Vec::new());
+    let outs = e
+        .step_observed(&mut |done| {
+            let c = &done.chunks[0];
+            blocks = c.block_table[..(c.first_pos + c.len).div_ceil(16)].to_vec();
+            assert_eq!(done.layer, seen.len(), "layers are reported in order");
+            seen.push(blocks.iter().map(|&b| read(done.layer, b)).collect::<Vec<_>>());
+            if done.layer + 1 < done.num_layers {
+                let next = blocks.iter().all(|&b| read(done.layer + 1, b).iter().all(|&x| x == 0));
+                assert!(next, "layer {} is not in the mirror before it is computed", done.layer + 1);
+            }
+        })
+        .unwrap();
+    assert_eq!(outs.len(), 1, "one step prefills the prompt");
+    assert_eq!(seen.len(), layout.num_layers);
+    let store = e.kv_store().host().expect("a CPU engine's KV");
+    for (layer, slabs) in seen.iter().enumerate() {
+        for (&b, got) in blocks.iter().zip(slabs) {
+            assert!(got.iter().any(|&x| x != 0), "layer {layer} block {b} was written");
+            assert_eq!(got.as_slice(), store.slab(layer, b), "layer {layer} block {b}: mirror = KV when reported");
+        }
+    }
+    let want = (layout.num_layers * blocks.len() * slab) as u64;
+    assert_eq!(e.stats().kv_staged_out_bytes, want, "each written slab copied once");
+}
+
+#[test]
+fn a_mirror_of_another_layout_is_refused() {
+    let cfg = config(KvDtype::F16, 64);
+    let loaded = loader::load(&ModelSource::Path(model_path()), WeightDtype::F32).unwrap();
+    let model = Model::new(loaded.weights);
+    let (layout, n) = Engine::pool_shape(&model, &cfg).unwrap();
+    let other = tandem_engine::KvLayout { block_size_tokens: 32, ..layout };
+    let err = Engine::with_staged_pool(model, None, cfg, KvPool::new(other, n).unwrap(), Staging::Receive).err().unwrap();
+    assert!(matches!(err, tandem_engine::EngineError::Layout(_)), "{err}");
 }

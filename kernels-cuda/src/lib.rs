@@ -14,6 +14,7 @@
 //! | [`buffers`] | the device KV pool and its per-layer [`KvGeom`], the RoPE table, the decode workspace |
 //! | [`kernels`] | [`CudaKernels`]: the loaded module's functions, one typed launch wrapper per kernel |
 //! | [`gemm`] | [`Gemm`]: the linear layers on cuBLAS (f32 sgemm; bf16 in, f32 accumulate and out) |
+//! | [`staging`] | KV byte ranges between the device pool and page-locked host memory ([`PinnedHost`], [`StreamMark`]) |
 //! | `src/cu/*.cu` | the CUDA C sources ([`SOURCES`]); each header states the layout it assumes |
 //!
 //! # Invariants
@@ -43,6 +44,7 @@ pub mod kernels;
 pub mod launch;
 pub mod libs;
 pub mod ptx;
+pub mod staging;
 
 pub use device::{CudaDevice, device_count};
 pub use error::{CudaError, CudaLib};
@@ -50,6 +52,7 @@ pub use buffers::{DecodeWorkspace, DeviceKvPool, DeviceRopeTable, KvGeom};
 pub use gemm::Gemm;
 pub use kernels::CudaKernels;
 pub use ptx::{Arch, CacheOutcome, PtxCache};
+pub use staging::{PinnedHost, StreamMark};
 
 /// The oldest compute capability the kernels support (Ampere: `cp.async`-era shared memory
 /// sizes, bf16 arithmetic). The kernels target sm_90 and are compiled for the device's arch.

@@ -166,7 +166,9 @@ impl NodeArgs {
         }
         self.listen.validate()?;
         self.engine.engine_config().map_err(NodeError::Engine)?;
-        crate::model::require_cpu(&self.engine)?;
+        // `--device cuda` with no driver or no such device fails here, before anything starts.
+        self.engine.device.check().map_err(NodeError::Engine)?;
+        self.engine.load_dtype().map_err(NodeError::Engine)?;
         Ok(())
     }
 

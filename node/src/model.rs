@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tandem_engine::kv::KvPool;
-use tandem_engine::{Engine, EngineArgs, Model, ModelSource, loader};
+use tandem_engine::{Engine, EngineArgs, Model, ModelSource, Staging, loader};
 use tandem_kv_transfer::{KvTransport, PoolRegistration};
 
 use crate::error::NodeError;
@@ -28,20 +28,6 @@ pub fn resolve_source(args: &EngineArgs) -> Result<ModelSource, NodeError> {
         }
         s => s,
     })
-}
-
-/// Refuses `--device cuda`: a node ships KV from host (transport) memory, and KV in device
-/// memory with CUDA IPC / staged transfers is issue 16 item 3, not built yet. Never a silent
-/// CPU run under a "cuda" flag.
-pub fn require_cpu(args: &EngineArgs) -> Result<(), NodeError> {
-    if args.device.is_cuda() {
-        return Err(NodeError::Engine(tandem_engine::EngineError::NotBuiltOnDevice {
-            what: "disaggregated serving (prefill and decode nodes, `tandem up`)",
-            device: args.device,
-            tracking: "issue 16 item 3",
-        }));
-    }
-    Ok(())
 }
 
 /// The warm-up's forward pass: a 4-token prompt, 2 greedy tokens, every block freed after
@@ -71,16 +57,24 @@ fn warm_forward_pass(engine: &mut Engine) -> Result<std::time::Duration, NodeErr
 
 /// Loads the model and builds an engine whose KV pool lives in memory `transport` allocated;
 /// returns the engine and the pool's registration (to push from or receive into).
+///
+/// On the CPU the engine's KV is that memory. With `--device cuda` the KV is in device memory
+/// and the transport's pool is its host mirror, copied `staging`'s way (a prefill node pushes:
+/// every layer it writes is copied out before the layer-wise push sends it; a decode node
+/// receives: adopted prompts are copied up). The device is checked before the model is
+/// fetched or loaded.
 pub fn build_engine(
     args: &EngineArgs,
     transport: &dyn KvTransport,
+    staging: Staging,
 ) -> Result<(Engine, PoolRegistration), NodeError> {
-    require_cpu(args)?;
+    args.device.check().map_err(NodeError::Engine)?;
+    let dtype = args.load_dtype().map_err(NodeError::Engine)?;
     let source = resolve_source(args)?;
     let cfg = args.engine_config().map_err(NodeError::Engine)?;
     let t0 = Instant::now();
-    let loaded = loader::load(&source, args.dtype).map_err(NodeError::Engine)?;
-    let model = Model::new(loaded.weights);
+    let loaded = loader::load(&source, dtype).map_err(NodeError::Engine)?;
+    let model = Model::on_device(loaded.weights, args.device).map_err(NodeError::Engine)?;
     let (layout, num_blocks) = Engine::pool_shape(&model, &cfg).map_err(NodeError::Engine)?;
     let transport_name = transport.capabilities().name;
     let registration =
@@ -96,8 +90,12 @@ pub fn build_engine(
         Arc::new(TransferBacking(registration.clone())),
     )
     .map_err(NodeError::Engine)?;
-    let mut engine =
-        Engine::with_pool(model, loaded.tokenizer, cfg, pool).map_err(NodeError::Engine)?;
+    let mut engine = if args.device.is_cuda() {
+        Engine::with_staged_pool(model, loaded.tokenizer, cfg, pool, staging)
+    } else {
+        Engine::with_pool(model, loaded.tokenizer, cfg, pool)
+    }
+    .map_err(NodeError::Engine)?;
     let warm = warm_forward_pass(&mut engine)?;
     tracing::info!(
         warm_up_ms = warm.as_millis() as u64,
@@ -105,7 +103,8 @@ pub fn build_engine(
     );
     tracing::info!(
         model = ?source,
-        dtype = args.dtype.as_str(),
+        device = %args.device,
+        dtype = dtype.as_str(),
         storage = engine.model().weight_storage(),
         kv_blocks = num_blocks,
         kv_layout = %layout,

@@ -150,7 +150,7 @@ impl PrefillNode {
                 cache_events: Some(cache_sink),
             },
             move |ctx| {
-                let (engine, registration) = model::build_engine(&engine_args, &*primary)?;
+                let (engine, registration) = model::build_engine(&engine_args, &*primary, tandem_engine::Staging::Push)?;
                 let tcp = match tcp {
                     Some(t) => {
                         let reg =

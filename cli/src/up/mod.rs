@@ -54,8 +54,9 @@ pub struct UpArgs {
     /// Model for every node and the router (default: SmolLM2-135M-Instruct, fetched on first use).
     #[arg(long, env = "TANDEM_MODEL")]
     pub model: Option<PathBuf>,
-    /// Where the nodes' forward runs. Only `cpu` is built for disaggregated serving: `cuda`
-    /// (KV shipped from device memory) is issue 16 item 3 and is refused before anything starts.
+    /// Where the nodes' forward runs: `cpu`, or `cuda[:N]` for every node on that GPU (each
+    /// node's KV is in device memory, sized by `--kv-cache-gb` in the node arguments after
+    /// `--`, and staged through its transport's host pool). Checked before anything starts.
     #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
     pub device: tandem_engine::Device,
     /// The etcd binary (Debian package `etcd-server`).
@@ -188,14 +189,8 @@ pub fn start(
     rt: &tokio::runtime::Runtime,
     interrupt: &Interrupt,
 ) -> anyhow::Result<Cluster> {
-    if args.device.is_cuda() {
-        return Err(tandem_engine::EngineError::NotBuiltOnDevice {
-            what: "disaggregated serving (`tandem up`: prefill and decode nodes)",
-            device: args.device,
-            tracking: "issue 16 item 3",
-        }
-        .into());
-    }
+    // A missing driver or device is said here, before any process starts.
+    args.device.check()?;
     anyhow::ensure!(
         args.prefill > 0 && args.decode > 0,
         "--prefill and --decode must each be at least 1"
@@ -301,11 +296,14 @@ pub fn start(
         .chain(args.trace.to_flags())
         .collect();
     let node_args = {
-        let (common, extra) = (common.clone(), args.node_args.clone());
+        let (common, extra, device) = (common.clone(), args.node_args.clone(), args.device);
         move |role: Role, id: &str| {
             let mut a = vec![role.as_str().to_string()];
             a.extend(common.iter().cloned());
             a.extend(["--node-id".into(), id.to_string()]);
+            if device.is_cuda() {
+                a.extend(["--device".into(), device.to_string()]);
+            }
             a.extend(extra.iter().cloned());
             a
         }

@@ -14,6 +14,8 @@ use crate::kv::KvPool;
 use crate::loader::ModelWeights;
 use crate::model::ForwardSeq;
 
+use super::staging::StageOut;
+
 #[derive(Default)]
 struct Scratch {
     x: Vec<f32>,
@@ -52,11 +54,12 @@ impl CpuForward {
 
     /// Runs `seqs` through `weights`, writing their KV into `kv`; see
     /// [`Model::forward_observed`](crate::Model::forward_observed).
-    pub fn forward(
+    pub(crate) fn forward(
         &mut self,
         weights: &ModelWeights,
         seqs: &[ForwardSeq<'_>],
         kv: &mut KvPool,
+        mut stage: Option<&mut StageOut<'_>>,
         on_layer: &mut dyn FnMut(usize),
     ) -> Result<&[f32], EngineError> {
         let c = &weights.config;
@@ -119,6 +122,9 @@ impl CpuForward {
             k::rope(q, heads, hd, &s.positions, &self.rope);
             k::rope(kk, kvh, hd, &s.positions, &self.rope);
             k::write_kv(&mut kv.view_mut(), li, kk, v, &s.slots)?;
+            if let Some(st) = stage.as_deref_mut() {
+                st.mirror.copy_layer_out_host(kv, li, &st.blocks);
+            }
             on_layer(li);
             k::paged_attention(&kv.view(), li, q, heads, &attn_seqs, scale, sized(&mut s.attn, t * q_w))?;
             k::linear(&s.attn[..t * q_w], t, &layer.o_proj, sized(&mut s.proj, t * h));

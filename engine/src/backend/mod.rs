@@ -17,11 +17,15 @@
 //! - A backend only ever sees a KV store of its own kind ([`Model::new_kv`](crate::Model::new_kv)
 //!   builds the store; a mismatch is an error, not a silent copy).
 //!
-//! Disaggregated serving on CUDA (KV shipped from device memory) is not built yet (issue 16
-//! item 3): the nodes refuse `--device cuda` with [`EngineError::NotBuiltOnDevice`].
+//! Disaggregated serving on CUDA stages KV through the transport's host memory ([`staging`]):
+//! the engine keeps the transport's pool as a [`HostMirror`] of the device cache and copies
+//! between them, layer by layer on the push side.
 
 pub mod cpu;
 pub mod cuda;
+pub mod staging;
+
+pub use staging::{HostMirror, Staging};
 
 use std::fmt;
 use std::str::FromStr;

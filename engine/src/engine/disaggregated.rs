@@ -15,12 +15,16 @@
 //!   sequence. [`Engine::reserved_and_held_blocks`] lists them so block accounting
 //!   ([`Scheduler::check_invariants_with`](crate::scheduler::Scheduler::check_invariants_with))
 //!   can count them as holders.
+//! - A staged engine ([`Engine::with_staged_pool`]) receives into its host mirror, and
+//!   `add_prefilled` copies the prompt's blocks to the device before the sequence exists, so
+//!   its first step reads the pushed KV.
 //! - A prefilled request samples as one engine would have: its sampler skips the first token's
 //!   draw, so seeded sampling continues exactly.
 
 use std::time::Instant;
 
 use super::{Engine, Request, StepOutput};
+use crate::backend::Staging;
 use crate::error::EngineError;
 use crate::kv::BlockId;
 use crate::sampler::TokenLogprob;
@@ -112,6 +116,14 @@ impl Engine {
             })?;
         }
         let blocks = self.take_reservation(reservation_id, &req)?;
+        if let Some(m) = self.mirror.as_mut().filter(|m| m.staging() == Staging::Receive) {
+            // The pushed KV is in the mirror's blocks; the device reads its own.
+            let prompt_blocks = req.prompt.len().div_ceil(self.pool.layout().block_size_tokens);
+            if let Err(e) = self.model.stage_in(&mut self.pool, m, &blocks[..prompt_blocks]) {
+                self.reservations.insert(reservation_id, blocks);
+                return Err(e);
+            }
+        }
         let (id, prompt_len, priority) = (req.id, req.prompt.len(), req.priority);
         let mut tokens = req.prompt.clone();
         tokens.push(first_token);

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use tandem_grammar::{Constraint, Vocabulary};
 use tandem_kv_layout::KvLayout;
 
-use crate::backend::{Device, KvStore};
+use crate::backend::{Device, HostMirror, KvStore, Staging};
 use crate::error::EngineError;
 use crate::kv::{BlockId, KvPool};
 use crate::model::Model;
@@ -57,6 +57,8 @@ pub struct Engine {
     model: Model,
     /// The KV cache, on the model's device.
     pool: KvStore,
+    /// The transport's host pool beside a cache on another device (staged disaggregation).
+    mirror: Option<HostMirror>,
     sched: Scheduler,
     tokenizer: Option<Arc<Tokenizer>>,
     reqs: HashMap<u64, ReqState>,
@@ -79,7 +81,7 @@ impl Engine {
     pub fn new(model: Model, tokenizer: Option<Tokenizer>, cfg: EngineConfig) -> Result<Self, EngineError> {
         let (layout, num_blocks) = Self::pool_shape(&model, &cfg)?;
         let pool = model.new_kv(layout, num_blocks)?;
-        Self::with_store(model, tokenizer, cfg, pool)
+        Self::with_store(model, tokenizer, cfg, pool, None)
     }
 
     /// The KV layout and block count `cfg` asks of `model` (to allocate external memory for).
@@ -101,20 +103,56 @@ impl Engine {
 
     /// Builds an engine whose KV lives in `pool` (e.g. [`KvPool::external`] over memory a KV
     /// transport allocated); the pool's layout must be the model's, and the model must run on
-    /// the CPU (a CUDA model's KV is in device memory: disaggregation on CUDA, issue 16 item 3,
-    /// is not built yet and is refused with [`EngineError::NotBuiltOnDevice`]).
+    /// the CPU (a CUDA model's KV is in device memory: give the host pool as its mirror with
+    /// [`with_staged_pool`](Self::with_staged_pool)).
     pub fn with_pool(model: Model, tokenizer: Option<Tokenizer>, cfg: EngineConfig, pool: KvPool) -> Result<Self, EngineError> {
         if model.device() != Device::Cpu {
-            return Err(EngineError::NotBuiltOnDevice {
-                what: "a KV pool in host or transport memory (disaggregated serving)",
-                device: model.device(),
-                tracking: "issue 16 item 3",
+            return Err(EngineError::InvalidConfig {
+                field: "kv_pool",
+                value: format!("host memory, model on {}", model.device()),
+                reason: "a CUDA model's KV lives in device memory; pass the host pool as its mirror \
+                         (Engine::with_staged_pool)"
+                    .into(),
             });
         }
-        Self::with_store(model, tokenizer, cfg, KvStore::Host(pool))
+        Self::with_store(model, tokenizer, cfg, KvStore::Host(pool), None)
     }
 
-    fn with_store(model: Model, tokenizer: Option<Tokenizer>, cfg: EngineConfig, pool: KvStore) -> Result<Self, EngineError> {
+    /// Builds an engine whose KV lives on the model's device, beside `host` (the transport's
+    /// pool, same layout and block count) as its [`HostMirror`]: a prefill node pushes from the
+    /// mirror ([`Staging::Push`]: every slab a step writes is copied there, layer by layer), a
+    /// decode node receives into it ([`Staging::Receive`]: adopted prompts are copied up by
+    /// [`add_prefilled`](Self::add_prefilled)). On the CPU the device cache is a second host
+    /// pool, so the path runs (and is tested) without a GPU; a CPU node needs no mirror and
+    /// uses [`with_pool`](Self::with_pool).
+    pub fn with_staged_pool(
+        model: Model,
+        tokenizer: Option<Tokenizer>,
+        cfg: EngineConfig,
+        host: KvPool,
+        staging: Staging,
+    ) -> Result<Self, EngineError> {
+        let layout = model.kv_layout(cfg.block_size_tokens, cfg.kv_dtype)?;
+        layout.check_compatible(host.layout())?;
+        let store = model.new_kv(*host.layout(), host.num_blocks())?;
+        let mirror = model.mirror(host, staging);
+        tracing::info!(
+            device = %model.device(),
+            staging = staging.as_str(),
+            pinned = mirror.pinned(),
+            kv_bytes = layout.pool_bytes(store.num_blocks()),
+            "KV staged through the transport's host pool"
+        );
+        Self::with_store(model, tokenizer, cfg, store, Some(mirror))
+    }
+
+    fn with_store(
+        model: Model,
+        tokenizer: Option<Tokenizer>,
+        cfg: EngineConfig,
+        pool: KvStore,
+        mirror: Option<HostMirror>,
+    ) -> Result<Self, EngineError> {
         model.kv_layout(cfg.block_size_tokens, cfg.kv_dtype)?.check_compatible(pool.layout())?;
         let num_blocks = pool.num_blocks();
         let mut sched_cfg = cfg.scheduler.clone();
@@ -126,7 +164,7 @@ impl Engine {
         {
             eos.push(t.eos_token_id());
         }
-        Ok(Engine { model, pool, sched, tokenizer: tokenizer.map(Arc::new), reqs: HashMap::new(), eos, stats: EngineStats::default(), held: HashMap::new(), reservations: HashMap::new(), last_step: Vec::new(), grammar: OnceLock::new() })
+        Ok(Engine { model, pool, mirror, sched, tokenizer: tokenizer.map(Arc::new), reqs: HashMap::new(), eos, stats: EngineStats::default(), held: HashMap::new(), reservations: HashMap::new(), last_step: Vec::new(), grammar: OnceLock::new() })
     }
 
     /// The model.
@@ -144,17 +182,33 @@ impl Engine {
         self.pool.layout()
     }
 
-    /// The host KV pool (kv-transfer reads and writes its bytes); `None` when the KV lives in
-    /// device memory (`--device cuda`).
+    /// The host KV pool kv-transfer reads and writes: the KV itself on the CPU, its
+    /// [`HostMirror`] when the KV is staged; `None` when the KV lives in device memory with no
+    /// mirror (`Engine::new` with `--device cuda`).
     pub fn kv_pool(&self) -> Option<&KvPool> {
-        self.pool.host()
+        match &self.mirror {
+            Some(m) => Some(m.host()),
+            None => self.pool.host(),
+        }
     }
 
     /// The host KV pool, mutable: for copying received KV into reserved blocks in-process
-    /// (colocated transfers, tests). Writing blocks a sequence owns corrupts its output. `None`
-    /// when the KV lives in device memory.
+    /// (colocated transfers, tests). Writing blocks a sequence owns corrupts its output.
     pub fn kv_pool_mut(&mut self) -> Option<&mut KvPool> {
-        self.pool.host_mut()
+        match &mut self.mirror {
+            Some(m) => Some(m.host_mut()),
+            None => self.pool.host_mut(),
+        }
+    }
+
+    /// The KV cache itself, on the model's device (tests compare it with the mirror).
+    pub fn kv_store(&self) -> &KvStore {
+        &self.pool
+    }
+
+    /// The host mirror of a staged KV cache ([`with_staged_pool`](Self::with_staged_pool)).
+    pub fn kv_mirror(&self) -> Option<&HostMirror> {
+        self.mirror.as_ref()
     }
 
     /// Where the forward runs (and the KV lives).
@@ -190,7 +244,11 @@ impl Engine {
 
     /// Counters since start.
     pub fn stats(&self) -> EngineStats {
-        self.stats
+        let mut s = self.stats;
+        if let Some(m) = &self.mirror {
+            (s.kv_staged_out_bytes, s.kv_staged_in_bytes, s.kv_mirror_pinned) = (m.bytes_out(), m.bytes_in(), m.pinned());
+        }
+        s
     }
 
     /// The requests of the last step that ran a forward pass, with the tokens each computed in

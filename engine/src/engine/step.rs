@@ -57,7 +57,7 @@ impl Engine {
             .collect();
         let vocab = self.model.config().vocab_size;
         let num_layers = self.model.config().num_hidden_layers;
-        let logits = self.model.forward_observed(&fseqs, &mut self.pool, &mut |layer| {
+        let logits = self.model.forward_staged(&fseqs, &mut self.pool, self.mirror.as_mut(), &mut |layer| {
             on_layer(LayerDone { layer, num_layers, chunks: &views })
         })?;
         drop(views);

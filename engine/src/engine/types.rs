@@ -170,4 +170,11 @@ pub struct EngineStats {
     pub preemptions: u64,
     /// Structured outputs ended early because their grammar failed (llguidance's limits).
     pub grammar_failures: u64,
+    /// KV bytes copied from the device to the host mirror (staged push; 0 without a mirror).
+    pub kv_staged_out_bytes: u64,
+    /// KV bytes copied from the host mirror to the device (staged receive).
+    pub kv_staged_in_bytes: u64,
+    /// Whether a staged engine's host mirror is page-locked (false without a mirror: see
+    /// [`Engine::kv_mirror`](crate::Engine::kv_mirror)).
+    pub kv_mirror_pinned: bool,
 }

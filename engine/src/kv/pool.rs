@@ -89,6 +89,12 @@ impl KvPool {
         }
     }
 
+    /// The region's start and length in bytes, for a device copy engine (the CUDA staging path)
+    /// that reads and writes slabs the block manager hands it; never for a whole-pool slice.
+    pub(crate) fn raw_region(&self) -> (*mut u8, usize) {
+        (self.base(), self.len_bytes())
+    }
+
     /// Blocks that fit in `bytes` for `layout` (at least one is required to build a pool).
     pub fn blocks_for_bytes(layout: &KvLayout, bytes: u64) -> usize {
         layout.blocks_for_bytes(bytes)

@@ -5,10 +5,11 @@
 
 use std::path::PathBuf;
 use std::process::Command;
+use std::time::Instant;
 
 use tandem_engine::{
     Completion, Engine, EngineConfig, KvCapacity, KvDtype, Model, ModelSource, Priority, Request,
-    SamplingParams, SchedulerConfig, WeightDtype, loader,
+    SamplingParams, SchedulerConfig, TokenLogprob, WeightDtype, loader,
 };
 
 /// The real model: `$TANDEM_MODEL`, else the default cache location.
@@ -124,3 +125,54 @@ pub fn reference_tokens(prompt: &[u32], max_new: usize) -> Vec<u32> {
     v["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
 }
 
+/// Copies blocks' bytes between two engines' host pools, as kv-transfer does between nodes.
+pub fn copy_blocks(src: &Engine, src_blocks: &[u32], dst: &mut Engine, dst_blocks: &[u32]) {
+    for layer in 0..src.kv_layout().num_layers {
+        for (&s, &d) in src_blocks.iter().zip(dst_blocks) {
+            let from = src.kv_pool().expect("a host pool (the KV, or its mirror)").slab(layer, s);
+            dst.kv_pool_mut().expect("a host pool (the KV, or its mirror)").slab_mut(layer, d).copy_from_slice(from);
+        }
+    }
+}
+
+/// Tokens of `req`, one engine prefilling and the other decoding.
+pub fn disaggregated(prefill: &mut Engine, decode: &mut Engine, req: Request) -> Vec<u32> {
+    disaggregated_with_logprobs(prefill, decode, req).0
+}
+
+/// Tokens and (when the request asks) their log probabilities, one engine prefilling and the
+/// other decoding.
+pub fn disaggregated_with_logprobs(
+    prefill: &mut Engine,
+    decode: &mut Engine,
+    req: Request,
+) -> (Vec<u32>, Vec<Option<TokenLogprob>>) {
+    let now = Instant::now();
+    let id = req.id;
+    prefill.add_prefill_request(req.clone(), now).unwrap();
+    let first = loop {
+        let outs = prefill.step().unwrap();
+        if let Some(o) = outs.into_iter().find(|o| o.request_id == id) {
+            break o;
+        }
+    };
+    assert!(first.finished.is_some(), "prefill-only requests stop after the first token");
+    let held = first.held_blocks.clone().expect("prefill keeps the KV");
+    let reserved = decode.reserve(1000 + id, req.prompt.len() + req.params.max_new_tokens).unwrap();
+    copy_blocks(prefill, &held, decode, &reserved);
+    assert!(prefill.release_held(id));
+    let mut tokens = vec![first.token];
+    let out = decode.add_prefilled(req, 1000 + id, first.token, first.logprob.clone(), 0, now).unwrap();
+    assert_eq!(out.token, first.token);
+    let mut logprobs = vec![out.logprob];
+    let mut done = out.finished.is_some();
+    while !done {
+        for o in decode.step().unwrap() {
+            assert_eq!(o.request_id, id);
+            tokens.push(o.token);
+            logprobs.push(o.logprob);
+            done = o.finished.is_some();
+        }
+    }
+    (tokens, logprobs)
+}

@@ -27,13 +27,16 @@ mod weights;
 use cudarc::driver::CudaSlice;
 use tandem_kernels::WeightDtype;
 use tandem_kernels_cuda::{
-    CudaDevice, CudaError, CudaKernels, DecodeWorkspace, DeviceKvPool, DeviceRopeTable, Gemm, PtxCache, launch,
+    CudaDevice, CudaError, CudaKernels, DecodeWorkspace, DeviceKvPool, DeviceRopeTable, Gemm, PinnedHost, PtxCache,
+    StreamMark, launch,
 };
 use tandem_kv_layout::KvLayout;
 
 use self::weights::{DevMatrix, DevWeights};
+use super::staging::{self, HostMirror, StageOut};
 use crate::config::ModelConfig;
 use crate::error::EngineError;
+use crate::kv::KvPool;
 use crate::loader::ModelWeights;
 use crate::model::ForwardSeq;
 
@@ -146,6 +149,28 @@ impl CudaForward {
         Ok(CudaKv { pool, ordinal: self.dev.ordinal() })
     }
 
+    /// Page-locks `host` (a KV mirror's pool) for DMA copies to and from this device.
+    pub fn pin(&self, host: &KvPool) -> Result<PinnedHost, CudaError> {
+        let (ptr, len) = host.raw_region();
+        // SAFETY: the pool's region stays mapped while the pool lives, and the `HostMirror`
+        // that owns both drops the registration first (its field order).
+        unsafe { PinnedHost::register(&self.dev, ptr, len) }
+    }
+
+    /// Copies every layer of `blocks` from `mirror` into `kv` and waits until they are there
+    /// (a decode node adopting pushed KV).
+    pub fn stage_in(&mut self, kv: &mut CudaKv, mirror: &mut HostMirror, blocks: &[u32]) -> Result<(), EngineError> {
+        self.dev.context().bind_to_thread().map_err(|e| CudaError::driver("cuCtxSetCurrent", e))?;
+        let ranges = staging::all_layer_ranges(&kv.pool.layout, kv.pool.num_blocks, blocks);
+        let (host, host_len) = mirror.host().raw_region();
+        // SAFETY: the blocks are reserved for this sequence: the transport has finished writing
+        // them and nothing writes them before the wait below returns.
+        unsafe { kv.pool.copy_from_host(&self.dev, &ranges, host, host_len)? };
+        self.dev.mark()?.wait()?;
+        mirror.count_in(ranges.iter().map(|r| r.len()).sum());
+        Ok(())
+    }
+
     /// Host-side checks (the CPU forward's, in its order) and the step's index arrays.
     fn index(c: &ModelConfig, seqs: &[ForwardSeq<'_>], bs: usize) -> Result<StepIndex, EngineError> {
         let t: usize = seqs.iter().map(|s| s.tokens.len()).sum();
@@ -244,11 +269,12 @@ impl CudaForward {
     }
 
     /// Runs `seqs`, writing their KV into `kv`; returns the wanted rows' logits (host memory).
-    pub fn forward(
+    pub(crate) fn forward(
         &mut self,
         c: &ModelConfig,
         seqs: &[ForwardSeq<'_>],
         kv: &mut CudaKv,
+        mut stage: Option<&mut StageOut<'_>>,
         on_layer: &mut dyn FnMut(usize),
     ) -> Result<&[f32], EngineError> {
         let (h, inter) = (c.hidden_size, c.intermediate_size);
@@ -293,6 +319,9 @@ impl CudaForward {
             weights::DevElems::Bf16(table) => k.embed_bf16(&ids, table, h, &mut b.x)?,
         }
         let scale = 1.0 / (hd as f32).sqrt();
+        // Staged push: the layer whose copy to the host mirror was queued last, and the mark
+        // after it; it is reported once the device is past the mark, while the next layer runs.
+        let mut copied: Option<(usize, StreamMark)> = None;
         for (li, layer) in w.layers.iter().enumerate() {
             // Attention block.
             k.rms_norm(&b.x, &layer.attn_norm, eps, &mut b.xn)?;
@@ -304,7 +333,22 @@ impl CudaForward {
             mm(g, bf16, &b.xn, &b.xb_h, t, qkv, (q_w, q_w + kv_w), &mut b.k)?;
             mm(g, bf16, &b.xn, &b.xb_h, t, qkv, (q_w + kv_w, q_w + 2 * kv_w), &mut b.v)?;
             k.rope_write_kv(&mut b.q, &b.k, &b.v, heads, &self.rope, &positions, &slots, &mut kv.pool, li)?;
-            on_layer(li);
+            let previous = match stage.as_deref_mut() {
+                None => {
+                    on_layer(li);
+                    None
+                }
+                Some(st) => {
+                    let ranges = staging::layer_ranges(&kv.pool.layout, kv.pool.num_blocks, li, &st.blocks);
+                    let (host, host_len) = st.mirror.host().raw_region();
+                    // SAFETY: the mirror is the engine's and borrowed for this call; nothing
+                    // reads the ranges (blocks this step writes) before the mark below is waited
+                    // for, and the region outlives the call.
+                    unsafe { kv.pool.copy_to_host(d, &ranges, host, host_len)? };
+                    st.mirror.count_out(ranges.iter().map(|r| r.len()).sum());
+                    copied.replace((li, d.mark()?))
+                }
+            };
             if decode {
                 let (ws, _) = self.ws.as_mut().expect("sized above");
                 k.paged_attn_decode(
@@ -335,6 +379,15 @@ impl CudaForward {
             }
             mm(g, bf16, &b.act, &b.xb_i, t, &layer.down, (0, h), &mut b.proj)?;
             k.add_inplace(&mut b.x, &b.proj)?;
+            // The previous layer's KV is in the mirror by now, or lands while this one runs.
+            if let Some((pl, mark)) = previous {
+                mark.wait()?;
+                on_layer(pl);
+            }
+        }
+        if let Some((pl, mark)) = copied.take() {
+            mark.wait()?;
+            on_layer(pl);
         }
 
         // Final norm + LM head, only for the rows that need logits.
