@@ -17,6 +17,9 @@
 #   7. `tandem bench-engine --device cuda` on the SmolLM2-135M shape (prefill 512; decode batch
 #      1 / 32 / 256 around ctx 96), JSON
 #   8. optional (GPU_CHECK_70B=1): bench-engine on the 70B shape (8 layers built)
+#   9. serving: `bench-serve --device cuda` on the small GGUF, 1 prefill + 1 decode node on the
+#      GPU (KV staged through pinned host memory) beside one colocated GPU engine, concurrency
+#      1 / 16 / 64
 # Everything goes to $OUT (the run tool returns it): gpu-check.log, one file per step, and
 # RESULTS-gpu.md, a draft for bench/RESULTS-gpu.md.
 set -uo pipefail
@@ -53,15 +56,24 @@ md "Written by scripts/gpu-check.sh; binaries from $(tr '\n' ' ' < "$G/COMMIT" 2
 
 # ------------------------------------------------------------------------------------------------
 step "1. nvidia-smi"
-# gpu-pack.sh gzips the binaries to fit the carry limit: unpack them here.
-for b in tandem kernels-cuda-gpu engine-cuda; do
-    if [ -e "$G/$b.gz" ] && [ ! -e "$G/$b" ]; then
-        gunzip -c "$G/$b.gz" > "$G/$b" && chmod +x "$G/$b" || die "unpack $G/$b.gz"
+# gpu-pack.sh gzips everything to fit the carry limit: unpack it here (binaries stay executable).
+for z in "$G"/*.gz "$G"/bin/*.gz "$G"/lib/*.gz; do
+    [ -e "$z" ] || continue
+    f=${z%.gz}
+    if [ ! -e "$f" ]; then
+        gunzip -c "$z" > "$f" && chmod +x "$f" || die "unpack $z"
     fi
 done
-for f in "$TANDEM" "$G/kernels-cuda-gpu" "$G/engine-cuda" "$G/anchor.py"; do
+for f in "$TANDEM" "$G/kernels-cuda-gpu" "$G/engine-cuda" "$G/anchor.py" "$G/small.gguf" "$G/bin/etcd" "$G/bin/nats-server"; do
     [ -e "$f" ] || die "find $f (run scripts/gpu-pack.sh on the build machine and carry .gpu)"
 done
+# tandem links UCX (and libnuma); use the carried copies only where this machine lacks them.
+if ldd "$TANDEM" | grep -q "not found"; then
+    echo "gpu-check: this machine lacks $(ldd "$TANDEM" | awk '/not found/ { print $1 }' | tr '\n' ' '); using .gpu/lib"
+    export LD_LIBRARY_PATH="$PWD/$G/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+ldd "$TANDEM" | grep -q "not found" && die "load tandem's shared libraries: $(ldd "$TANDEM" | grep 'not found')"
+export PATH="$PWD/$G/bin:$PATH"
 nvidia-smi | tee "$OUT/nvidia-smi.txt" || failed "nvidia-smi"
 GPU_NAME=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -n 1)
 md ""
@@ -209,6 +221,30 @@ if [ "${GPU_CHECK_70B:-0}" = 1 ]; then
     step "8. bench-engine --device cuda, 70B shape (8 layers built)"
     bench llama70b-8l "$BIG" --prompt-len 2048 --batch 1,16 --decode-prompt-len 2048 --decode-tokens 16 \
         --runs 1 --kv-cache-gb 40 --max-model-len 8192
+fi
+
+# ------------------------------------------------------------------------------------------------
+step "9. serving: bench-serve --device cuda (1 prefill + 1 decode node on the GPU, KV staged) beside one colocated GPU engine"
+# The small GGUF (2 layers, the real tokenizer): the router and the nodes need a tokenizer, and
+# the real model does not fit the carry limit. Both sides run the same weights on the same GPU.
+if timeout 420 "$TANDEM" bench-serve --device cuda --model "$G/small.gguf" --concurrency 1,16,64 --requests 64 \
+    --prompt-len 256 --max-tokens 64 --json > "$OUT/bench-serve.json" 2> "$OUT/bench-serve.err"; then
+    cat "$OUT/bench-serve.json"; echo
+    md ""; md "## Serving on the GPU: bench-serve --device cuda (small GGUF: 2 layers, real tokenizer)"; md ""
+    "$PY" - "$OUT/bench-serve.json" >> "$RESULTS" <<'EOF' || failed "render bench-serve.json"
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"prompt {r['prompt_len']} tokens, {r['max_tokens']} output tokens, {r['requests_per_level']} requests a level")
+print()
+print("| side | concurrency | TTFT p50 / p99 ms | ITL p50 / p99 ms | output tok/s |")
+print("|---|---|---|---|---|")
+for side in ("disaggregated", "colocated"):
+    for l in r[side]:
+        print(f"| {side} | {l.get('concurrency')} | {l['ttft_p50_ms']:.1f} / {l['ttft_p99_ms']:.1f} "
+              f"| {l['itl_p50_ms']:.2f} / {l['itl_p99_ms']:.2f} | {l['output_tok_s']:,.0f} |")
+EOF
+else
+    failed "bench-serve --device cuda (see bench-serve.err)"; tail -n 30 "$OUT/bench-serve.err"
 fi
 
 finish

@@ -8,6 +8,10 @@
 #   .gpu/kernels-cuda-gpu   kernels-cuda's GPU test (tests/gpu.rs), stripped
 #   .gpu/engine-cuda        the engine's CUDA-vs-CPU test (engine/tests/cuda.rs), stripped
 #   .gpu/anchor.py          the PyTorch baseline (../shared/gpu/anchor.py)
+#   .gpu/small.gguf         2 layers of the served GGUF with its tokenizer (scripts/gpu/small_gguf.py):
+#                           the real model (94 MB) does not fit the carry limit; serving needs a tokenizer
+#   .gpu/bin/{etcd,nats-server}  the control plane for `bench-serve --device cuda` (not installed there)
+#   .gpu/lib/               the UCX and libnuma libraries `tandem` links (the GPU machine may lack them)
 # Every step names itself and stops the script when it fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -65,11 +69,27 @@ bin=$(test_binary tandem-engine cuda)
 [ -n "$bin" ] && [ -x "$bin" ] || fail "find the engine cuda test binary"
 cp "$bin" "$DEST/engine-cuda"
 
+step "the small GGUF (2 layers of the served model, its tokenizer kept)"
+PY="${TANDEM_PYTHON:-.tandem/venv/bin/python}"
+MODEL="${TANDEM_MODEL:-$HOME/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
+[ -f "$MODEL" ] || fail "find the served model at $MODEL (scripts/setup.sh fetches it)"
+"$PY" scripts/gpu/small_gguf.py "$MODEL" "$DEST/small.gguf" --layers 2 || fail "write $DEST/small.gguf with $PY"
+
+step "etcd, nats-server and the shared libraries tandem links beyond glibc"
+mkdir -p "$DEST/bin" "$DEST/lib"
+for b in etcd nats-server; do
+    cp "$(command -v "$b")" "$DEST/bin/$b" || fail "copy $b (scripts/setup.sh installs it)"
+done
+libs=$(ldd "$DEST/tandem" | awk '/libuc[mpst]|libnuma/ { print $3 }')
+[ -n "$libs" ] || fail "find the UCX libraries in ldd $DEST/tandem"
+for l in $libs; do cp -L "$l" "$DEST/lib/" || fail "copy $l"; done
+
 step "stripping and compressing"
 strip "$DEST/tandem" "$DEST/kernels-cuda-gpu" "$DEST/engine-cuda" || fail "strip the binaries"
 # Stripped, the three binaries come near the 64 MiB carry limit (the CLI alone was 38 MB on
-# 2026-12-06); gzip takes them to about a third. gpu-check.sh unpacks them on the GPU machine.
-gzip -9 -f "$DEST/tandem" "$DEST/kernels-cuda-gpu" "$DEST/engine-cuda" || fail "gzip the binaries"
+# 2026-12-06); gzip takes them to about a third. gpu-check.sh unpacks every .gz on the GPU machine.
+gzip -9 -f "$DEST/tandem" "$DEST/kernels-cuda-gpu" "$DEST/engine-cuda" "$DEST/small.gguf" \
+    "$DEST"/bin/* "$DEST"/lib/* || fail "gzip the binaries"
 cp ../shared/gpu/anchor.py "$DEST/anchor.py" || fail "copy anchor.py"
 git rev-parse HEAD > "$DEST/COMMIT" 2>/dev/null || echo unknown > "$DEST/COMMIT"
 git status --porcelain --untracked-files=no | grep -q . && echo "dirty" >> "$DEST/COMMIT" || true

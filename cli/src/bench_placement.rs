@@ -93,6 +93,7 @@ pub fn run(args: &BenchServeArgs, model: &Path, vocab: usize) -> anyhow::Result<
                 run_dir: Some(run_dir.clone()),
                 cluster: format!("bench-placement-{}", std::process::id()),
                 model: Some(model.to_path_buf()),
+                device: args.device,
                 no_sample: true,
                 exit_after_sample: true,
                 disaggregation: Some(disaggregation),

@@ -94,6 +94,11 @@ pub struct BenchServeArgs {
     /// Model (default: the cached SmolLM2-135M-Instruct).
     #[arg(long, env = "TANDEM_MODEL")]
     pub model: Option<std::path::PathBuf>,
+    /// Where both sides run: `cpu`, or `cuda[:N]` (the cluster's nodes and the colocated engine
+    /// on that GPU; the nodes stage their KV through host memory). Checked before anything
+    /// starts.
+    #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
+    pub device: tandem_engine::Device,
     /// Rounds of each configuration with `--mode telemetry` or `placement` (alternating;
     /// medians reported).
     #[arg(long, default_value_t = 2)]
@@ -184,6 +189,7 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<String> {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("--plot-dir {}: cannot create it", dir.display()))?;
     }
+    args.device.check()?;
     let model = match &args.model {
         Some(m) => m.clone(),
         None => crate::fetch::ensure_default_model()?,
@@ -225,6 +231,7 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<String> {
             run_dir: Some(run_dir.clone()),
             cluster: format!("bench-{}", std::process::id()),
             model: Some(model.clone()),
+            device: args.device,
             no_sample: true,
             exit_after_sample: true,
             trace: tandem_telemetry::TraceArgs::default(),
@@ -255,6 +262,7 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<String> {
     if args.mode != Mode::Disaggregated {
         let eargs = EngineArgs {
             model: Some(model.clone()),
+            device: args.device,
             ..<EngineArgsDefaults as clap::Parser>::parse_from(["x"]).engine
         };
         bar.set_message("loading the colocated engine");
