@@ -211,20 +211,29 @@ impl Model {
         kv: &mut KvStore,
         on_layer: &mut dyn FnMut(usize),
     ) -> Result<&[f32], EngineError> {
-        self.forward_staged(seqs, kv, None, on_layer)
+        match self.forward_staged(seqs, kv, None, false, on_layer)? {
+            StepLogits::Rows(rows) => Ok(rows),
+            StepLogits::Argmax(_) => unreachable!("argmax only when asked"),
+        }
     }
 
     /// [`forward_observed`](Self::forward_observed) with a host mirror of `kv` (the staged path
     /// of disaggregated serving): a [`Staging::Push`] mirror receives every slab the step
     /// writes, layer by layer, and `on_layer(l)` is called once layer `l`'s slabs are in the
     /// mirror. A [`Staging::Receive`] mirror is not touched by a forward pass.
+    ///
+    /// `argmax_only`: every wanted row only needs its argmax (greedy sequences; see
+    /// [`Sampler::argmax_suffices`](crate::sampler::Sampler::argmax_suffices)). A GPU then picks
+    /// the tokens on the device and returns only their ids ([`StepLogits::Argmax`]); the CPU
+    /// returns the rows either way (they are in host memory already).
     pub fn forward_staged(
         &mut self,
         seqs: &[ForwardSeq<'_>],
         kv: &mut KvStore,
         mirror: Option<&mut HostMirror>,
+        argmax_only: bool,
         on_layer: &mut dyn FnMut(usize),
-    ) -> Result<&[f32], EngineError> {
+    ) -> Result<StepLogits<'_>, EngineError> {
         let mut stage = mirror.filter(|m| m.staging() == Staging::Push).map(|mirror| {
             let blocks = staging::written_blocks(seqs, kv.layout().block_size_tokens);
             StageOut { mirror, blocks }
@@ -232,13 +241,24 @@ impl Model {
         let stage = stage.as_mut();
         let here = self.device();
         match (&mut self.backend, kv) {
-            (Backend::Cpu(cpu), KvStore::Host(pool)) => cpu.forward(&self.weights, seqs, pool, stage, on_layer),
+            (Backend::Cpu(cpu), KvStore::Host(pool)) => {
+                cpu.forward(&self.weights, seqs, pool, stage, on_layer).map(StepLogits::Rows)
+            }
             (Backend::Cuda(cuda), KvStore::Cuda(pool)) => {
-                cuda.forward(&self.weights.config, seqs, pool, stage, on_layer)
+                cuda.forward(&self.weights.config, seqs, pool, stage, argmax_only, on_layer)
             }
             (_, kv) => Err(store_mismatch(here, kv)),
         }
     }
+}
+
+/// What a forward pass returns for its wanted rows, in `seqs` order.
+#[derive(Debug)]
+pub enum StepLogits<'a> {
+    /// The logits, `rows × vocab_size`.
+    Rows(&'a [f32]),
+    /// Each row's argmax (computed on the device; only the ids came back).
+    Argmax(&'a [u32]),
 }
 
 /// A KV store on another device than the model's.

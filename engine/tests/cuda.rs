@@ -166,6 +166,24 @@ fn a_cuda_model_refuses_host_kv_int8_kv_and_weights_without_a_gpu_kernel() {
 }
 
 #[test]
+fn cuda_steps_that_need_the_rows_bring_them_back_and_greedy_ones_only_ids() {
+    // A step whose every sequence is plain greedy picks its tokens on the device; one with a
+    // request that wants log probabilities brings the logits back. Both give the CPU's tokens.
+    let Some(gpu) = cuda_model(WeightDtype::F32, "device argmax and rows") else { return };
+    let cfg = || engine_config(KvDtype::F32, 512);
+    let mut cuda = Engine::new(gpu, None, cfg()).unwrap();
+    let mut cpu = Engine::new(Model::new(load(WeightDtype::F32).weights), None, cfg()).unwrap();
+    let mut reqs = requests();
+    for r in reqs.iter_mut().step_by(3) {
+        r.params.logprobs = true;
+    }
+    let (c, g) = (cpu.generate(reqs.clone(), |_| {}).unwrap(), cuda.generate(reqs, |_| {}).unwrap());
+    if let Some(d) = first_divergence(&c, &g) {
+        panic!("mixed greedy and logprobs batch: {d}");
+    }
+}
+
+#[test]
 fn a_cpu_engine_keeps_its_kv_in_host_memory() {
     // CPU side only: a CPU model's KV store is host memory, and the engine says so.
     let cpu = Model::new(load(WeightDtype::F32).weights);

@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use super::{ChunkView, Completion, Engine, FinishReason, LayerDone, Request, StepOutput, Usage};
 use crate::error::EngineError;
-use crate::model::ForwardSeq;
+use crate::model::{ForwardSeq, StepLogits};
 use crate::sampler::TokenLogprob;
 
 impl Engine {
@@ -57,7 +57,13 @@ impl Engine {
             .collect();
         let vocab = self.model.config().vocab_size;
         let num_layers = self.model.config().num_hidden_layers;
-        let logits = self.model.forward_staged(&fseqs, &mut self.pool, self.mirror.as_mut(), &mut |layer| {
+        // Greedy-only steps need no logits on the host (a GPU picks the tokens itself).
+        let argmax_only = plan
+            .chunks
+            .iter()
+            .filter(|c| c.want_logits)
+            .all(|c| self.reqs.get(&c.seq_id).is_some_and(|st| st.sampler.argmax_suffices()));
+        let logits = self.model.forward_staged(&fseqs, &mut self.pool, self.mirror.as_mut(), argmax_only, &mut |layer| {
             on_layer(LayerDone { layer, num_layers, chunks: &views })
         })?;
         drop(views);
@@ -70,7 +76,10 @@ impl Engine {
         for c in &plan.chunks {
             sampled.push(if c.want_logits {
                 let st = self.reqs.get_mut(&c.seq_id).expect("scheduled request has state");
-                let sampled = st.sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
+                let sampled = match logits {
+                    StepLogits::Rows(l) => st.sampler.sample(&l[row * vocab..(row + 1) * vocab]),
+                    StepLogits::Argmax(ids) => st.sampler.accept_argmax(ids[row]),
+                };
                 row += 1;
                 if let Some(e) = &sampled.grammar_error {
                     // The output ends at end-of-sequence: the only token the failed grammar left.

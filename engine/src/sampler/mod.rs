@@ -209,6 +209,22 @@ impl Sampler {
         self.params.temperature == 0.0 || self.params.top_k == 1
     }
 
+    /// True when the next token is the row's argmax and nothing else of the row is needed
+    /// (greedy, no penalties, no grammar, no log probabilities): a GPU can then pick it on the
+    /// device and send back only the id ([`accept_argmax`](Self::accept_argmax)).
+    pub fn argmax_suffices(&self) -> bool {
+        self.is_greedy() && self.penalties.is_none() && self.constraint.is_none() && !self.params.logprobs
+    }
+
+    /// Takes `token`, the row's argmax computed elsewhere (lowest index on ties, NaN never
+    /// wins: `tandem_kernels::argmax`), as this sampler's pick; only valid when
+    /// [`argmax_suffices`](Self::argmax_suffices), where it is exactly what
+    /// [`sample`](Self::sample) returns for that row.
+    pub fn accept_argmax(&mut self, token: u32) -> Sampled {
+        debug_assert!(self.argmax_suffices(), "accept_argmax on a sampler that needs the whole row");
+        Sampled { token, logprob: None, grammar_error: None }
+    }
+
     /// Picks the next token from `logits` (one row, vocabulary-sized) and counts it for the
     /// penalties and the grammar. With either, they apply to a copy of the row (one row copy
     /// per token).
@@ -308,6 +324,25 @@ mod tests {
     fn greedy_picks_the_first_maximum() {
         let mut s = Sampler::new(SamplingParams::greedy(4), 1, &[]);
         assert_eq!(s.sample(&logits()).token, 1);
+    }
+
+    #[test]
+    fn only_plain_greedy_lets_the_argmax_stand_for_the_row() {
+        let plain = Sampler::new(SamplingParams::greedy(4), 1, &[]);
+        assert!(plain.argmax_suffices());
+        assert!(Sampler::new(SamplingParams { top_k: 1, temperature: 0.7, ..Default::default() }, 1, &[]).argmax_suffices());
+        for needs_row in [
+            SamplingParams { temperature: 0.7, ..Default::default() },
+            SamplingParams { logprobs: true, ..Default::default() },
+            SamplingParams { repetition_penalty: 1.2, ..Default::default() },
+            SamplingParams { presence_penalty: 0.5, ..Default::default() },
+        ] {
+            assert!(!Sampler::new(needs_row.clone(), 1, &[3]).argmax_suffices(), "{needs_row:?}");
+        }
+        // Where it suffices, taking the argmax is what sampling the row gives.
+        let (mut a, mut b) = (plain.clone(), plain);
+        let l = logits();
+        assert_eq!(a.accept_argmax(tandem_kernels::argmax(&l) as u32), b.sample(&l));
     }
 
     #[test]

@@ -18,7 +18,9 @@
 //! - f32 weights: agrees with the CPU within float rounding (cuBLAS, RMSNorm and attention sum
 //!   in other orders), so greedy tokens match except at near-ties. bf16: within bf16 rounding.
 //!
-//! Not yet (issue 16): argmax / sampling on device, CUDA graphs for decode, fused epilogues,
+//! Greedy steps pick their tokens on the device (`argmax_only`: only the ids come back).
+//!
+//! Not yet (issue 16): sampling with temperature on the device, CUDA graphs for decode, fused epilogues,
 //! buffers sized once for the largest batch (today they are reallocated when the step's token
 //! count changes, and the small per-step index arrays are uploaded fresh).
 
@@ -38,7 +40,7 @@ use crate::config::ModelConfig;
 use crate::error::EngineError;
 use crate::kv::KvPool;
 use crate::loader::ModelWeights;
-use crate::model::ForwardSeq;
+use crate::model::{ForwardSeq, StepLogits};
 
 /// A KV pool in one GPU's memory.
 pub struct CudaKv {
@@ -88,6 +90,8 @@ struct HeadBufs {
     xn: CudaSlice<f32>,
     xb: CudaSlice<u16>,
     logits: CudaSlice<f32>,
+    /// Each row's argmax (greedy steps).
+    ids: CudaSlice<i32>,
 }
 
 /// The CUDA forward: device, kernels, cuBLAS, uploaded weights and scratch.
@@ -102,6 +106,7 @@ pub struct CudaForward {
     /// The split-decode workspace and the sequences it has room for.
     ws: Option<(DecodeWorkspace, usize)>,
     logits: Vec<f32>,
+    ids: Vec<u32>,
 }
 
 /// The device-side index arrays of one step.
@@ -134,7 +139,7 @@ impl CudaForward {
             ms = t0.elapsed().as_millis() as u64,
             "CUDA backend ready: kernels loaded, weights uploaded"
         );
-        Ok(CudaForward { dev, kernels, gemm, rope, w, step: None, head: None, ws: None, logits: Vec::new() })
+        Ok(CudaForward { dev, kernels, gemm, rope, w, step: None, head: None, ws: None, logits: Vec::new(), ids: Vec::new() })
     }
 
     /// The device ordinal.
@@ -253,6 +258,7 @@ impl CudaForward {
             xn: d.alloc_zeros(rows * h)?,
             xb: d.alloc_zeros(bf)?,
             logits: d.alloc_zeros(rows * c.vocab_size)?,
+            ids: d.alloc_zeros(rows)?,
         });
         Ok(())
     }
@@ -275,8 +281,9 @@ impl CudaForward {
         seqs: &[ForwardSeq<'_>],
         kv: &mut CudaKv,
         mut stage: Option<&mut StageOut<'_>>,
+        argmax_only: bool,
         on_layer: &mut dyn FnMut(usize),
-    ) -> Result<&[f32], EngineError> {
+    ) -> Result<StepLogits<'_>, EngineError> {
         let (h, inter) = (c.hidden_size, c.intermediate_size);
         let (heads, kvh, hd) = (c.num_attention_heads, c.kv_heads(), c.head_dim());
         let (q_w, kv_w) = (heads * hd, kvh * hd);
@@ -287,7 +294,7 @@ impl CudaForward {
         let rows = ix.want.len();
         if t == 0 {
             self.logits.clear();
-            return Ok(&self.logits);
+            return Ok(StepLogits::Rows(&self.logits));
         }
         // The engine may step on another thread than the one that built it; cuBLAS calls do not
         // bind the context themselves.
@@ -393,7 +400,7 @@ impl CudaForward {
         // Final norm + LM head, only for the rows that need logits.
         if rows == 0 {
             self.logits.clear();
-            return Ok(&self.logits);
+            return Ok(StepLogits::Rows(&self.logits));
         }
         let hb = self.head.as_mut().expect("sized above");
         let all_rows = rows == t && ix.want.iter().enumerate().all(|(i, &r)| r as usize == i);
@@ -410,8 +417,17 @@ impl CudaForward {
         }
         let head = w.head();
         mm(g, bf16, &hb.xn, &hb.xb, rows, head, (0, head.rows), &mut hb.logits)?;
+        if argmax_only {
+            // Greedy rows: pick on the device, bring back only the ids (4 bytes a row, not
+            // the vocabulary's logits).
+            k.argmax(&hb.logits, c.vocab_size, &mut hb.ids)?;
+            let ids = d.download(&hb.ids)?;
+            self.ids.clear();
+            self.ids.extend(ids.iter().map(|&i| i as u32));
+            return Ok(StepLogits::Argmax(&self.ids));
+        }
         self.logits = d.download(&hb.logits)?;
-        Ok(&self.logits)
+        Ok(StepLogits::Rows(&self.logits))
     }
 }
 
