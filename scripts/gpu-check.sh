@@ -16,6 +16,7 @@
 #   6. PyTorch anchor (../shared/gpu/anchor.py smollm2-135m), in the same call
 #   7. `tandem bench-engine --device cuda` on the SmolLM2-135M shape (prefill 512; decode batch
 #      1 / 32 / 256 around ctx 96), JSON
+#   7b. the same with TANDEM_CUDA_GRAPHS=0 (decode kernel by kernel: what the graphs are worth)
 #   8. optional (GPU_CHECK_70B=1): bench-engine on the 70B shape (8 layers built)
 #   9. serving: `bench-serve --device cuda` on the small GGUF, 1 prefill + 1 decode node on the
 #      GPU (KV staged through pinned host memory) beside one colocated GPU engine, concurrency
@@ -198,7 +199,8 @@ bench() { # name config extra-args...
         "$PY" - "$OUT/bench-$name.json" >> "$RESULTS" <<'EOF' || failed "render bench-$name.json"
 import json, sys
 r = json.load(open(sys.argv[1]))
-print(f"{r['model']} · {r['device']} · weights {r['dtype']} · KV {r['kv_dtype']} · medians of {r['runs']} runs")
+print(f"{r['model']} · {r['device']} · weights {r['dtype']} · KV {r['kv_dtype']} · medians of {r['runs']} runs · "
+      f"decode steps from CUDA graphs: {r.get('cuda_graph_replays')} (failed captures: {r.get('cuda_graph_fallbacks')})")
 print()
 print("| figure | tandem | min–max |")
 print("|---|---|---|")
@@ -216,6 +218,10 @@ EOF
 step "7. bench-engine --device cuda, SmolLM2-135M shape (bf16 weights and KV)"
 bench smollm2-135m "$SMOL" --prompt-len 512 --batch 1,32,256 --decode-prompt-len 64 --decode-tokens 64 \
     --runs 3 --kv-cache-gb 8 --max-model-len 2048
+
+step "7b. the same without CUDA graphs (TANDEM_CUDA_GRAPHS=0): what the graphs are worth"
+TANDEM_CUDA_GRAPHS=0 bench smollm2-135m-no-graphs "$SMOL" --prompt-len 512 --batch 1,32,256 --decode-prompt-len 64 \
+    --decode-tokens 64 --runs 3 --kv-cache-gb 8 --max-model-len 2048
 
 if [ "${GPU_CHECK_70B:-0}" = 1 ]; then
     step "8. bench-engine --device cuda, 70B shape (8 layers built)"

@@ -119,6 +119,9 @@ struct Report {
     /// With `--structured`: the grammar's own cost per token (mask + advance), measured alone
     /// on the same vocabulary and schema, median of `runs` walks of `decode_tokens` tokens.
     grammar_us_per_token: Option<f64>,
+    /// CUDA: decode steps replayed from captured graphs, and failed captures (0 on the CPU).
+    cuda_graph_replays: u64,
+    cuda_graph_fallbacks: u64,
 }
 
 /// Measures read bandwidth of this machine (GB/s, 1e9) on the kernel pool's threads over 1 GiB.
@@ -326,6 +329,8 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<String> {
         penalties: args.penalties,
         structured: args.structured,
         grammar_us_per_token: grammar_us,
+        cuda_graph_replays: engine.stats().cuda_graph_replays,
+        cuda_graph_fallbacks: engine.stats().cuda_graph_fallbacks,
     };
     Ok(match args.format {
         Format::Json => serde_json::to_string(&report)?,

@@ -89,6 +89,14 @@ impl Model {
         }
     }
 
+    /// CUDA: decode steps replayed from a graph, and failed captures; `(0, 0)` on the CPU.
+    pub fn cuda_graph_counts(&self) -> (u64, u64) {
+        match &self.backend {
+            Backend::Cpu(_) => (0, 0),
+            Backend::Cuda(c) => c.graph_counts(),
+        }
+    }
+
     /// A zeroed KV store of `num_blocks` blocks of `layout` on this model's device (host memory
     /// for the CPU, device memory for CUDA).
     pub fn new_kv(&self, layout: KvLayout, num_blocks: usize) -> Result<KvStore, EngineError> {

@@ -119,6 +119,9 @@ fn cuda_f32_greedy_tokens_equal_the_cpus_batched_and_chunked() {
         if let Some(d) = first_divergence(&c, &g) {
             panic!("kv {kv}, {step_tokens} tokens a step: {d}");
         }
+        // The decode steps (greedy: ids only) were replayed from captured graphs.
+        let st = cuda.stats();
+        assert!(st.cuda_graph_replays > 0 && st.cuda_graph_fallbacks == 0, "kv {kv}: {st:?}");
         drop(cuda);
         gpu = cuda_model(WeightDtype::F32, "f32 exactness").expect("the GPU opened a moment ago");
     }

@@ -49,6 +49,10 @@ impl CudaDevice {
             return Err(CudaError::NoSuchDevice { ordinal, count });
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| CudaError::driver("cuCtxRetain", e))?;
+        // SAFETY: every buffer this crate allocates is used on its device's one stream (the
+        // crate's invariant), so cudarc's cross-stream events are not needed; they would be
+        // recorded into graph captures (`graph`).
+        unsafe { ctx.disable_event_tracking() };
         let name = ctx
             .name()
             .map_err(|e| CudaError::driver("cuDeviceGetName", e))?;

@@ -16,7 +16,7 @@
 use std::sync::Arc;
 
 use cudarc::cublas::{CudaBlas, Gemm as _, GemmConfig, result, sys};
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use crate::device::CudaDevice;
 use crate::error::{CudaError, CudaLib, check_len};
@@ -27,7 +27,12 @@ use crate::libs;
 pub struct Gemm {
     blas: CudaBlas,
     stream: Arc<CudaStream>,
+    /// cuBLAS's workspace, set once: a GEMM captured into a graph must not allocate.
+    _workspace: CudaSlice<u8>,
 }
+
+/// Bytes of cuBLAS's workspace (what PyTorch gives it on Hopper).
+pub const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
 fn dim(op: &'static str, what: &'static str, v: usize) -> Result<i32, CudaError> {
     i32::try_from(v).map_err(|_| CudaError::Shape { op, what, expected: i32::MAX as usize, got: v })
@@ -43,7 +48,16 @@ impl Gemm {
         libs::require(CudaLib::Cublas)?;
         let stream = dev.stream().clone();
         let blas = CudaBlas::new(stream.clone()).map_err(|e| cublas("cublasCreate", e))?;
-        Ok(Gemm { blas, stream })
+        let mut workspace = dev.alloc_zeros::<u8>(CUBLAS_WORKSPACE_BYTES)?;
+        {
+            let (ptr, _guard) = workspace.device_ptr_mut(&stream);
+            // SAFETY: the workspace lives as long as the handle (both are fields of `Gemm`), is
+            // used only on this stream, and is `CUBLAS_WORKSPACE_BYTES` long.
+            unsafe { sys::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut _, CUBLAS_WORKSPACE_BYTES) }
+                .result()
+                .map_err(|e| cublas("cublasSetWorkspace", e))?;
+        }
+        Ok(Gemm { blas, stream, _workspace: workspace })
     }
 
     fn check(

@@ -14,6 +14,7 @@
 //! | [`buffers`] | the device KV pool and its per-layer [`KvGeom`], the RoPE table, the decode workspace |
 //! | [`kernels`] | [`CudaKernels`]: the loaded module's functions, one typed launch wrapper per kernel |
 //! | [`gemm`] | [`Gemm`]: the linear layers on cuBLAS (f32 sgemm; bf16 in, f32 accumulate and out) |
+//! | [`graph`] | [`DeviceGraph`]: kernels captured from the stream once, replayed with one launch |
 //! | [`staging`] | KV byte ranges between the device pool and page-locked host memory ([`PinnedHost`], [`StreamMark`]) |
 //! | `src/cu/*.cu` | the CUDA C sources ([`SOURCES`]); each header states the layout it assumes |
 //!
@@ -40,6 +41,7 @@ pub mod buffers;
 pub mod device;
 pub mod error;
 pub mod gemm;
+pub mod graph;
 pub mod kernels;
 pub mod launch;
 pub mod libs;
@@ -50,6 +52,7 @@ pub use device::{CudaDevice, device_count};
 pub use error::{CudaError, CudaLib};
 pub use buffers::{DecodeWorkspace, DeviceKvPool, DeviceRopeTable, KvGeom};
 pub use gemm::Gemm;
+pub use graph::DeviceGraph;
 pub use kernels::CudaKernels;
 pub use ptx::{Arch, CacheOutcome, PtxCache};
 pub use staging::{PinnedHost, StreamMark};

@@ -245,6 +245,7 @@ impl Engine {
     /// Counters since start.
     pub fn stats(&self) -> EngineStats {
         let mut s = self.stats;
+        (s.cuda_graph_replays, s.cuda_graph_fallbacks) = self.model.cuda_graph_counts();
         if let Some(m) = &self.mirror {
             (s.kv_staged_out_bytes, s.kv_staged_in_bytes, s.kv_mirror_pinned) = (m.bytes_out(), m.bytes_in(), m.pinned());
         }

@@ -177,4 +177,8 @@ pub struct EngineStats {
     /// Whether a staged engine's host mirror is page-locked (false without a mirror: see
     /// [`Engine::kv_mirror`](crate::Engine::kv_mirror)).
     pub kv_mirror_pinned: bool,
+    /// CUDA: decode steps replayed from a captured graph.
+    pub cuda_graph_replays: u64,
+    /// CUDA: graph captures that failed (decode then runs without graphs; logged once).
+    pub cuda_graph_fallbacks: u64,
 }

@@ -19,22 +19,26 @@
 //!   in other orders), so greedy tokens match except at near-ties. bf16: within bf16 rounding.
 //!
 //! Greedy steps pick their tokens on the device (`argmax_only`: only the ids come back).
+//! Decode steps (one token per sequence, no staging) replay CUDA graphs captured per bucket
+//! (`graphs`); prefill steps, and whatever does not fit a bucket, are queued kernel by kernel
+//! (`enqueue`, the same calls).
 //!
-//! Not yet (issue 16): sampling with temperature on the device, CUDA graphs for decode, fused epilogues,
-//! buffers sized once for the largest batch (today they are reallocated when the step's token
-//! count changes, and the small per-step index arrays are uploaded fresh).
+//! Not yet (issue 16): sampling with temperature on the device, fused epilogues, prefill
+//! buffers sized once (they are reallocated when a step's token count changes).
 
+mod enqueue;
+mod graphs;
 mod weights;
 
-use cudarc::driver::CudaSlice;
-use tandem_kernels::WeightDtype;
 use tandem_kernels_cuda::{
     CudaDevice, CudaError, CudaKernels, DecodeWorkspace, DeviceKvPool, DeviceRopeTable, Gemm, PinnedHost, PtxCache,
     StreamMark, launch,
 };
 use tandem_kv_layout::KvLayout;
 
-use self::weights::{DevMatrix, DevWeights};
+use self::enqueue::{Attn, HeadBufs, Parts, StepBufs};
+use self::graphs::{DecodeGraphs, GraphOut};
+use self::weights::DevWeights;
 use super::staging::{self, HostMirror, StageOut};
 use crate::config::ModelConfig;
 use crate::error::EngineError;
@@ -65,35 +69,6 @@ impl CudaKv {
     }
 }
 
-/// Activation buffers of one step's shape (`t` tokens), reallocated when it changes.
-struct StepBufs {
-    t: usize,
-    x: CudaSlice<f32>,
-    xn: CudaSlice<f32>,
-    q: CudaSlice<f32>,
-    k: CudaSlice<f32>,
-    v: CudaSlice<f32>,
-    attn: CudaSlice<f32>,
-    proj: CudaSlice<f32>,
-    gate_up: CudaSlice<f32>,
-    act: CudaSlice<f32>,
-    /// bf16 copies of the GEMM inputs (empty for f32 weights): width hidden, q, intermediate.
-    xb_h: CudaSlice<u16>,
-    xb_q: CudaSlice<u16>,
-    xb_i: CudaSlice<u16>,
-}
-
-/// Buffers of the LM head's rows.
-struct HeadBufs {
-    rows: usize,
-    last: CudaSlice<f32>,
-    xn: CudaSlice<f32>,
-    xb: CudaSlice<u16>,
-    logits: CudaSlice<f32>,
-    /// Each row's argmax (greedy steps).
-    ids: CudaSlice<i32>,
-}
-
 /// The CUDA forward: device, kernels, cuBLAS, uploaded weights and scratch.
 pub struct CudaForward {
     dev: CudaDevice,
@@ -105,6 +80,7 @@ pub struct CudaForward {
     head: Option<HeadBufs>,
     /// The split-decode workspace and the sequences it has room for.
     ws: Option<(DecodeWorkspace, usize)>,
+    graphs: DecodeGraphs,
     logits: Vec<f32>,
     ids: Vec<u32>,
 }
@@ -139,7 +115,19 @@ impl CudaForward {
             ms = t0.elapsed().as_millis() as u64,
             "CUDA backend ready: kernels loaded, weights uploaded"
         );
-        Ok(CudaForward { dev, kernels, gemm, rope, w, step: None, head: None, ws: None, logits: Vec::new(), ids: Vec::new() })
+        Ok(CudaForward {
+            dev,
+            kernels,
+            gemm,
+            rope,
+            w,
+            step: None,
+            head: None,
+            ws: None,
+            graphs: DecodeGraphs::from_env(),
+            logits: Vec::new(),
+            ids: Vec::new(),
+        })
     }
 
     /// The device ordinal.
@@ -219,27 +207,7 @@ impl CudaForward {
             return Ok(());
         }
         self.step = None; // free the old shape first
-        let d = &self.dev;
-        let (h, inter, q_w) = (c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim());
-        let kv_w = c.kv_heads() * c.head_dim();
-        // bf16 copies only for bf16 weights; one element otherwise (a zero-byte cuMemAllocAsync
-        // is an error).
-        let bf = |n: usize| if self.w.dtype == WeightDtype::Bf16 { n } else { 1 };
-        self.step = Some(StepBufs {
-            t,
-            x: d.alloc_zeros(t * h)?,
-            xn: d.alloc_zeros(t * h)?,
-            q: d.alloc_zeros(t * q_w)?,
-            k: d.alloc_zeros(t * kv_w)?,
-            v: d.alloc_zeros(t * kv_w)?,
-            attn: d.alloc_zeros(t * q_w)?,
-            proj: d.alloc_zeros(t * h)?,
-            gate_up: d.alloc_zeros(t * 2 * inter)?,
-            act: d.alloc_zeros(t * inter)?,
-            xb_h: d.alloc_zeros(bf(t * h))?,
-            xb_q: d.alloc_zeros(bf(t * q_w))?,
-            xb_i: d.alloc_zeros(bf(t * inter))?,
-        });
+        self.step = Some(StepBufs::new(&self.dev, c, self.w.dtype, t)?);
         Ok(())
     }
 
@@ -249,17 +217,7 @@ impl CudaForward {
             return Ok(());
         }
         self.head = None;
-        let d = &self.dev;
-        let h = c.hidden_size;
-        let bf = if self.w.dtype == WeightDtype::Bf16 { rows * h } else { 1 };
-        self.head = Some(HeadBufs {
-            rows,
-            last: d.alloc_zeros(rows * h)?,
-            xn: d.alloc_zeros(rows * h)?,
-            xb: d.alloc_zeros(bf)?,
-            logits: d.alloc_zeros(rows * c.vocab_size)?,
-            ids: d.alloc_zeros(rows)?,
-        });
+        self.head = Some(HeadBufs::new(&self.dev, c, self.w.dtype, rows)?);
         Ok(())
     }
 
@@ -274,7 +232,13 @@ impl CudaForward {
         Ok(())
     }
 
-    /// Runs `seqs`, writing their KV into `kv`; returns the wanted rows' logits (host memory).
+    /// Steps replayed from a CUDA graph, and failed captures (graphs are off after one).
+    pub fn graph_counts(&self) -> (u64, u64) {
+        (self.graphs.replays, self.graphs.fallbacks)
+    }
+
+    /// Runs `seqs`, writing their KV into `kv`; returns the wanted rows' logits, or with
+    /// `argmax_only` their argmax ids (host memory).
     pub(crate) fn forward(
         &mut self,
         c: &ModelConfig,
@@ -284,11 +248,8 @@ impl CudaForward {
         argmax_only: bool,
         on_layer: &mut dyn FnMut(usize),
     ) -> Result<StepLogits<'_>, EngineError> {
-        let (h, inter) = (c.hidden_size, c.intermediate_size);
-        let (heads, kvh, hd) = (c.num_attention_heads, c.kv_heads(), c.head_dim());
-        let (q_w, kv_w) = (heads * hd, kvh * hd);
+        let (heads, hd) = (c.num_attention_heads, c.head_dim());
         let bs = kv.layout().block_size_tokens;
-        let eps = c.rms_norm_eps as f32;
         let t: usize = seqs.iter().map(|s| s.tokens.len()).sum();
         let ix = Self::index(c, seqs, bs)?;
         let rows = ix.want.len();
@@ -301,6 +262,28 @@ impl CudaForward {
         self.dev.context().bind_to_thread().map_err(|e| CudaError::driver("cuCtxSetCurrent", e))?;
         let decode = seqs.iter().all(|s| s.tokens.len() == 1);
         let attn_ix = AttnIndex::new(seqs, bs);
+        let parts = Parts { k: &self.kernels, g: &self.gemm, rope: &self.rope, w: &self.w, c };
+
+        if decode && stage.is_none() && rows == t {
+            // Every sequence one token, every row wanted: a graph replay when it fits a bucket.
+            if let Some(out) = self.graphs.run(&self.dev, &parts, kv, &ix, &attn_ix, argmax_only)? {
+                for li in 0..c.num_hidden_layers {
+                    on_layer(li);
+                }
+                return Ok(match out {
+                    GraphOut::Ids(ids) => {
+                        self.ids.clear();
+                        self.ids.extend(ids.iter().map(|&i| i as u32));
+                        StepLogits::Argmax(&self.ids)
+                    }
+                    GraphOut::Logits(l) => {
+                        self.logits = l;
+                        StepLogits::Rows(&self.logits)
+                    }
+                });
+            }
+        }
+
         if decode {
             self.workspace(seqs.len(), heads, hd)?;
         }
@@ -318,28 +301,28 @@ impl CudaForward {
         let q_lens = d.upload(&attn_ix.q_lens)?;
         let first_pos = d.upload(&attn_ix.first_pos)?;
 
-        let (k, g, w) = (&self.kernels, &self.gemm, &self.w);
+        let parts = Parts { k: &self.kernels, g: &self.gemm, rope: &self.rope, w: &self.w, c };
         let b = self.step.as_mut().expect("sized above");
-        let bf16 = w.dtype == WeightDtype::Bf16;
-        match &w.embed.elems {
-            weights::DevElems::F32(table) => k.embed_f32(&ids, table, h, &mut b.x)?,
-            weights::DevElems::Bf16(table) => k.embed_bf16(&ids, table, h, &mut b.x)?,
-        }
-        let scale = 1.0 / (hd as f32).sqrt();
+        let mut attn = if decode {
+            let (ws, _) = self.ws.as_mut().expect("sized above");
+            let (max_blocks, max_ctx) = (attn_ix.max_blocks, attn_ix.max_ctx);
+            Attn::Decode { tables: &tables, max_blocks, ctx_lens: &ctx_lens, max_ctx, ws }
+        } else {
+            Attn::Prefill {
+                tables: &tables,
+                max_blocks: attn_ix.max_blocks,
+                q_rows: &q_rows,
+                q_lens: &q_lens,
+                first_pos: &first_pos,
+                max_q_len: attn_ix.max_q_len,
+            }
+        };
+        parts.embed(&ids, b)?;
         // Staged push: the layer whose copy to the host mirror was queued last, and the mark
         // after it; it is reported once the device is past the mark, while the next layer runs.
         let mut copied: Option<(usize, StreamMark)> = None;
-        for (li, layer) in w.layers.iter().enumerate() {
-            // Attention block.
-            k.rms_norm(&b.x, &layer.attn_norm, eps, &mut b.xn)?;
-            if bf16 {
-                k.f32_to_bf16(&b.xn, &mut b.xb_h)?;
-            }
-            let qkv = &layer.qkv;
-            mm(g, bf16, &b.xn, &b.xb_h, t, qkv, (0, q_w), &mut b.q)?;
-            mm(g, bf16, &b.xn, &b.xb_h, t, qkv, (q_w, q_w + kv_w), &mut b.k)?;
-            mm(g, bf16, &b.xn, &b.xb_h, t, qkv, (q_w + kv_w, q_w + 2 * kv_w), &mut b.v)?;
-            k.rope_write_kv(&mut b.q, &b.k, &b.v, heads, &self.rope, &positions, &slots, &mut kv.pool, li)?;
+        for li in 0..c.num_hidden_layers {
+            parts.qkv_rope(li, b, &positions, &slots, &mut kv.pool)?;
             let previous = match stage.as_deref_mut() {
                 None => {
                     on_layer(li);
@@ -356,36 +339,7 @@ impl CudaForward {
                     copied.replace((li, d.mark()?))
                 }
             };
-            if decode {
-                let (ws, _) = self.ws.as_mut().expect("sized above");
-                k.paged_attn_decode(
-                    &b.q, heads, &kv.pool, li, &tables, attn_ix.max_blocks, &ctx_lens, attn_ix.max_ctx, scale, ws,
-                    &mut b.attn,
-                )?;
-            } else {
-                k.paged_attn_prefill(
-                    &b.q, heads, &kv.pool, li, &tables, attn_ix.max_blocks, &q_rows, &q_lens, &first_pos,
-                    attn_ix.max_q_len, scale, &mut b.attn,
-                )?;
-            }
-            if bf16 {
-                k.f32_to_bf16(&b.attn, &mut b.xb_q)?;
-            }
-            mm(g, bf16, &b.attn, &b.xb_q, t, &layer.o_proj, (0, h), &mut b.proj)?;
-            k.add_inplace(&mut b.x, &b.proj)?;
-
-            // MLP block.
-            k.rms_norm(&b.x, &layer.mlp_norm, eps, &mut b.xn)?;
-            if bf16 {
-                k.f32_to_bf16(&b.xn, &mut b.xb_h)?;
-            }
-            mm(g, bf16, &b.xn, &b.xb_h, t, &layer.gate_up, (0, 2 * inter), &mut b.gate_up)?;
-            k.silu_mul(&b.gate_up, t, inter, &mut b.act)?;
-            if bf16 {
-                k.f32_to_bf16(&b.act, &mut b.xb_i)?;
-            }
-            mm(g, bf16, &b.act, &b.xb_i, t, &layer.down, (0, h), &mut b.proj)?;
-            k.add_inplace(&mut b.x, &b.proj)?;
+            parts.attend_mlp(li, b, &mut attn, &kv.pool)?;
             // The previous layer's KV is in the mirror by now, or lands while this one runs.
             if let Some((pl, mark)) = previous {
                 mark.wait()?;
@@ -396,31 +350,19 @@ impl CudaForward {
             mark.wait()?;
             on_layer(pl);
         }
-
-        // Final norm + LM head, only for the rows that need logits.
         if rows == 0 {
             self.logits.clear();
             return Ok(StepLogits::Rows(&self.logits));
         }
+
+        // Final norm + LM head, only for the rows that need logits.
         let hb = self.head.as_mut().expect("sized above");
         let all_rows = rows == t && ix.want.iter().enumerate().all(|(i, &r)| r as usize == i);
-        if all_rows {
-            k.rms_norm(&b.x, &w.final_norm, eps, &mut hb.xn)?;
-        } else {
-            // The embedding kernel is a row gather: "table" = the step's hidden states.
-            let want = d.upload(&ix.want)?;
-            k.embed_f32(&want, &b.x, h, &mut hb.last)?;
-            k.rms_norm(&hb.last, &w.final_norm, eps, &mut hb.xn)?;
-        }
-        if bf16 {
-            k.f32_to_bf16(&hb.xn, &mut hb.xb)?;
-        }
-        let head = w.head();
-        mm(g, bf16, &hb.xn, &hb.xb, rows, head, (0, head.rows), &mut hb.logits)?;
+        let want = if all_rows { None } else { Some(d.upload(&ix.want)?) };
+        parts.head(b, want.as_ref(), hb, argmax_only)?;
         if argmax_only {
-            // Greedy rows: pick on the device, bring back only the ids (4 bytes a row, not
-            // the vocabulary's logits).
-            k.argmax(&hb.logits, c.vocab_size, &mut hb.ids)?;
+            // Greedy rows: picked on the device; only the ids come back (4 bytes a row, not the
+            // vocabulary's logits).
             let ids = d.download(&hb.ids)?;
             self.ids.clear();
             self.ids.extend(ids.iter().map(|&i| i as u32));
@@ -428,28 +370,6 @@ impl CudaForward {
         }
         self.logits = d.download(&hb.logits)?;
         Ok(StepLogits::Rows(&self.logits))
-    }
-}
-
-/// `out = x · W[r0..r1]ᵀ` for `m` rows of `x`; with bf16 weights from `xb`, the bf16 copy of `x`.
-#[allow(clippy::too_many_arguments)]
-fn mm(
-    g: &Gemm,
-    bf16: bool,
-    x: &CudaSlice<f32>,
-    xb: &CudaSlice<u16>,
-    m: usize,
-    w: &DevMatrix,
-    (r0, r1): (usize, usize),
-    out: &mut CudaSlice<f32>,
-) -> Result<(), CudaError> {
-    let n = r1 - r0;
-    if bf16 {
-        let wv = w.rows_bf16(r0, r1).expect("bf16 model, bf16 matrices (checked at upload)");
-        g.linear_bf16(xb, m, &wv, n, w.cols, out)
-    } else {
-        let wv = w.rows_f32(r0, r1).expect("f32 model, f32 matrices (checked at upload)");
-        g.linear_f32(x, m, &wv, n, w.cols, out)
     }
 }
 
