@@ -13,6 +13,8 @@
 //!   combinations of V rows in [-1, 1]; the softmax sums run in another order, online).
 
 mod common;
+#[path = "gpu/staging.rs"]
+mod staging;
 
 use common::Rng;
 use cudarc::driver::CudaSlice;
@@ -25,7 +27,7 @@ use tandem_kv_layout::{KvDtype, KvLayout};
 
 const CHECKS: &str = "cuBLAS linear f32/bf16, rms_norm, silu_mul, add_inplace, argmax, embed f32/bf16, f32<->bf16, \
                       rope+write_kv (f32/f16/bf16), paged attention decode and prefill (f32/f16/bf16, GQA, \
-                      head_dim 64/80/128/256) against tandem-kernels";
+                      head_dim 64/80/128/256) against tandem-kernels; KV staging to pinned host memory; graph capture";
 
 fn report_not_run(why: &str) {
     let _ = writeln!(
@@ -80,6 +82,8 @@ fn gpu_kernels_match_the_cpu_kernels() {
         }
     }
     check_gemm(&dev, &mut rng);
+    staging::check_staging(&dev, &mut rng);
+    staging::check_graph(&dev, &k, &mut rng);
     time_attention(&dev, &k, &mut rng);
     let _ = std::fs::remove_dir_all(&cache_dir);
 }
