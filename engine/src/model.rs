@@ -212,7 +212,8 @@ impl Model {
     /// [`forward`](Self::forward), calling `on_layer(l)` as soon as layer `l`'s KV of every
     /// sequence in the batch is in the pool (a prefill node streams it out from there while the
     /// later layers compute). On CUDA, "in the pool" means queued on the device's stream ahead
-    /// of any later work on it (nothing reads a device pool from the host yet).
+    /// of any later work on it; a staged engine ([`forward_staged`](Self::forward_staged)) reports
+    /// a layer only once its KV is in the host mirror.
     pub fn forward_observed(
         &mut self,
         seqs: &[ForwardSeq<'_>],

@@ -1,5 +1,6 @@
-//! The CUDA backend: the forward pass on one GPU, colocated (KV in device memory, logits back
-//! to the host for the engine's sampler).
+//! The CUDA backend: the forward pass on one GPU (KV in device memory; logits, or greedy rows'
+//! token ids, back to the host for the engine's sampler), and the device side of staged
+//! disaggregation (layer-by-layer copies to a host mirror; adopted blocks copied up).
 //!
 //! Same operations, same order as the CPU forward ([`super::cpu`]): embedding; per layer
 //! RMSNorm, the Q/K/V projections (three cuBLAS GEMMs on row ranges of the fused `[q; k; v]`
