@@ -25,6 +25,11 @@ pub struct DeviceGraph {
     kernels: usize,
 }
 
+// SAFETY: CUDA forbids touching one graph from two threads at once, not moving it between
+// threads; `DeviceGraph` is not `Sync`, and `launch` takes it through its owner, so one thread
+// at a time uses it (an engine moves to its own thread after it is built).
+unsafe impl Send for DeviceGraph {}
+
 impl std::fmt::Debug for DeviceGraph {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DeviceGraph").field("kernels", &self.kernels).finish()

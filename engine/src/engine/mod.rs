@@ -355,3 +355,9 @@ impl Engine {
         self.sched.remove(request_id)
     }
 }
+
+// An engine may be built on one thread and run on another (on the CPU or a GPU): keep it `Send`.
+const _: () = {
+    const fn assert_send<T: Send>() {}
+    assert_send::<Engine>();
+};
