@@ -303,6 +303,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<String> {
     } else {
         None
     };
+    let stats = engine.stats();
     let report = Report {
         model: match (&eargs.model, &eargs.dummy_weights) {
             (_, Some(cfg)) => format!("dummy weights of {} (seed {})", cfg.display(), eargs.dummy_seed),
@@ -329,8 +330,8 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<String> {
         penalties: args.penalties,
         structured: args.structured,
         grammar_us_per_token: grammar_us,
-        cuda_graph_replays: engine.stats().cuda_graph_replays,
-        cuda_graph_fallbacks: engine.stats().cuda_graph_fallbacks,
+        cuda_graph_replays: stats.cuda_graph_replays,
+        cuda_graph_fallbacks: stats.cuda_graph_fallbacks,
     };
     Ok(match args.format {
         Format::Json => serde_json::to_string(&report)?,

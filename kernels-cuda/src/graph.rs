@@ -22,7 +22,12 @@ use crate::error::CudaError;
 /// A captured, instantiated graph on one device's stream.
 pub struct DeviceGraph {
     graph: CudaGraph,
-    kernels: usize,
+}
+
+impl std::fmt::Debug for DeviceGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DeviceGraph")
+    }
 }
 
 // SAFETY: CUDA forbids touching one graph from two threads at once, not moving it between
@@ -30,29 +35,18 @@ pub struct DeviceGraph {
 // at a time uses it (an engine moves to its own thread after it is built).
 unsafe impl Send for DeviceGraph {}
 
-impl std::fmt::Debug for DeviceGraph {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DeviceGraph").field("kernels", &self.kernels).finish()
-    }
-}
-
 impl DeviceGraph {
     /// Queues one replay on the stream it was captured from.
     pub fn launch(&self) -> Result<(), CudaError> {
         self.graph.launch().map_err(|e| CudaError::driver("cuGraphLaunch", e))
     }
-
-    /// Operations captured (the `enqueue` closure's count; logs).
-    pub fn kernels(&self) -> usize {
-        self.kernels
-    }
 }
 
 impl CudaDevice {
     /// Captures what `enqueue` queues on the stream into a graph; nothing runs until
-    /// [`DeviceGraph::launch`]. `enqueue` returns how many operations it queued (for logs).
-    /// When it fails, or the capture does, the capture is ended and the error returned.
-    pub fn capture(&self, enqueue: impl FnOnce() -> Result<usize, CudaError>) -> Result<DeviceGraph, CudaError> {
+    /// [`DeviceGraph::launch`]. When `enqueue` fails, or the capture does, the capture is ended
+    /// and the error returned.
+    pub fn capture(&self, enqueue: impl FnOnce() -> Result<(), CudaError>) -> Result<DeviceGraph, CudaError> {
         let stream = self.stream();
         // Thread-local: another thread's unsafe call (a synchronous copy) does not break it.
         stream
@@ -61,9 +55,9 @@ impl CudaDevice {
         let queued = enqueue();
         // Always end the capture, so the stream takes ordinary work again.
         let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
-        let kernels = queued?;
+        queued?;
         match ended.map_err(|e| CudaError::driver("cuStreamEndCapture / cuGraphInstantiate", e))? {
-            Some(graph) => Ok(DeviceGraph { graph, kernels }),
+            Some(graph) => Ok(DeviceGraph { graph }),
             None => Err(CudaError::Unsupported { op: "capture", what: "an empty graph (nothing was queued)".into() }),
         }
     }

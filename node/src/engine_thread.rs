@@ -122,6 +122,14 @@ pub struct EngineSnapshot {
     pub grammar_failures: u64,
     /// Prompt tokens one step may compute now (the scheduler's cap, or its whole step budget).
     pub prefill_token_cap: usize,
+    /// `--device cuda`: KV bytes copied device → host mirror (prefill) since start.
+    pub kv_staged_out_bytes: u64,
+    /// `--device cuda`: KV bytes copied host mirror → device (decode) since start.
+    pub kv_staged_in_bytes: u64,
+    /// `--device cuda`: decode steps replayed from graphs since start.
+    pub cuda_graph_replays: u64,
+    /// `--device cuda`: graph captures that failed (each logged) since start.
+    pub cuda_graph_fallbacks: u64,
 }
 
 impl EngineSnapshot {
@@ -144,6 +152,10 @@ impl EngineSnapshot {
             preemptions: stats.preemptions,
             grammar_failures: stats.grammar_failures,
             prefill_token_cap: s.prefill_token_cap(),
+            kv_staged_out_bytes: stats.kv_staged_out_bytes,
+            kv_staged_in_bytes: stats.kv_staged_in_bytes,
+            cuda_graph_replays: stats.cuda_graph_replays,
+            cuda_graph_fallbacks: stats.cuda_graph_fallbacks,
         }
     }
 

@@ -18,6 +18,8 @@
 //! | `tandem_node_kv_blocks` | gauge | state | free, used, reserved (decode reservations, prefill blocks awaiting a push) |
 //! | `tandem_node_kv_blocks_capacity` | gauge | – | blocks in the pool |
 //! | `tandem_node_engine_steps_total`, `_computed_prompt_tokens_total`, `_generated_tokens_total`, `_preemptions_total` | counter | – | the engine's own counts |
+//! | `tandem_node_kv_staged_bytes_total` | counter | direction | `--device cuda`: KV bytes copied device → host pool (out, prefill) and host pool → device (in, decode) |
+//! | `tandem_node_cuda_graph_replays_total`, `_cuda_graph_fallbacks_total` | counter | – | `--device cuda`: decode steps replayed from graphs; failed captures (each logged) |
 //! | `tandem_node_grammar_failures_total` | counter | – | structured outputs ended early because llguidance failed (its limits); each also logged |
 //! | `tandem_node_tokens_per_second` | gauge | – | prompt + generated tokens/s over the last 0.5 s |
 //! | `tandem_node_prompt_tokens_per_step` | gauge | – | prompt tokens one engine step may compute now (decode: sized from measured steps to `--max-step-ms`) |
@@ -314,6 +316,22 @@ fn engine_families(s: &EngineSnapshot) -> Vec<tm::Family> {
             "Sequences preempted (recomputed later) for lack of KV blocks.",
         )
         .value(s.preemptions as f64),
+        tm::Family::counter(
+            "tandem_node_kv_staged_bytes",
+            "--device cuda: KV bytes copied between device memory and the transport's host pool.",
+        )
+        .with(vec![("direction", "out".into())], s.kv_staged_out_bytes as f64)
+        .with(vec![("direction", "in".into())], s.kv_staged_in_bytes as f64),
+        tm::Family::counter(
+            "tandem_node_cuda_graph_replays",
+            "--device cuda: decode steps replayed from a captured CUDA graph.",
+        )
+        .value(s.cuda_graph_replays as f64),
+        tm::Family::counter(
+            "tandem_node_cuda_graph_fallbacks",
+            "--device cuda: graph captures that failed (decode then runs without graphs; logged).",
+        )
+        .value(s.cuda_graph_fallbacks as f64),
         tm::Family::counter(
             "tandem_node_grammar_failures",
             "Structured outputs ended early because their grammar failed (llguidance's limits).",

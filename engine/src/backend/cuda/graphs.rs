@@ -145,7 +145,7 @@ impl DecodeGraphs {
             let t0 = std::time::Instant::now();
             match capture(d, parts, kv, bucket, blocks, argmax) {
                 Ok(g) => {
-                    tracing::debug!(seqs, blocks, argmax, ops = g.kernels(), us = t0.elapsed().as_micros() as u64, "decode graph captured");
+                    tracing::debug!(seqs, blocks, argmax, us = t0.elapsed().as_micros() as u64, "decode graph captured");
                     v.insert(g);
                 }
                 Err(e) => {
@@ -169,14 +169,13 @@ impl DecodeGraphs {
         stream.memcpy_htod(&p.tables, table_buf).map_err(copy)?;
         self.graphs[&key].launch()?;
         self.replays += 1;
+        // Only the step's own rows come back, not the padding.
+        let back = |e| CudaError::driver("cuMemcpyDtoHAsync", e);
         Ok(Some(if argmax {
-            let mut ids = d.download(&bucket.head.ids)?;
-            ids.truncate(n);
-            GraphOut::Ids(ids)
+            GraphOut::Ids(stream.clone_dtoh(&bucket.head.ids.slice(..n)).map_err(back)?)
         } else {
-            let mut logits = d.download(&bucket.head.logits)?;
-            logits.truncate(n * parts.c.vocab_size);
-            GraphOut::Logits(logits)
+            let rows = n * parts.c.vocab_size;
+            GraphOut::Logits(stream.clone_dtoh(&bucket.head.logits.slice(..rows)).map_err(back)?)
         }))
     }
 }
@@ -228,8 +227,7 @@ fn capture(
             parts.qkv_rope(li, step, positions, slots, &mut kv.pool)?;
             parts.attend_mlp(li, step, &mut attn, &kv.pool)?;
         }
-        parts.head(step, None, head, argmax)?;
-        Ok(1 + 2 * parts.w.layers.len() + 1)
+        parts.head(step, None, head, argmax)
     })
 }
 
