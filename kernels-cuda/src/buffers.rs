@@ -4,8 +4,11 @@
 
 use crate::device::CudaDevice;
 use crate::error::{CudaError, check_len};
+use crate::ipc::KvMemory;
 use crate::launch;
 use cudarc::driver::{CudaSlice, DeviceRepr};
+use std::mem::ManuallyDrop;
+use std::sync::Arc;
 use tandem_kernels::RopeTable;
 use tandem_kv_layout::{KvDtype, KvLayout};
 
@@ -49,14 +52,29 @@ impl KvGeom {
 }
 
 /// A paged KV pool in device memory, in `tandem-kv-layout`'s byte layout.
+///
+/// The memory is a plain `cuMemAlloc` allocation ([`crate::ipc::KvMemory`]), so another
+/// process on the GPU can open it by CUDA IPC; `bytes` is cudarc's view of it, which never
+/// frees it (the allocation goes when its last owner does: this pool or a transfer path's
+/// [`crate::ipc::KvDeviceAccess`]).
 #[derive(Debug)]
 pub struct DeviceKvPool {
     /// The layout (f32, f16 or bf16).
     pub layout: KvLayout,
     /// Blocks in the pool.
     pub num_blocks: usize,
-    /// `layout.pool_bytes(num_blocks)` bytes.
-    pub bytes: CudaSlice<u8>,
+    /// `layout.pool_bytes(num_blocks)` bytes (a view of `memory`).
+    pub bytes: ManuallyDrop<CudaSlice<u8>>,
+    memory: Arc<KvMemory>,
+}
+
+impl Drop for DeviceKvPool {
+    fn drop(&mut self) {
+        // SAFETY: dropped once, here; `leak` hands the address back without freeing it (the
+        // `KvMemory` owns the allocation).
+        let view = unsafe { ManuallyDrop::take(&mut self.bytes) };
+        let _ = view.leak();
+    }
 }
 
 impl DeviceKvPool {
@@ -67,12 +85,22 @@ impl DeviceKvPool {
         num_blocks: usize,
     ) -> Result<DeviceKvPool, CudaError> {
         check_dtype("DeviceKvPool::new", layout.dtype)?;
-        let bytes = dev.alloc_zeros::<u8>(layout.pool_bytes(num_blocks))?;
+        let len = layout.pool_bytes(num_blocks);
+        let memory = KvMemory::alloc_zeroed(dev, len)?;
+        // SAFETY: `memory` holds `len` zeroed bytes and outlives the view (same struct; the
+        // view is leaked, not freed, on drop).
+        let bytes = unsafe { dev.stream().upgrade_device_ptr::<u8>(memory.device_ptr(), len) };
         Ok(DeviceKvPool {
             layout,
             num_blocks,
-            bytes,
+            bytes: ManuallyDrop::new(bytes),
+            memory,
         })
+    }
+
+    /// The allocation behind the pool (shared with transfer paths; see [`crate::ipc`]).
+    pub fn memory(&self) -> &Arc<KvMemory> {
+        &self.memory
     }
 
     pub(crate) fn check(&self, op: &'static str, layer: usize) -> Result<KvGeom, CudaError> {

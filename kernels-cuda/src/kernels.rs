@@ -371,7 +371,7 @@ impl CudaKernels {
             .arg(&rope.sin)
             .arg(positions)
             .arg(slots)
-            .arg(&mut pool.bytes)
+            .arg(&mut *pool.bytes)
             .arg(&g)
             .arg(&nh)
             .arg(&maxp);
@@ -459,7 +459,7 @@ impl CudaKernels {
         b.arg(q)
             .arg(&mut ws.part_acc)
             .arg(&mut ws.part_ml)
-            .arg(&pool.bytes)
+            .arg(&*pool.bytes)
             .arg(&g)
             .arg(block_tables)
             .arg(&mb)
@@ -543,7 +543,7 @@ impl CudaKernels {
         let mut b = self.stream.launch_builder(self.f(name));
         b.arg(q)
             .arg(out)
-            .arg(&pool.bytes)
+            .arg(&*pool.bytes)
             .arg(&g)
             .arg(block_tables)
             .arg(&mb)

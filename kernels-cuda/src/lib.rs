@@ -15,6 +15,7 @@
 //! | [`kernels`] | [`CudaKernels`]: the loaded module's functions, one typed launch wrapper per kernel |
 //! | [`gemm`] | [`Gemm`]: the linear layers on cuBLAS (f32 sgemm; bf16 in, f32 accumulate and out) |
 //! | [`graph`] | [`DeviceGraph`]: kernels captured from the stream once, replayed with one launch |
+//! | [`ipc`] | a KV pool another process on the GPU opens by CUDA IPC: copies into it and XXH3 slab checksums on the device |
 //! | [`staging`] | KV byte ranges between the device pool and page-locked host memory ([`PinnedHost`], [`StreamMark`]) |
 //! | `src/cu/*.cu` | the CUDA C sources ([`SOURCES`]); each header states the layout it assumes |
 //!
@@ -42,6 +43,7 @@ pub mod device;
 pub mod error;
 pub mod gemm;
 pub mod graph;
+pub mod ipc;
 pub mod kernels;
 pub mod launch;
 pub mod libs;
@@ -53,6 +55,7 @@ pub use error::{CudaError, CudaLib};
 pub use buffers::{DecodeWorkspace, DeviceKvPool, DeviceRopeTable, KvGeom};
 pub use gemm::Gemm;
 pub use graph::DeviceGraph;
+pub use ipc::{KvDeviceAccess, KvMemory, PeerKvMemory};
 pub use kernels::CudaKernels;
 pub use ptx::{Arch, CacheOutcome, PtxCache};
 pub use staging::{PinnedHost, StreamMark};
@@ -142,4 +145,13 @@ pub const SOURCES: &[KernelSource] = &[
             "paged_attn_prefill_bf16",
         ],
     },
+    KernelSource {
+        name: "hash.cu",
+        body: HASH_SOURCE,
+        functions: &["xxh3_64_slabs"],
+    },
 ];
+
+/// `hash.cu`: XXH3-64 of KV slabs on the device (the checksums of the CUDA IPC path). Also
+/// compiled by the host's C++ compiler in the suite, against the CPU's XXH3.
+pub const HASH_SOURCE: &str = include_str!("cu/hash.cu");

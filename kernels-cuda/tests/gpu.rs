@@ -350,7 +350,7 @@ fn random_pool(rng: &mut Rng, layout: &KvLayout, nb: usize, layer: usize) -> Vec
 
 fn upload_pool(dev: &CudaDevice, layout: KvLayout, nb: usize, bytes: &[u8]) -> DeviceKvPool {
     let mut pool = DeviceKvPool::new(dev, layout, nb).unwrap();
-    dev.stream().memcpy_htod(bytes, &mut pool.bytes).unwrap();
+    dev.stream().memcpy_htod(bytes, &mut *pool.bytes).unwrap();
     pool
 }
 

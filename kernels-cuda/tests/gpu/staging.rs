@@ -18,7 +18,7 @@ pub fn check_staging(dev: &CudaDevice, rng: &mut Rng) {
     let nb = 6;
     let len = layout.pool_bytes(nb);
     let bytes: Vec<u8> = (0..len).map(|_| rng.below(256) as u8).collect();
-    let mut pool = DeviceKvPool { layout, num_blocks: nb, bytes: up(dev, &bytes) };
+    let mut pool = super::upload_pool(dev, layout, nb, &bytes);
     let mut host = vec![0u8; len];
     // Declared after `host`: unregistered before the memory is freed.
     let pinned = unsafe { PinnedHost::register(dev, host.as_mut_ptr(), len) };
@@ -51,7 +51,7 @@ pub fn check_staging(dev: &CudaDevice, rng: &mut Rng) {
     let big = 256usize << 20;
     let big_layout = KvLayout::new(1, 1, 1024, 1024, KvDtype::F16, 0).unwrap(); // 4 MiB slabs
     let big_nb = big / big_layout.slab_bytes();
-    let mut big_pool = DeviceKvPool { layout: big_layout, num_blocks: big_nb, bytes: dev.alloc_zeros(big).unwrap() };
+    let mut big_pool = DeviceKvPool::new(dev, big_layout, big_nb).unwrap();
     let mut big_host = vec![1u8; big];
     let big_pinned = unsafe { PinnedHost::register(dev, big_host.as_mut_ptr(), big) };
     let all = [0..big];
