@@ -1,5 +1,6 @@
 //! The seam between the stream protocol (`tcp/`) and a data path that moves block bytes outside
-//! the TCP stream. UCX (`ucx/`, feature `ucx`) is the one implementation.
+//! the TCP stream: UCX (`ucx/`, feature `ucx`) and CUDA IPC between two processes on one GPU
+//! (`cuda_ipc`).
 //!
 //! ```text
 //!  ucx/ ──implements──▶ datapath::{DataPath, PeerDataPath} ◀──calls through── tcp/
@@ -15,7 +16,9 @@
 //! A sender whose transport has a data path asks for it in its `Hello`; the receiver answers
 //! with its offer for the registered pool, or refuses the connection ([`answer_hello`]); the
 //! sender opens the path from that offer ([`open`]). A receiver allows `Rma`/`Tag` transfers
-//! only on connections where it made an offer.
+//! only on connections where it made an offer. A path that is only sometimes possible (CUDA
+//! IPC: only to a peer on the same GPU) says so ([`DataPath::inline_ok`]): with no offer, the
+//! connection keeps block bytes in the stream instead of being refused.
 //!
 //! # Invariants
 //! - Memory handed over with a [`Keep`] stays alive until the matching [`Completion`]
@@ -37,7 +40,7 @@ use crate::error::{Phase, TransferError};
 use crate::fault::ChunkFaults;
 use crate::pool::KvPool;
 use crate::transport::PoolRegistration;
-use crate::wire::{DataMode, Hello, HelloReply, UcxRemote};
+use crate::wire::{DataMode, DataOffer, Hello, HelloReply};
 
 /// A boxed, sendable future (what the object-safe methods below return).
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -47,7 +50,7 @@ pub(crate) type Keep = Box<dyn Any + Send>;
 
 /// What a receiver hands a sender so it can reach the receiver's pool over the data path (on
 /// the wire, in `HelloReply::Accepted`).
-pub(crate) type Offer = UcxRemote;
+pub(crate) type Offer = DataOffer;
 
 /// Resolves once every request of a batch has completed and the path no longer touches its
 /// memory: `Ok` when all of them succeeded.
@@ -55,9 +58,27 @@ pub(crate) type Completion = oneshot::Receiver<Result<(), TransferError>>;
 
 /// A network transport's data path: what both of its sides need beyond the stream.
 pub(crate) trait DataPath: Send + Sync {
-    /// Receiver: what a sender needs to reach `registration`'s pool over this path; `None` when
-    /// the pool was not registered with it.
-    fn offer(&self, registration: &PoolRegistration) -> Option<Offer>;
+    /// Receiver: what the sender of `hello` needs to reach `registration`'s pool over this
+    /// path; `None` when the pool was not registered with it (or, CUDA IPC, the sender is on
+    /// another GPU).
+    fn offer(&self, registration: &PoolRegistration, hello: &Hello) -> Option<Offer>;
+
+    /// Sender: the UUID of the GPU this side's KV lives on, for its `Hello` (empty: none).
+    fn device_uuid(&self) -> Vec<u8> {
+        Vec::new()
+    }
+
+    /// True when a connection this path cannot serve keeps block bytes in the stream instead
+    /// of being refused (CUDA IPC to a peer on another GPU); UCX: false.
+    fn inline_ok(&self) -> bool {
+        false
+    }
+
+    /// Receiver: the device memory this path's bytes land in, when that is not the registered
+    /// host pool (CUDA IPC); landed slabs are hashed there.
+    fn landing_device(&self) -> Option<Arc<dyn crate::device::DeviceKv>> {
+        None
+    }
 
     /// Sender: opens this path to a receiver that offered `remote` on connection `conn_id`;
     /// `same_host` when the control connection runs between two addresses of this host.
@@ -138,14 +159,19 @@ pub(crate) fn answer_hello(
     registration: &PoolRegistration,
     hello: &Hello,
 ) -> Result<Option<Offer>, TransferError> {
-    if !hello.wants_ucx {
+    if !hello.wants_data_path {
         return Ok(None);
     }
-    if let Some(offer) = path.and_then(|p| p.offer(registration)) {
+    if let Some(offer) = path.and_then(|p| p.offer(registration, hello)) {
         return Ok(Some(offer));
     }
+    // A sender whose path may fall back (CUDA IPC, peer on another GPU) says so by carrying a
+    // device UUID; it then gets the stream.
+    if !hello.device_uuid.is_empty() {
+        return Ok(None);
+    }
     Err(TransferError::invalid(
-        "wants_ucx",
+        "wants_data_path",
         "this receiver serves TCP only",
     ))
 }
@@ -160,11 +186,15 @@ pub(crate) async fn open(
     same_host: bool,
 ) -> Result<Option<Box<dyn PeerDataPath>>, TransferError> {
     let (offer, conn_id) = match reply {
-        HelloReply::Accepted { ucx, conn_id, .. } => (ucx.as_ref(), *conn_id),
+        HelloReply::Accepted { offer, conn_id, .. } => (offer.as_ref(), *conn_id),
         HelloReply::Refused(e) => return Err(e.clone().into_error(peer, Phase::Connect)),
     };
     match (offer, path) {
         (None, None) => Ok(None),
+        (None, Some(path)) if path.inline_ok() => {
+            tracing::info!(peer, "peer is not on this GPU: KV blocks go in the stream");
+            Ok(None)
+        }
         (Some(remote), Some(path)) => path
             .connect(peer, remote, conn_id, same_host)
             .await
@@ -189,11 +219,17 @@ mod tests {
     /// fails with `Shutdown` (so a test sees that it was called).
     struct NegotiatingPath {
         offer: Option<Offer>,
+        /// Like CUDA IPC: may fall back to the stream.
+        inline: bool,
     }
 
     impl DataPath for NegotiatingPath {
-        fn offer(&self, _: &PoolRegistration) -> Option<Offer> {
+        fn offer(&self, _: &PoolRegistration, _: &Hello) -> Option<Offer> {
             self.offer.clone()
+        }
+
+        fn inline_ok(&self) -> bool {
+            self.inline
         }
 
         fn connect<'a>(
@@ -232,22 +268,29 @@ mod tests {
     }
 
     fn some_offer() -> Offer {
-        UcxRemote {
+        DataOffer::Ucx(crate::wire::UcxRemote {
             worker_address: vec![1, 2, 3],
             rkey: vec![4, 5],
             base_addr: 4096,
             len_bytes: 1 << 20,
-        }
+        })
     }
 
     #[test]
     fn a_receiver_offers_its_data_path_only_to_senders_that_ask_and_refuses_what_it_cannot_serve() {
         let (layout, reg) = registration();
-        let (stream_only, asks) = (Hello::new(&layout, false), Hello::new(&layout, true));
+        let (stream_only, asks) = (
+            Hello::new(&layout, false, Vec::new()),
+            Hello::new(&layout, true, Vec::new()),
+        );
         let offering = NegotiatingPath {
             offer: Some(some_offer()),
+            inline: false,
         };
-        let unmapped = NegotiatingPath { offer: None };
+        let unmapped = NegotiatingPath {
+            offer: None,
+            inline: false,
+        };
         assert_eq!(answer_hello(None, &reg, &stream_only).unwrap(), None);
         assert_eq!(
             answer_hello(Some(&offering), &reg, &stream_only).unwrap(),
@@ -261,11 +304,23 @@ mod tests {
             let e = answer_hello(path, &reg, &asks).unwrap_err();
             assert_eq!(e.kind(), FailureKind::InvalidRequest);
         }
+        // A sender on a GPU (CUDA IPC) that gets no offer keeps its bytes in the stream.
+        let on_gpu = Hello::new(&layout, true, vec![7; 16]);
+        for path in [None, Some(&unmapped as &dyn DataPath)] {
+            assert_eq!(answer_hello(path, &reg, &on_gpu).unwrap(), None);
+        }
     }
 
     #[tokio::test]
     async fn a_sender_opens_the_path_it_asked_for_and_refuses_any_other_answer() {
-        let path = NegotiatingPath { offer: None };
+        let path = NegotiatingPath {
+            offer: None,
+            inline: false,
+        };
+        let falls_back = NegotiatingPath {
+            offer: None,
+            inline: true,
+        };
         let with = HelloReply::accepted(7, 4, Some(some_offer()));
         let without = HelloReply::accepted(7, 4, None);
         assert!(open(None, "peer", &without, false).await.unwrap().is_none());
@@ -276,6 +331,8 @@ mod tests {
             let e = open(asked, "peer", reply, false).await.err().unwrap();
             assert_eq!(e.kind(), FailureKind::Protocol);
         }
+        // A path that may fall back (CUDA IPC to another GPU) takes "no offer" as the stream.
+        assert!(open(Some(&falls_back), "peer", &without, false).await.unwrap().is_none());
         let mismatch = TransferError::LayoutMismatch {
             local: 1,
             remote: 2,

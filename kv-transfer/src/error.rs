@@ -11,7 +11,7 @@
 //! | `ChecksumMismatch` | bytes arrived garbled; blocks never marked ready | yes | no |
 //! | `DeadlineExceeded`, `PeerGone`, `Connect`, `Io` | time or the connection ran out | yes | yes (the receiver may have dropped it) |
 //! | `Cancelled` | someone asked to stop | no (the caller decided) | – |
-//! | `InvalidRequest`, `Protocol`, `Ucx`, `Shutdown` | a bug, a version skew or a local setup failure | no | – |
+//! | `InvalidRequest`, `Protocol`, `Ucx`, `Device`, `Shutdown` | a bug, a version skew or a local setup failure | no | – |
 //! | `FenceTimeout` | a peer never confirmed it stopped writing | no: the blocks are suspect | – |
 //!
 //! "Retry safe" means: repeating the push (with a fresh reservation where the last column says
@@ -190,6 +190,14 @@ pub enum TransferError {
         /// `ucs_status_string(status)`.
         message: String,
     },
+    /// A local GPU call of the CUDA IPC path failed (open a peer's pool, copy, hash).
+    #[error("GPU {op} failed: {message}")]
+    Device {
+        /// What was being done.
+        op: &'static str,
+        /// The device error, rendered.
+        message: String,
+    },
     /// A local I/O call failed outside any transfer's connection (bind, spawn, ...).
     #[error("{op}: {source}")]
     Io {
@@ -243,6 +251,8 @@ pub enum FailureKind {
     Ucx,
     /// [`TransferError::Io`].
     Io,
+    /// [`TransferError::Device`].
+    Device,
     /// [`TransferError::Shutdown`].
     Shutdown,
     /// [`TransferError::FenceTimeout`].
@@ -251,7 +261,7 @@ pub enum FailureKind {
 
 impl FailureKind {
     /// Every kind, in a fixed order (the index of a kind's counter).
-    pub const ALL: [FailureKind; 16] = [
+    pub const ALL: [FailureKind; 17] = [
         FailureKind::LayoutMismatch,
         FailureKind::UnknownReservation,
         FailureKind::StaleEpoch,
@@ -266,6 +276,7 @@ impl FailureKind {
         FailureKind::Protocol,
         FailureKind::Ucx,
         FailureKind::Io,
+        FailureKind::Device,
         FailureKind::Shutdown,
         FailureKind::FenceTimeout,
     ];
@@ -287,6 +298,7 @@ impl FailureKind {
             FailureKind::Protocol => "protocol",
             FailureKind::Ucx => "ucx",
             FailureKind::Io => "io",
+            FailureKind::Device => "device",
             FailureKind::Shutdown => "shutdown",
             FailureKind::FenceTimeout => "fence_timeout",
         }
@@ -316,6 +328,7 @@ impl TransferError {
             TransferError::Protocol { .. } => FailureKind::Protocol,
             TransferError::Ucx { .. } => FailureKind::Ucx,
             TransferError::Io { .. } => FailureKind::Io,
+            TransferError::Device { .. } => FailureKind::Device,
             TransferError::Shutdown => FailureKind::Shutdown,
             TransferError::FenceTimeout { .. } => FailureKind::FenceTimeout,
         }

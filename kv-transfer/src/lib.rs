@@ -15,6 +15,9 @@
 //! - `datapath`: the traits `tcp` calls for bytes that leave the stream; `ucx` implements them,
 //!   so the dependency runs `ucx` → `tcp` → `datapath`, never `tcp` → `ucx`.
 //! - `ucx` (feature `ucx`, default): [`UcxKvTransport`] over our `tandem-ucx-sys` bindings.
+//! - `cuda_ipc`: the CUDA IPC data path (two processes on one GPU, device to device), attached
+//!   to a TCP transport with [`TcpKvTransport::attach_device`]; [`device`]: the device seam it
+//!   calls ([`device::DeviceKv`]: CUDA, and a host stand-in for tests).
 //! - [`inproc`]: the in-process transport, [`InProcKvTransport`].
 //! - [`fault`]: fault injection (feature `fault-injection`, never on by default).
 //! - [`metrics`]: atomic counters, a latency histogram and leak gauges.
@@ -34,7 +37,9 @@
 pub mod bench;
 pub mod checksum;
 pub mod config;
+mod cuda_ipc;
 mod datapath;
+pub mod device;
 pub mod error;
 pub mod fault;
 pub mod inbound;

@@ -29,6 +29,8 @@ pub struct TransferMetrics {
     transfers_started: AtomicU64,
     transfers_succeeded: AtomicU64,
     inbound_succeeded: AtomicU64,
+    ipc_bytes_sent: AtomicU64,
+    ipc_bytes_received: AtomicU64,
     failures: [AtomicU64; FailureKind::ALL.len()],
     seconds_buckets: [AtomicU64; SECONDS_BUCKETS.len() + 1],
     seconds_sum_ns: AtomicU64,
@@ -89,6 +91,16 @@ impl TransferMetrics {
         self.bytes_received.fetch_add(bytes, Ordering::Relaxed);
     }
 
+    /// Payload bytes copied into a peer's device pool by CUDA IPC (also in `bytes_sent`).
+    pub(crate) fn ipc_sent(&self, bytes: u64) {
+        self.ipc_bytes_sent.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// Payload bytes verified in this side's device pool after a CUDA IPC copy.
+    pub(crate) fn ipc_received(&self, bytes: u64) {
+        self.ipc_bytes_received.fetch_add(bytes, Ordering::Relaxed);
+    }
+
     pub(crate) fn transfer_started(&self) {
         self.transfers_started.fetch_add(1, Ordering::Relaxed);
     }
@@ -142,6 +154,8 @@ impl TransferMetrics {
             transfers_started: load(&self.transfers_started),
             transfers_succeeded: load(&self.transfers_succeeded),
             inbound_succeeded: load(&self.inbound_succeeded),
+            ipc_bytes_sent: load(&self.ipc_bytes_sent),
+            ipc_bytes_received: load(&self.ipc_bytes_received),
             failures: FailureKind::ALL
                 .iter()
                 .filter_map(|k| {
@@ -172,6 +186,12 @@ pub struct MetricsSnapshot {
     pub transfers_succeeded: u64,
     /// Reservations filled and verified.
     pub inbound_succeeded: u64,
+    /// Payload bytes copied into peers' device pools by CUDA IPC (part of `bytes_sent`).
+    #[serde(default)]
+    pub ipc_bytes_sent: u64,
+    /// Payload bytes that arrived by CUDA IPC and verified on this device.
+    #[serde(default)]
+    pub ipc_bytes_received: u64,
     /// Failures by [`FailureKind`] label (only non-zero kinds).
     pub failures: Vec<(String, u64)>,
     /// Outbound transfer durations per [`SECONDS_BUCKETS`] bucket (last: +Inf), not cumulative.

@@ -82,6 +82,9 @@ pub struct InboundReport {
     pub block_checksums: Vec<u64>,
     /// Payload bytes verified.
     pub bytes: u64,
+    /// The bytes landed in the receiver's device pool (CUDA IPC), not in the registered host
+    /// pool: a node staging through that host pool must not copy it up over them.
+    pub on_device: bool,
 }
 
 /// Lets the registry reach the connection that is filling a reservation.
@@ -402,6 +405,7 @@ impl InboundRegistry {
             num_layers: layers,
             slab_sums: vec![0; layers as usize * n],
             bytes: 0,
+            on_device: false,
             finished: false,
             progress: entry.progress.clone(),
         })

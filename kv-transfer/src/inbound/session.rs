@@ -24,6 +24,8 @@ pub(crate) struct InboundSession {
     pub(super) num_layers: u32,
     pub(super) slab_sums: Vec<u64>,
     pub(super) bytes: u64,
+    /// Bytes land in the receiver's device pool (CUDA IPC), not the registered host pool.
+    pub(super) on_device: bool,
     pub(super) finished: bool,
     pub(super) progress: super::Progress,
 }
@@ -91,6 +93,27 @@ impl InboundSession {
             pool.layout()
                 .slab_offset(pool.num_blocks(), layer as usize, run.dst_start as usize);
         (off, run.len as usize * pool.layout().slab_bytes())
+    }
+
+    /// Marks this transfer's bytes as landing in device memory (CUDA IPC; see
+    /// [`InboundReport::on_device`]).
+    pub fn set_on_device(&mut self) {
+        self.on_device = true;
+    }
+
+    /// Byte offsets of every destination slab of layers `layer_start..layer_end`, layer-major
+    /// (the order of the sender's checksums), and the bytes of one slab.
+    pub fn dst_slab_offsets(&self, layer_start: u32, layer_end: u32) -> (Vec<usize>, usize) {
+        let pool = self.pool();
+        let (layout, nb) = (pool.layout(), pool.num_blocks());
+        let offsets = (layer_start..layer_end)
+            .flat_map(|l| {
+                self.dst_blocks
+                    .iter()
+                    .map(move |&b| layout.slab_offset(nb, l as usize, b as usize))
+            })
+            .collect();
+        (offsets, layout.slab_bytes())
     }
 
     /// A job computing XXH3 of every destination slab of layers `layer_start..layer_end`
@@ -220,9 +243,13 @@ impl InboundSession {
                 dst_blocks: self.dst_blocks.to_vec(),
                 block_checksums: self.block_checksums(),
                 bytes: self.bytes,
+                on_device: self.on_device,
             }),
         };
         let ok = outcome.is_ok();
+        if ok && self.on_device {
+            self.registry.inner.metrics.ipc_received(self.bytes);
+        }
         self.registry
             .inner
             .metrics

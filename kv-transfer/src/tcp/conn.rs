@@ -165,7 +165,7 @@ async fn connect(
     peer: &str,
     src: &PoolRegistration,
 ) -> Result<ClientConn, TransferError> {
-    let data_path = net.data_path.as_deref();
+    let data_path = net.data_path();
     let layout = *src.pool().layout();
     let handshake = async {
         let stream = TcpStream::connect(peer)
@@ -183,7 +183,8 @@ async fn connect(
         };
         let (rd, mut wr) = stream.into_split();
         let mut reader = FrameReader::new(rd);
-        let hello = Msg::Hello(Hello::new(&layout, data_path.is_some()));
+        let device_uuid = data_path.map(|p| p.device_uuid()).unwrap_or_default();
+        let hello = Msg::Hello(Hello::new(&layout, data_path.is_some(), device_uuid));
         let mut buf = AlignedVec::new();
         write_frame(&mut wr, &hello, &mut buf)
             .await

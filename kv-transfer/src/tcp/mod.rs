@@ -50,8 +50,10 @@ pub(crate) struct NetShared {
     pub config: TransferConfig,
     pub metrics: Arc<TransferMetrics>,
     pub conns: tokio::sync::Mutex<HashMap<(String, u64), Arc<ClientConn>>>,
-    /// Where block bytes go besides the stream (UCX), when this transport has such a path.
-    pub data_path: Option<Arc<dyn DataPath>>,
+    /// Where block bytes go besides the stream (UCX, or CUDA IPC), when this transport has
+    /// such a path: set once, before the first connection (UCX at construction, CUDA IPC when
+    /// the node's engine has its device pool).
+    pub data_path: std::sync::OnceLock<Arc<dyn DataPath>>,
 }
 
 impl NetShared {
@@ -61,8 +63,13 @@ impl NetShared {
             config,
             metrics: TransferMetrics::new(),
             conns: tokio::sync::Mutex::new(HashMap::new()),
-            data_path: None,
+            data_path: std::sync::OnceLock::new(),
         })
+    }
+
+    /// The data path, if this transport has one.
+    pub fn data_path(&self) -> Option<&dyn DataPath> {
+        self.data_path.get().map(|p| p.as_ref())
     }
 
     /// Starts a push on a network transport.
@@ -122,6 +129,19 @@ impl TcpKvTransport {
         shutdown: CancellationToken,
     ) -> Result<(), TransferError> {
         self.shared.serve(listener, registry, shutdown).await
+    }
+
+    /// Moves block bytes between pools on the same GPU by CUDA IPC from now on: `device` holds
+    /// this node's KV (the registered pool is its host mirror, same layout and block count).
+    /// Connections to or from a peer on another GPU (or with no GPU) keep block bytes in the
+    /// stream. Call it before serving or pushing: connections already open keep their path.
+    /// Refused when the transport already has a data path.
+    pub fn attach_device(&self, device: Arc<dyn crate::device::DeviceKv>) -> Result<(), TransferError> {
+        let path = crate::cuda_ipc::IpcPath::new(device, Arc::clone(&self.shared.metrics));
+        self.shared
+            .data_path
+            .set(Arc::new(path))
+            .map_err(|_| TransferError::invalid("device", "this transport already has a data path"))
     }
 }
 

@@ -126,8 +126,7 @@ impl ServerConn {
     ) -> Result<Completion, End> {
         let path = self
             .net
-            .data_path
-            .as_deref()
+            .data_path()
             .ok_or_else(|| End::Protocol(TransferError::protocol("tag", "no data path")))?;
         let active = self.sessions.get_mut(&id).expect("caller checked");
         let pool = Arc::clone(active.session.pool());
@@ -155,7 +154,15 @@ impl ServerConn {
     /// Queues hashing of a chunk whose bytes have landed (off this task; see [`LandingDone`]).
     fn hash_landed(&mut self, id: u64, layer_start: u32, layer_end: u32, checksums: Vec<u64>) {
         let active = self.sessions.get(&id).expect("caller checked");
-        let job = tokio::task::spawn_blocking(active.session.hasher(layer_start, layer_end));
+        let job = match (&self.landing_device, self.mode) {
+            // CUDA IPC: the bytes are in the device pool; hash them there.
+            (Some(device), Some(DataMode::Rma)) => {
+                let device = Arc::clone(device);
+                let (offsets, slab) = active.session.dst_slab_offsets(layer_start, layer_end);
+                tokio::task::spawn_blocking(move || device.hash_slabs(&offsets, slab))
+            }
+            _ => tokio::task::spawn_blocking(active.session.hasher(layer_start, layer_end)),
+        };
         self.landing.push_back(Landing {
             transfer_id: id,
             layer_start,

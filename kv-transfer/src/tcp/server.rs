@@ -106,7 +106,7 @@ fn check_hello(
             remote: hello.layout_fingerprint,
         });
     }
-    datapath::answer_hello(net.data_path.as_deref(), registry.registration(), hello)
+    datapath::answer_hello(net.data_path(), registry.registration(), hello)
 }
 
 async fn handle(
@@ -144,6 +144,11 @@ async fn handle(
         }
     };
     let data_path_allowed = offer.is_some();
+    let landing_device = if data_path_allowed {
+        net.data_path().and_then(|p| p.landing_device())
+    } else {
+        None
+    };
     let pool_blocks = registry.registration().pool().num_blocks() as u32;
     let reply = HelloReply::accepted(conn_id, pool_blocks, offer);
     if write_frame(&mut wr, &Msg::HelloReply(reply), &mut buf)
@@ -164,6 +169,7 @@ async fn handle(
         peer,
         conn_id,
         data_path_allowed,
+        landing_device,
         mode: None,
         hook,
         out,
@@ -293,6 +299,9 @@ pub(super) struct ServerConn {
     /// This connection's sender asked for the data path and was offered it: only then may its
     /// transfers use `Rma` or `Tag`.
     pub(super) data_path_allowed: bool,
+    /// Where this connection's data-path bytes land when that is device memory (CUDA IPC):
+    /// landed slabs are hashed there, and reports say `on_device`.
+    pub(super) landing_device: Option<Arc<dyn crate::device::DeviceKv>>,
     /// The data mode of this connection's transfers (fixed by its first `Begin`).
     pub(super) mode: Option<DataMode>,
     pub(super) hook: Arc<dyn AbortHook>,
@@ -384,7 +393,10 @@ impl ServerConn {
         }
         self.mode = Some(b.mode);
         match self.registry.claim(&b, Arc::clone(&self.hook)) {
-            Ok(session) => {
+            Ok(mut session) => {
+                if b.mode == DataMode::Rma && self.landing_device.is_some() {
+                    session.set_on_device();
+                }
                 self.sessions.insert(
                     id,
                     Active {
@@ -428,7 +440,7 @@ impl ServerConn {
         {
             return;
         }
-        if let Some(path) = &self.net.data_path {
+        if let Some(path) = self.net.data_path() {
             path.cancel_recvs(self.conn_id, id);
         }
         let fence = self.net.config.fence_timeout;
@@ -452,7 +464,7 @@ impl ServerConn {
     async fn teardown(mut self, end: End) {
         self.kill.cancel();
         self.release_landings(None).await;
-        if let (Some(DataMode::Tag), Some(path)) = (self.mode, &self.net.data_path) {
+        if let (Some(DataMode::Tag), Some(path)) = (self.mode, self.net.data_path()) {
             path.drain_unexpected(self.conn_id);
         }
         let peer = self.peer.clone();

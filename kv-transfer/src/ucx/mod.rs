@@ -56,7 +56,7 @@ use crate::transport::{
     KvTransport, OutboundTransfer, PoolRegistration, PushRequest, RegistrationInner,
     TransferCapabilities,
 };
-use crate::wire::{DataMode, UcxRemote};
+use crate::wire::{DataMode, DataOffer, Hello, UcxRemote};
 
 use peer::UcxPeer;
 use runtime::{Cmd, Keep, UcxRuntime};
@@ -128,14 +128,14 @@ pub(crate) struct UcxNet {
 impl DataPath for UcxNet {
     /// The worker address, remote key and extent of `registration`'s pool, when it was mapped
     /// by this transport.
-    fn offer(&self, registration: &PoolRegistration) -> Option<UcxRemote> {
+    fn offer(&self, registration: &PoolRegistration, _: &Hello) -> Option<DataOffer> {
         let mapped = registration.ucx()?;
-        Some(UcxRemote {
+        Some(DataOffer::Ucx(UcxRemote {
             worker_address: self.rt.worker_address().to_vec(),
             rkey: mapped.rkey.clone(),
             base_addr: mapped.base,
             len_bytes: mapped.len,
-        })
+        }))
     }
 
     /// Creates the endpoint and picks the data mode ([`UcxDataMode::Auto`]: RMA only over a
@@ -143,11 +143,17 @@ impl DataPath for UcxNet {
     fn connect<'a>(
         &'a self,
         peer: &'a str,
-        remote: &'a UcxRemote,
+        remote: &'a DataOffer,
         conn_id: u32,
         same_host: bool,
     ) -> BoxFuture<'a, Result<Box<dyn PeerDataPath>, TransferError>> {
         Box::pin(async move {
+            let DataOffer::Ucx(remote) = remote else {
+                return Err(TransferError::protocol(
+                    "data_offer",
+                    "a UCX sender was offered another data path",
+                ));
+            };
             // Shared memory (what UCX picks on one host) cannot detect peer failure in UCX 1.13
             // and refuses endpoints that ask for it; elsewhere, ask for it.
             let peer_failure = !(same_host && self.shm_allowed);
@@ -255,7 +261,7 @@ pub struct UcxKvTransport {
 impl UcxKvTransport {
     /// Starts the UCX progress thread (context and worker) and validates `config`.
     pub fn new(config: TransferConfig, ucx: UcxConfig) -> Result<Self, TransferError> {
-        let mut shared = NetShared::new(config)?;
+        let shared = NetShared::new(config)?;
         let rt = UcxRuntime::start(ucx.tls.clone())?;
         let tls = ucx.tls.clone().or_else(|| std::env::var("UCX_TLS").ok());
         let net = Arc::new(UcxNet {
@@ -263,7 +269,9 @@ impl UcxKvTransport {
             data_mode: ucx.data_mode,
             shm_allowed: shm_allowed(tls.as_deref()),
         });
-        shared.data_path = Some(Arc::clone(&net) as Arc<dyn DataPath>);
+        if shared.data_path.set(Arc::clone(&net) as Arc<dyn DataPath>).is_err() {
+            unreachable!("a new transport has no data path yet");
+        }
         Ok(Self {
             shared: Arc::new(shared),
             net,

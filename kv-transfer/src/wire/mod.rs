@@ -14,7 +14,7 @@
 //!
 //! # Conversation (sender = client, receiver = server)
 //! ```text
-//! Hello{layout, fingerprint, wants_ucx}  ->  HelloReply::Accepted{conn_id, ucx keys} | Refused
+//! Hello{layout, fingerprint, wants_data_path, device}  ->  HelloReply::Accepted{conn_id, offer} | Refused
 //! Begin{reservation, epoch, blocks, ...} ->  BeginReply{refusal: None | Some(error)}
 //! Chunk{layers, checksums} [+ payload]   ->  (nothing per chunk)
 //!                                        <-  Done{block_checksums} | Abort{error}
@@ -33,7 +33,7 @@ mod frame;
 pub use frame::{FrameReader, ReadError, encode_frame, frame_bytes, to_owned, write_frame};
 
 /// Protocol version carried in [`Hello`]; a peer with another version is refused.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Largest control frame accepted (checksums of 64 Ki slabs fit with room to spare).
 pub const MAX_FRAME_BYTES: usize = 4 << 20;
@@ -92,8 +92,32 @@ pub struct Hello {
     pub layout: WireLayout,
     /// `KvLayout::fingerprint()` of that layout.
     pub layout_fingerprint: u64,
-    /// The sender wants block bytes to go over UCX rather than this stream.
-    pub wants_ucx: bool,
+    /// The sender wants block bytes to go over its data path (UCX, or CUDA IPC) rather than
+    /// this stream.
+    pub wants_data_path: bool,
+    /// UUID of the GPU the sender's KV lives on (empty: none); a CUDA IPC receiver offers its
+    /// pool only to a sender on its own GPU.
+    pub device_uuid: Vec<u8>,
+}
+
+/// What the receiver hands a CUDA IPC sender (one on the same GPU) at connection setup.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct IpcRemote {
+    /// UUID of the receiver's GPU (the sender checks it is its own).
+    pub device_uuid: Vec<u8>,
+    /// `cuIpcGetMemHandle` of the receiver's device pool (64 bytes).
+    pub handle: Vec<u8>,
+    /// Bytes of the receiver's device pool (its host pool's size: same layout and blocks).
+    pub len_bytes: u64,
+}
+
+/// The receiver's data-path offer: how a sender reaches its pool outside the stream.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub enum DataOffer {
+    /// UCX keys.
+    Ucx(UcxRemote),
+    /// A CUDA IPC handle of the receiver's device pool.
+    CudaIpc(IpcRemote),
 }
 
 /// What the receiver hands a UCX sender at connection setup.
@@ -118,8 +142,9 @@ pub enum HelloReply {
         conn_id: u32,
         /// Blocks in the receiver's pool.
         pool_blocks: u32,
-        /// UCX keys, when the sender asked for UCX.
-        ucx: Option<UcxRemote>,
+        /// The data path's offer, when the sender asked for one and the receiver made one
+        /// (none: block bytes travel in this stream).
+        offer: Option<DataOffer>,
     },
     /// Refused; the connection closes after this frame.
     Refused(WireError),
@@ -127,13 +152,15 @@ pub enum HelloReply {
 
 impl Hello {
     /// The sender's first frame for `layout`; `wants_data_path` asks for block bytes to travel
-    /// over the receiver's UCX worker rather than this stream.
-    pub(crate) fn new(layout: &KvLayout, wants_data_path: bool) -> Self {
+    /// over the data path (UCX, CUDA IPC) rather than this stream; `device_uuid` names the GPU
+    /// its KV lives on (empty: none).
+    pub(crate) fn new(layout: &KvLayout, wants_data_path: bool, device_uuid: Vec<u8>) -> Self {
         Self {
             protocol_version: PROTOCOL_VERSION,
             layout: WireLayout::from(layout),
             layout_fingerprint: layout.fingerprint(),
-            wants_ucx: wants_data_path,
+            wants_data_path,
+            device_uuid,
         }
     }
 }
@@ -141,11 +168,11 @@ impl Hello {
 impl HelloReply {
     /// Accepts a connection as `conn_id` into a pool of `pool_blocks` blocks, with the data
     /// path's `offer` when the sender asked for one.
-    pub(crate) fn accepted(conn_id: u32, pool_blocks: u32, offer: Option<UcxRemote>) -> Self {
+    pub(crate) fn accepted(conn_id: u32, pool_blocks: u32, offer: Option<DataOffer>) -> Self {
         HelloReply::Accepted {
             conn_id,
             pool_blocks,
-            ucx: offer,
+            offer,
         }
     }
 }

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tandem_kv_layout::{KvDtype, KvLayout};
+use tandem_kv_transfer::device::HostDeviceKv;
 use tandem_kv_transfer::pattern;
 use tandem_kv_transfer::{
     InProcKvTransport, InProcNetwork, InboundRegistry, KvPool, KvTransport, PoolRegistration,
@@ -79,12 +80,28 @@ pub struct Pair {
     pub shutdown: CancellationToken,
     /// Keeps the receiving transport (and its UCX thread) alive.
     pub _receiver: Option<Arc<dyn std::any::Any + Send + Sync>>,
+    /// The receiver's device pool, where data-path bytes land (CUDA IPC pairs).
+    pub landing: Option<Arc<HostDeviceKv>>,
 }
 
 impl Pair {
+    /// The receiver's KV as a pool: its registered pool, or (CUDA IPC pairs) a copy of the
+    /// device pool the bytes land in.
+    fn landed(&self) -> Arc<KvPool> {
+        let host = self.registry.registration().pool();
+        let Some(device) = &self.landing else {
+            return Arc::clone(host);
+        };
+        let pool = KvPool::new(*host.layout(), host.num_blocks()).unwrap();
+        let bytes = device.read(0, pool.len_bytes());
+        // SAFETY: a fresh pool of exactly that many bytes, not shared yet.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), pool.as_ptr(), bytes.len()) };
+        Arc::new(pool)
+    }
+
     /// Bytes of every destination slab that are not zero (to prove nothing was written).
     pub fn dst_nonzero_bytes(&self) -> usize {
-        let pool = self.registry.registration().pool();
+        let pool = &self.landed();
         let mut n = 0;
         for layer in 0..pool.layout().num_layers {
             for b in 0..pool.num_blocks() as u32 {
@@ -102,7 +119,7 @@ impl Pair {
     /// Slabs of `dst` that do not hold `src`'s pattern.
     pub fn mismatched(&self, src: &[u32], dst: &[u32]) -> usize {
         // SAFETY: called after the reservation resolved.
-        unsafe { pattern::mismatched_slabs(self.registry.registration().pool(), SEED, src, dst) }
+        unsafe { pattern::mismatched_slabs(&self.landed(), SEED, src, dst) }
             .unwrap()
     }
 
@@ -162,6 +179,7 @@ pub fn inproc_pair(src_layout: KvLayout, dst_layout: KvLayout) -> Pair {
         peer: "decode-0".into(),
         shutdown: CancellationToken::new(),
         _receiver: None,
+        landing: None,
     }
 }
 
@@ -205,7 +223,56 @@ pub async fn tcp_pair_with_stall_timeout(
         peer,
         shutdown,
         _receiver: Some(receiver),
+        landing: None,
     }
+}
+
+/// Two TCP transports in one process joined by the CUDA IPC data path over host stand-ins for
+/// device pools ([`HostDeviceKv`]) "on" GPUs `src_gpu` and `dst_gpu`: the sender's device pool
+/// holds the source pattern; bytes land in the receiver's device pool when the GPUs are the
+/// same, in its registered host pool (the stream) when they differ.
+pub async fn ipc_pair_on(src_layout: KvLayout, dst_layout: KvLayout, src_gpu: u8, dst_gpu: u8) -> Pair {
+    let sender = TcpKvTransport::new(small_chunks()).unwrap();
+    let receiver = Arc::new(TcpKvTransport::new(small_chunks()).unwrap());
+    let source = source_pool(src_layout, BLOCKS);
+    let src_device = Arc::new(HostDeviceKv::new([src_gpu; 16], source.len_bytes()));
+    // SAFETY: nothing else touches the fresh source pool.
+    src_device.write(0, unsafe { std::slice::from_raw_parts(source.as_ptr(), source.len_bytes()) });
+    sender.attach_device(src_device).unwrap();
+    // On one GPU the bytes must come from the device pool: the host mirror is left zero, so a
+    // path that read it would fail every content check.
+    let mirror = if src_gpu == dst_gpu {
+        Arc::new(KvPool::new(src_layout, BLOCKS).unwrap())
+    } else {
+        source
+    };
+    let src = sender.register(mirror).unwrap();
+    let dst_pool = Arc::new(KvPool::new(dst_layout, BLOCKS).unwrap());
+    let dst_device = Arc::new(HostDeviceKv::new([dst_gpu; 16], dst_pool.len_bytes()));
+    receiver.attach_device(Arc::clone(&dst_device) as Arc<dyn tandem_kv_transfer::device::DeviceKv>).unwrap();
+    let dst = receiver.register(dst_pool).unwrap();
+    let registry = InboundRegistry::with_stall_timeout(dst, fence(), None);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let peer = listener.local_addr().unwrap().to_string();
+    let shutdown = CancellationToken::new();
+    let (r, reg, sd) = (Arc::clone(&receiver), registry.clone(), shutdown.clone());
+    tokio::spawn(async move { r.serve(listener, reg, sd).await.unwrap() });
+    Pair {
+        sender_metrics: Arc::clone(sender.metrics()),
+        receiver_metrics: Arc::clone(receiver.metrics()),
+        sender: Arc::new(sender),
+        src,
+        registry,
+        peer,
+        shutdown,
+        _receiver: Some(receiver),
+        landing: (src_gpu == dst_gpu).then_some(dst_device),
+    }
+}
+
+/// [`ipc_pair_on`] with both pools on one GPU.
+pub async fn ipc_pair(src_layout: KvLayout, dst_layout: KvLayout) -> Pair {
+    ipc_pair_on(src_layout, dst_layout, 3, 3).await
 }
 
 /// Two UCX transports in one process. With `allocated`, both pools come from
@@ -265,5 +332,6 @@ pub async fn ucx_pair_with(
         peer,
         shutdown,
         _receiver: Some(receiver),
+        landing: None,
     }
 }
