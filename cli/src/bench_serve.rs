@@ -95,10 +95,14 @@ pub struct BenchServeArgs {
     #[arg(long, env = "TANDEM_MODEL")]
     pub model: Option<std::path::PathBuf>,
     /// Where both sides run: `cpu`, or `cuda[:N]` (the cluster's nodes and the colocated engine
-    /// on that GPU; the nodes stage their KV through host memory). Checked before anything
-    /// starts.
+    /// on that GPU; the nodes pass KV device to device by CUDA IPC, or with `--no-cuda-ipc`
+    /// stage it through host memory). Checked before anything starts.
     #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
     pub device: tandem_engine::Device,
+    /// With `--device cuda`: the two nodes stage KV through host memory (the cross-machine
+    /// path) instead of passing it device to device by CUDA IPC.
+    #[arg(long)]
+    pub no_cuda_ipc: bool,
     /// Rounds of each configuration with `--mode telemetry` or `placement` (alternating;
     /// medians reported).
     #[arg(long, default_value_t = 2)]
@@ -232,6 +236,7 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<String> {
             cluster: format!("bench-{}", std::process::id()),
             model: Some(model.clone()),
             device: args.device,
+            no_cuda_ipc: args.no_cuda_ipc,
             no_sample: true,
             exit_after_sample: true,
             trace: tandem_telemetry::TraceArgs::default(),

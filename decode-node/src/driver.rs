@@ -50,6 +50,9 @@ pub struct Start {
     pub first_logprob: Option<tandem_engine::TokenLogprob>,
     /// Prompt tokens the prefill node served from its prefix cache.
     pub cached_prompt_tokens: usize,
+    /// The KV arrived in the engine's device memory (CUDA IPC): nothing to copy up from the
+    /// host mirror.
+    pub kv_on_device: bool,
     /// No prefill node took part: this engine computes the prompt and samples the first token
     /// (`first_token`, `first_logprob` and `cached_prompt_tokens` are unused).
     pub prefill_here: bool,
@@ -280,6 +283,7 @@ impl DecodeDriver {
             first_token,
             first_logprob,
             cached_prompt_tokens,
+            kv_on_device,
             prefill_here,
             label,
             events,
@@ -290,6 +294,9 @@ impl DecodeDriver {
         let id = request.id;
         let prompt_tokens = request.prompt.len() as u64;
         let now = Instant::now();
+        if kv_on_device {
+            engine.kv_landed_on_device(reservation_id);
+        }
         let first = if prefill_here {
             engine.add_local(request, reservation_id, now).map(|()| None)
         } else {

@@ -136,7 +136,7 @@ impl DecodeNode {
         };
         let grpc_addr = local(&grpc_listener, "gRPC", listen.grpc_addr)?;
         let kv_bound = local(&kv_listener, "KV transfer", listen.kv_addr)?;
-        let (net, kind) = transport::start(listen.kv_transport)?;
+        let (net, kind) = transport::start(listen.kv_transport, listen.kv_cuda_ipc)?;
         let kv_address = KvAddress {
             kind,
             host_port: listen.advertised(kv_bound),
@@ -151,6 +151,7 @@ impl DecodeNode {
         let metrics = NodeMetrics::new("decode", &node_id);
         metrics.watch_transfers(kind.as_str(), Arc::clone(net.metrics()));
         let engine_args = args.node.engine.clone();
+        let cuda_ipc = listen.kv_cuda_ipc;
         let alloc = Arc::clone(&net);
         let budget = (args.max_step_ms > 0).then(|| {
             StepBudget::new(Duration::from_millis(args.max_step_ms), args.node.engine.max_tokens_per_step)
@@ -166,6 +167,9 @@ impl DecodeNode {
             },
             move |_ctx| {
                 let (engine, registration) = model::build_engine(&engine_args, &*alloc, tandem_engine::Staging::Receive)?;
+                if cuda_ipc {
+                    model::attach_cuda_ipc(&engine, &alloc)?;
+                }
                 let layout = *engine.kv_layout();
                 let blocks = engine.scheduler().blocks().num_blocks();
                 Ok((engine, driver, (layout, blocks, registration)))

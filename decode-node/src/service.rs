@@ -232,6 +232,7 @@ impl DecodeService {
             first_token: r.first_token_id,
             first_logprob: r.first_token_logprob.as_ref().map(convert::logprob_from),
             cached_prompt_tokens: r.cached_prompt_tokens as usize,
+            kv_on_device: false,
             prefill_here: r.prefill_here,
             label: r.request_id,
             events,
@@ -287,7 +288,7 @@ async fn await_kv_then_decode(
     engine: EngineHandle<Command>,
     pending: Pending,
     claimed: Claimed,
-    start: Start,
+    mut start: Start,
     metrics: NodeMetrics,
 ) {
     let Pending {
@@ -334,7 +335,8 @@ async fn await_kv_then_decode(
             drop(claimed);
         }
         Ok(report) => {
-            tracing::debug!(request = %label, bytes = report.bytes, blocks = report.dst_blocks.len(), "KV verified");
+            tracing::debug!(request = %label, bytes = report.bytes, blocks = report.dst_blocks.len(), on_device = report.on_device, "KV verified");
+            start.kv_on_device = report.on_device;
             match engine.send(Command::Start(Box::new(start))).await {
                 Ok(()) => claimed.hand_over(),
                 // The engine thread is gone, and its blocks with it.

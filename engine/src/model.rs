@@ -127,6 +127,15 @@ impl Model {
         HostMirror::new(host, staging, pinned)
     }
 
+    /// Transfer access to `kv` when it is in device memory (CUDA IPC); `None` for host memory.
+    pub fn kv_device_access(&self, kv: &KvStore) -> Result<Option<tandem_kernels_cuda::KvDeviceAccess>, EngineError> {
+        match (&self.backend, kv) {
+            (Backend::Cuda(c), KvStore::Cuda(pool)) => c.kv_access(pool).map(Some),
+            (_, KvStore::Host(_)) => Ok(None),
+            (_, kv) => Err(store_mismatch(self.device(), kv)),
+        }
+    }
+
     /// Copies every layer of `blocks` from `mirror` into `kv` (a decode node adopting pushed KV);
     /// they are in `kv` when this returns.
     pub fn stage_in(&mut self, kv: &mut KvStore, mirror: &mut HostMirror, blocks: &[u32]) -> Result<(), EngineError> {

@@ -275,6 +275,55 @@ fn staged_engines_pass_the_kv_through_their_host_mirrors_and_equal_colocated() {
     }
 }
 
+/// KV that a transport wrote straight into the decode engine's own cache (CUDA IPC on one GPU;
+/// here the CPU stand-in for device memory) is adopted as it is: nothing is copied up from the
+/// mirror (whose bytes are stale: zero here), and the output equals the colocated engine's.
+#[test]
+fn kv_that_landed_in_device_memory_is_adopted_without_a_copy_from_the_mirror() {
+    let mut colocated = engine(WeightDtype::F32, config(KvDtype::F16, 256));
+    let prompt = test_prompts(&colocated).remove(0);
+    let mut prefill = staged(Staging::Push, config(KvDtype::F16, 128));
+    let mut decode = staged(Staging::Receive, config(KvDtype::F16, 256));
+    let req = greedy(7, prompt.clone(), 24);
+    let want = run(&mut colocated, vec![req.clone()]).remove(0).tokens;
+    let now = std::time::Instant::now();
+    prefill.add_prefill_request(req.clone(), now).unwrap();
+    let first = loop {
+        if let Some(o) = prefill.step().unwrap().into_iter().find(|o| o.request_id == 7) {
+            break o;
+        }
+    };
+    let held = first.held_blocks.clone().unwrap();
+    let reserved = decode.reserve(70, prompt.len() + 24).unwrap();
+    assert!(!decode.kv_landed_on_device(71), "no such reservation: nothing recorded");
+    // What the IPC copy does: the prefill engine's KV into the decode engine's own cache.
+    let layers = decode.kv_layout().num_layers;
+    for layer in 0..layers {
+        for (&s, &d) in held.iter().zip(&reserved) {
+            let from = prefill.kv_store().host().unwrap().slab(layer, s).to_vec();
+            decode.kv_store_mut().host_mut().unwrap().slab_mut(layer, d).copy_from_slice(&from);
+        }
+    }
+    assert!(decode.kv_landed_on_device(70));
+    let out = decode.add_prefilled(req, 70, first.token, None, 0, now).unwrap();
+    let mut tokens = vec![first.token];
+    assert_eq!(out.token, first.token);
+    let mut done = out.finished.is_some();
+    while !done {
+        for o in decode.step().unwrap() {
+            tokens.push(o.token);
+            done = o.finished.is_some();
+        }
+    }
+    assert_eq!(tokens, want);
+    let s = decode.stats();
+    assert_eq!(s.kv_staged_in_bytes, 0, "nothing copied up from the mirror: {s:?}");
+    assert_eq!(s.kv_adopted_on_device, 1);
+    let mirror = decode.kv_pool().unwrap();
+    assert!(mirror.slab(0, reserved[0]).iter().all(|&b| b == 0), "the mirror was never written");
+    assert!(prefill.release_held(7));
+}
+
 /// Host memory the test can read while the engine writes it (the transport's view).
 struct SharedBytes {
     buf: Vec<u64>,

@@ -121,6 +121,19 @@ impl NetTransport {
         }
     }
 
+    /// Attaches a device pool for the CUDA IPC data path (see
+    /// [`TcpKvTransport::attach_device`]); refused on UCX, which has its own data path.
+    pub fn attach_device(&self, device: Arc<dyn crate::device::DeviceKv>) -> Result<(), TransferError> {
+        match self {
+            NetTransport::Tcp(t) => t.attach_device(device),
+            #[cfg(feature = "ucx")]
+            NetTransport::Ucx(_) => Err({
+                let _ = device;
+                TransferError::invalid("transport", "CUDA IPC rides on the TCP transport, not UCX")
+            }),
+        }
+    }
+
     fn inner(&self) -> &dyn KvTransport {
         match self {
             NetTransport::Tcp(t) => t,

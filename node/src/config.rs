@@ -81,6 +81,13 @@ pub struct ListenArgs {
     #[arg(long, env = TANDEM_KV_TRANSPORT, value_enum, default_value_t = TransportChoice::Auto)]
     pub kv_transport: TransportChoice,
 
+    /// With `--device cuda`: KV blocks to and from a node on the same GPU move device to device
+    /// by CUDA IPC (checksummed on the GPU) instead of being staged through host memory. Peers
+    /// on other GPUs or machines still get them over TCP. Needs the TCP transport (`auto` then
+    /// picks TCP; `ucx` is refused).
+    #[arg(long, env = TANDEM_KV_CUDA_IPC)]
+    pub kv_cuda_ipc: bool,
+
     /// At shutdown, how long in-flight requests may take to finish before they are cut.
     #[arg(long, env = TANDEM_DRAIN_TIMEOUT_SECS, default_value_t = 30)]
     pub drain_timeout_secs: u64,
@@ -165,6 +172,20 @@ impl NodeArgs {
             ));
         }
         self.listen.validate()?;
+        if self.listen.kv_cuda_ipc && !self.engine.device.is_cuda() {
+            return Err(invalid(
+                "--kv-cuda-ipc",
+                "true".into(),
+                "moves KV between GPU memory: it needs --device cuda[:N]",
+            ));
+        }
+        if self.listen.kv_cuda_ipc && self.listen.kv_transport == TransportChoice::Ucx {
+            return Err(invalid(
+                "--kv-transport",
+                "ucx".into(),
+                "--kv-cuda-ipc rides on the TCP transport (use tcp, or auto)",
+            ));
+        }
         self.engine.engine_config().map_err(NodeError::Engine)?;
         // `--device cuda` with no driver or no such device fails here, before anything starts.
         self.engine.device.check().map_err(NodeError::Engine)?;
@@ -288,6 +309,19 @@ mod tests {
         parse(&["--etcd-endpoints", "http://a:1", "--nats-url", "nats://b:2"])
             .validate_control_plane()
             .unwrap();
+    }
+
+    #[test]
+    fn cuda_ipc_needs_a_gpu_and_the_tcp_transport() {
+        let flag_of = |args: &[&str]| match parse(args).validate() {
+            Err(NodeError::InvalidConfig { flag, .. }) => flag,
+            other => panic!("expected an invalid-config error for {args:?}, got {other:?}"),
+        };
+        assert_eq!(flag_of(&["--kv-cuda-ipc"]), "--kv-cuda-ipc");
+        assert_eq!(
+            flag_of(&["--kv-cuda-ipc", "--device", "cuda", "--kv-transport", "ucx"]),
+            "--kv-transport"
+        );
     }
 
     #[test]

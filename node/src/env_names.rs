@@ -44,6 +44,8 @@ pub const TANDEM_DRAIN_TIMEOUT_SECS: &str = "TANDEM_DRAIN_TIMEOUT_SECS";
 pub const TANDEM_PUSH_DEADLINE_MS: &str = "TANDEM_PUSH_DEADLINE_MS";
 /// `--reservation-ttl-ms` (decode): how long an unclaimed reservation lives.
 pub const TANDEM_RESERVATION_TTL_MS: &str = "TANDEM_RESERVATION_TTL_MS";
+/// `--kv-cuda-ipc`: KV between nodes on the same GPU moves device to device by CUDA IPC.
+pub const TANDEM_KV_CUDA_IPC: &str = "TANDEM_KV_CUDA_IPC";
 /// `--kv-stall-timeout-ms` (decode): a KV push that lands nothing for this long is ended.
 pub const TANDEM_KV_STALL_TIMEOUT_MS: &str = "TANDEM_KV_STALL_TIMEOUT_MS";
 /// `--max-step-ms` (decode): the step-time target the prompts a decode node computes are

@@ -400,6 +400,10 @@ fn transfer_families(transports: &[(&'static str, Arc<TransferMetrics>)]) -> Vec
         "tandem_kv_transfer_bytes",
         "KV payload bytes pushed (sent) or verified on receipt (received).",
     );
+    let mut ipc_bytes = tm::Family::counter(
+        "tandem_kv_ipc_bytes",
+        "KV payload bytes moved device to device by CUDA IPC (sent: copied into a peer's GPU pool; received: verified in this GPU's pool). Part of tandem_kv_transfer_bytes.",
+    );
     let mut transfers = tm::Family::counter(
         "tandem_kv_transfers",
         "KV transfers: outbound started and confirmed, inbound (reservations) filled and verified.",
@@ -426,6 +430,9 @@ fn transfer_families(transports: &[(&'static str, Arc<TransferMetrics>)]) -> Vec
         bytes = bytes
             .with(l("direction", "sent"), s.bytes_sent as f64)
             .with(l("direction", "received"), s.bytes_received as f64);
+        ipc_bytes = ipc_bytes
+            .with(l("direction", "sent"), s.ipc_bytes_sent as f64)
+            .with(l("direction", "received"), s.ipc_bytes_received as f64);
         transfers = transfers
             .with(l("result", "started"), s.transfers_started as f64)
             .with(l("result", "confirmed"), s.transfers_succeeded as f64)
@@ -452,7 +459,7 @@ fn transfer_families(transports: &[(&'static str, Arc<TransferMetrics>)]) -> Vec
             .with(l("what", "transfers"), s.live_transfers as f64)
             .with(l("what", "connections"), s.live_connections as f64);
     }
-    vec![bytes, transfers, failures, mismatches, seconds, live]
+    vec![bytes, ipc_bytes, transfers, failures, mismatches, seconds, live]
 }
 
 /// Binds `--metrics-addr` and serves `GET /metrics` from `metrics`; returns the server and the

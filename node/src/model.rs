@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use tandem_engine::kv::KvPool;
 use tandem_engine::{Engine, EngineArgs, Model, ModelSource, Staging, loader};
-use tandem_kv_transfer::{KvTransport, PoolRegistration};
+use tandem_kv_transfer::{KvTransport, NetTransport, PoolRegistration};
 
 use crate::error::NodeError;
 use crate::fetch;
@@ -53,6 +53,27 @@ fn warm_forward_pass(engine: &mut Engine) -> Result<std::time::Duration, NodeErr
         });
     }
     Ok(t0.elapsed())
+}
+
+/// Lets `transport` move KV straight to and from `engine`'s device memory by CUDA IPC
+/// (`--kv-cuda-ipc`): between two nodes on the same GPU, blocks go device to device; other
+/// peers keep the staged path. The transport must be TCP and the engine's KV on a GPU.
+pub fn attach_cuda_ipc(engine: &Engine, transport: &NetTransport) -> Result<(), NodeError> {
+    let access = engine
+        .kv_device_access()
+        .map_err(NodeError::Engine)?
+        .ok_or_else(|| NodeError::InvalidConfig {
+            flag: "--kv-cuda-ipc",
+            value: "true".into(),
+            reason: "the engine's KV is in host memory (it needs --device cuda[:N])".into(),
+        })?;
+    let device = Arc::new(tandem_kv_transfer::device::CudaDeviceKv(access));
+    transport
+        .attach_device(device)
+        .map_err(|source| NodeError::Transport {
+            transport: transport.capabilities().name,
+            source,
+        })
 }
 
 /// Loads the model and builds an engine whose KV pool lives in memory `transport` allocated;

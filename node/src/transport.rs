@@ -24,8 +24,12 @@ use crate::config::TransportChoice;
 use crate::error::NodeError;
 
 /// Starts the transport `choice` asks for; `auto` falls back to TCP (with a warning) when UCX
-/// cannot start.
-pub fn start(choice: TransportChoice) -> Result<(Arc<NetTransport>, TransportKind), NodeError> {
+/// cannot start, and is TCP with `cuda_ipc` (the CUDA IPC path rides on it).
+pub fn start(choice: TransportChoice, cuda_ipc: bool) -> Result<(Arc<NetTransport>, TransportKind), NodeError> {
+    let choice = match choice {
+        TransportChoice::Auto if cuda_ipc => TransportChoice::Tcp,
+        c => c,
+    };
     let make = |kind: TransportKind| {
         NetTransport::new(kind, TransferConfig::default(), UcxConfig::default())
             .map(Arc::new)
@@ -133,7 +137,7 @@ mod tests {
 
     #[test]
     fn a_transport_backing_exposes_the_whole_pool() {
-        let (t, _) = start(TransportChoice::Tcp).unwrap();
+        let (t, _) = start(TransportChoice::Tcp, false).unwrap();
         let layout =
             tandem_engine::KvLayout::new(2, 1, 8, 4, tandem_engine::KvDtype::F32, 1).unwrap();
         let reg = tandem_kv_transfer::KvTransport::allocate(&*t, layout, 3).unwrap();
@@ -141,5 +145,11 @@ mod tests {
         assert_eq!(b.len_bytes(), layout.pool_bytes(3));
         assert_eq!(b.as_ptr() as usize % 64, 0);
         tandem_engine::kv::KvPool::external(layout, 3, Arc::new(b)).unwrap();
+    }
+
+    #[test]
+    fn auto_is_tcp_when_kv_goes_by_cuda_ipc() {
+        let (_, kind) = start(TransportChoice::Auto, true).unwrap();
+        assert_eq!(kind, TransportKind::Tcp);
     }
 }

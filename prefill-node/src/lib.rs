@@ -113,10 +113,10 @@ impl PrefillNode {
             addr: args.node.listen.grpc_addr,
             source,
         })?;
-        let (primary, kind) = transport::start(args.node.listen.kv_transport)?;
+        let (primary, kind) = transport::start(args.node.listen.kv_transport, args.node.listen.kv_cuda_ipc)?;
         // A UCX node also pushes to TCP decode nodes, over the same pool.
         let tcp = match kind {
-            TransportKind::Ucx => Some(transport::start(tandem_node::TransportChoice::Tcp)?.0),
+            TransportKind::Ucx => Some(transport::start(tandem_node::TransportChoice::Tcp, false)?.0),
             TransportKind::Tcp => None,
         };
         #[cfg(feature = "fault-injection")]
@@ -138,6 +138,7 @@ impl PrefillNode {
             metrics.watch_transfers("tcp", Arc::clone(t.metrics()));
         }
         let engine_args = args.node.engine.clone();
+        let cuda_ipc = args.node.listen.kv_cuda_ipc;
         let driver_metrics = metrics.clone();
         // The prefix cache's contents go to routers as KV events (cache-aware routing).
         let (cache_sink, cache_source) = tandem_node::kv_events::channel();
@@ -151,6 +152,9 @@ impl PrefillNode {
             },
             move |ctx| {
                 let (engine, registration) = model::build_engine(&engine_args, &*primary, tandem_engine::Staging::Push)?;
+                if cuda_ipc {
+                    model::attach_cuda_ipc(&engine, &primary)?;
+                }
                 let tcp = match tcp {
                     Some(t) => {
                         let reg =

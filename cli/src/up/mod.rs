@@ -56,9 +56,15 @@ pub struct UpArgs {
     pub model: Option<PathBuf>,
     /// Where the nodes' forward runs: `cpu`, or `cuda[:N]` for every node on that GPU (each
     /// node's KV is in device memory, sized by `--kv-cache-gb` in the node arguments after
-    /// `--`, and staged through its transport's host pool). Checked before anything starts.
+    /// `--`; the nodes pass KV device to device by CUDA IPC unless `--no-cuda-ipc`). Checked
+    /// before anything starts.
     #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
     pub device: tandem_engine::Device,
+    /// With `--device cuda`: stage KV through host memory even between the nodes on the GPU
+    /// (the path KV takes between machines). By default they pass it device to device by CUDA
+    /// IPC (`--kv-cuda-ipc` on each node).
+    #[arg(long)]
+    pub no_cuda_ipc: bool,
     /// The etcd binary (Debian package `etcd-server`).
     #[arg(long, default_value = "etcd")]
     pub etcd_bin: String,
@@ -297,12 +303,16 @@ pub fn start(
         .collect();
     let node_args = {
         let (common, extra, device) = (common.clone(), args.node_args.clone(), args.device);
+        let cuda_ipc = device.is_cuda() && !args.no_cuda_ipc;
         move |role: Role, id: &str| {
             let mut a = vec![role.as_str().to_string()];
             a.extend(common.iter().cloned());
             a.extend(["--node-id".into(), id.to_string()]);
             if device.is_cuda() {
                 a.extend(["--device".into(), device.to_string()]);
+            }
+            if cuda_ipc {
+                a.push("--kv-cuda-ipc".into());
             }
             a.extend(extra.iter().cloned());
             a

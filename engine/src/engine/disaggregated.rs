@@ -75,6 +75,7 @@ impl Engine {
 
     /// Returns an unadopted reservation's blocks; false if it is not held.
     pub fn release_reservation(&mut self, reservation_id: u64) -> bool {
+        self.kv_on_device.remove(&reservation_id);
         match self.reservations.remove(&reservation_id) {
             Some(blocks) => {
                 self.sched.release_blocks(&blocks);
@@ -90,6 +91,18 @@ impl Engine {
     /// for the first token (its text; it may already finish the request: EOS, a stop string, or
     /// `max_new_tokens == 1`). The sampler skips the first token's draw, so seeded sampling
     /// continues exactly as one engine would have.
+    /// Records that the KV of reservation `reservation_id` arrived in device memory (a CUDA IPC
+    /// transfer wrote the engine's own device pool): [`add_prefilled`](Self::add_prefilled)
+    /// then adopts it as it is, with no copy from the host mirror (whose bytes are stale).
+    /// False when no such reservation is held (nothing recorded).
+    pub fn kv_landed_on_device(&mut self, reservation_id: u64) -> bool {
+        let held = self.reservations.contains_key(&reservation_id);
+        if held {
+            self.kv_on_device.insert(reservation_id);
+        }
+        held
+    }
+
     pub fn add_prefilled(
         &mut self,
         req: Request,
@@ -116,7 +129,10 @@ impl Engine {
             })?;
         }
         let blocks = self.take_reservation(reservation_id, &req)?;
-        if let Some(m) = self.mirror.as_mut().filter(|m| m.staging() == Staging::Receive) {
+        let on_device = self.kv_on_device.remove(&reservation_id);
+        if on_device {
+            self.stats.kv_adopted_on_device += 1;
+        } else if let Some(m) = self.mirror.as_mut().filter(|m| m.staging() == Staging::Receive) {
             // The pushed KV is in the mirror's blocks; the device reads its own.
             let prompt_blocks = req.prompt.len().div_ceil(self.pool.layout().block_size_tokens);
             if let Err(e) = self.model.stage_in(&mut self.pool, m, &blocks[..prompt_blocks]) {

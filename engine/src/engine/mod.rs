@@ -68,6 +68,9 @@ pub struct Engine {
     held: HashMap<u64, Vec<BlockId>>,
     /// Blocks reserved for KV arriving from elsewhere, by reservation id.
     reservations: HashMap<u64, Vec<BlockId>>,
+    /// Reservations whose KV a transport wrote straight into device memory (CUDA IPC): adopting
+    /// them copies nothing up from the mirror.
+    kv_on_device: std::collections::HashSet<u64>,
     /// The last step's requests and the tokens each computed in it (cost accounting).
     last_step: Vec<(u64, usize)>,
     /// The tokenizer's vocabulary for structured output, built on the first request that asks
@@ -164,7 +167,7 @@ impl Engine {
         {
             eos.push(t.eos_token_id());
         }
-        Ok(Engine { model, pool, mirror, sched, tokenizer: tokenizer.map(Arc::new), reqs: HashMap::new(), eos, stats: EngineStats::default(), held: HashMap::new(), reservations: HashMap::new(), last_step: Vec::new(), grammar: OnceLock::new() })
+        Ok(Engine { model, pool, mirror, sched, tokenizer: tokenizer.map(Arc::new), reqs: HashMap::new(), eos, stats: EngineStats::default(), held: HashMap::new(), reservations: HashMap::new(), kv_on_device: Default::default(), last_step: Vec::new(), grammar: OnceLock::new() })
     }
 
     /// The model.
@@ -206,6 +209,13 @@ impl Engine {
         &self.pool
     }
 
+    /// The KV cache, writable: for writing received KV into reserved blocks in-process, as a
+    /// CUDA IPC transfer writes device memory (tests). Writing blocks a sequence owns corrupts
+    /// its output.
+    pub fn kv_store_mut(&mut self) -> &mut KvStore {
+        &mut self.pool
+    }
+
     /// The host mirror of a staged KV cache ([`with_staged_pool`](Self::with_staged_pool)).
     pub fn kv_mirror(&self) -> Option<&HostMirror> {
         self.mirror.as_ref()
@@ -240,6 +250,12 @@ impl Engine {
     /// Every block hash the prefix cache holds now.
     pub fn cached_hashes(&self) -> Vec<u64> {
         self.sched.blocks().cached_hashes()
+    }
+
+    /// What a KV transport needs to reach this engine's KV in device memory directly (CUDA IPC
+    /// between two processes on one GPU); `None` when the KV is in host memory.
+    pub fn kv_device_access(&self) -> Result<Option<tandem_kernels_cuda::KvDeviceAccess>, EngineError> {
+        self.model.kv_device_access(&self.pool)
     }
 
     /// Counters since start.

@@ -174,6 +174,9 @@ pub struct EngineStats {
     pub kv_staged_out_bytes: u64,
     /// KV bytes copied from the host mirror to the device (staged receive).
     pub kv_staged_in_bytes: u64,
+    /// Prompts adopted whose KV a transport had already put in device memory (CUDA IPC): no
+    /// copy from the host mirror.
+    pub kv_adopted_on_device: u64,
     /// Whether a staged engine's host mirror is page-locked (false without a mirror: see
     /// [`Engine::kv_mirror`](crate::Engine::kv_mirror)).
     pub kv_mirror_pinned: bool,

@@ -143,6 +143,12 @@ impl CudaForward {
         Ok(CudaKv { pool, ordinal: self.dev.ordinal() })
     }
 
+    /// What a KV transport needs to reach `kv` directly (CUDA IPC): its memory, a stream of
+    /// its own and the slab-hash kernel.
+    pub fn kv_access(&self, kv: &CudaKv) -> Result<tandem_kernels_cuda::KvDeviceAccess, EngineError> {
+        Ok(tandem_kernels_cuda::KvDeviceAccess::new(&self.dev, &kv.pool, &PtxCache::from_env())?)
+    }
+
     /// Page-locks `host` (a KV mirror's pool) for DMA copies to and from this device.
     pub fn pin(&self, host: &KvPool) -> Result<PinnedHost, CudaError> {
         let (ptr, len) = host.raw_region();
