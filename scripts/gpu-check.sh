@@ -19,8 +19,10 @@
 #   7b. the same with TANDEM_CUDA_GRAPHS=0 (decode kernel by kernel: what the graphs are worth)
 #   8. optional (GPU_CHECK_70B=1): bench-engine on the 70B shape (8 layers built)
 #   9. serving: `bench-serve --device cuda` on the small GGUF, 1 prefill + 1 decode node on the
-#      GPU (KV staged through pinned host memory) beside one colocated GPU engine, concurrency
-#      1 / 16 / 64
+#      GPU (KV device to device by CUDA IPC) beside one colocated GPU engine, concurrency
+#      1 / 16 / 64; the nodes' KV counters say how many bytes went by IPC
+#   9b. the disaggregated side again with --no-cuda-ipc (KV staged through pinned host memory:
+#      the cross-machine path), concurrency 16 / 64
 # Everything goes to $OUT (the run tool returns it): gpu-check.log, one file per step, and
 # RESULTS-gpu.md, a draft for bench/RESULTS-gpu.md.
 set -uo pipefail
@@ -230,13 +232,13 @@ if [ "${GPU_CHECK_70B:-0}" = 1 ]; then
 fi
 
 # ------------------------------------------------------------------------------------------------
-step "9. serving: bench-serve --device cuda (1 prefill + 1 decode node on the GPU, KV staged) beside one colocated GPU engine"
+step "9. serving: bench-serve --device cuda (1 prefill + 1 decode node on the GPU, KV by CUDA IPC) beside one colocated GPU engine"
 # The small GGUF (2 layers, the real tokenizer): the router and the nodes need a tokenizer, and
 # the real model does not fit the carry limit. Both sides run the same weights on the same GPU.
 if timeout 420 "$TANDEM" bench-serve --device cuda --model "$G/small.gguf" --concurrency 1,16,64 --requests 64 \
     --prompt-len 256 --max-tokens 64 --json > "$OUT/bench-serve.json" 2> "$OUT/bench-serve.err"; then
     cat "$OUT/bench-serve.json"; echo
-    md ""; md "## Serving on the GPU: bench-serve --device cuda (small GGUF: 2 layers, real tokenizer)"; md ""
+    md ""; md "## Serving on the GPU: bench-serve --device cuda (small GGUF: 2 layers, real tokenizer; KV by CUDA IPC)"; md ""
     "$PY" - "$OUT/bench-serve.json" >> "$RESULTS" <<'EOF' || failed "render bench-serve.json"
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -248,9 +250,40 @@ for side in ("disaggregated", "colocated"):
     for l in r[side]:
         print(f"| {side} | {l.get('concurrency')} | {l['ttft_p50_ms']:.1f} / {l['ttft_p99_ms']:.1f} "
               f"| {l['itl_p50_ms']:.2f} / {l['itl_p99_ms']:.2f} | {l['output_tok_s']:,.0f} |")
+kv = r.get("kv") or {}
+if kv:
+    share = 100 * kv["ipc_bytes_sent"] / max(kv["bytes_sent"], 1)
+    per = 1e3 * kv["transfer_seconds"] / max(kv["transfers_received"], 1)
+    print()
+    print(f"KV: {kv['bytes_sent']/1e6:.1f} MB pushed in {kv['transfers_received']} transfers, {share:.0f}% by CUDA IPC; "
+          f"mean push, start to confirmation: {per:.2f} ms")
 EOF
 else
     failed "bench-serve --device cuda (see bench-serve.err)"; tail -n 30 "$OUT/bench-serve.err"
+fi
+
+step "9b. the disaggregated side with --no-cuda-ipc (KV staged through pinned host memory)"
+if timeout 200 "$TANDEM" bench-serve --device cuda --no-cuda-ipc --mode disaggregated --model "$G/small.gguf" \
+    --concurrency 16,64 --requests 64 --prompt-len 256 --max-tokens 64 --json > "$OUT/bench-serve-staged.json" \
+    2> "$OUT/bench-serve-staged.err"; then
+    md ""; md "### The same cluster with --no-cuda-ipc (staged through host memory)"; md ""
+    "$PY" - "$OUT/bench-serve-staged.json" >> "$RESULTS" <<'EOF' || failed "render bench-serve-staged.json"
+import json, sys
+r = json.load(open(sys.argv[1]))
+print("| concurrency | TTFT p50 / p99 ms | ITL p50 / p99 ms | output tok/s |")
+print("|---|---|---|---|")
+for l in r["disaggregated"]:
+    print(f"| {l.get('concurrency')} | {l['ttft_p50_ms']:.1f} / {l['ttft_p99_ms']:.1f} "
+          f"| {l['itl_p50_ms']:.2f} / {l['itl_p99_ms']:.2f} | {l['output_tok_s']:,.0f} |")
+kv = r.get("kv") or {}
+if kv:
+    per = 1e3 * kv["transfer_seconds"] / max(kv["transfers_received"], 1)
+    print()
+    print(f"KV: {kv['bytes_sent']/1e6:.1f} MB pushed in {kv['transfers_received']} transfers, "
+          f"{kv['ipc_bytes_sent']} bytes by CUDA IPC; mean push, start to confirmation: {per:.2f} ms")
+EOF
+else
+    failed "bench-serve --device cuda --no-cuda-ipc (see bench-serve-staged.err)"; tail -n 30 "$OUT/bench-serve-staged.err"
 fi
 
 finish

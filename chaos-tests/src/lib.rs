@@ -36,6 +36,7 @@ mod workload;
 pub use catalogue::{Drill, DrillKind, FaultStep, Setup, Trigger};
 pub use cluster::{ClusterHandle, NodeEndpoint, Signal};
 pub use error::DrillError;
+pub use probe::metric as scrape_metric;
 pub use report::{Row, table};
 pub use run::{DrillOptions, run_drill};
 pub use workload::{Outcome, RequestSpec, Workload};

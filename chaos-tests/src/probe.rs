@@ -21,7 +21,7 @@ pub(crate) async fn router_recoveries(http: &reqwest::Client, url: &str) -> u64 
 }
 
 /// Reads one node's metrics: `family{...label="value"...} number` lines, summed.
-pub(crate) async fn metric(
+pub async fn metric(
     http: &reqwest::Client,
     url: &str,
     family: &str,

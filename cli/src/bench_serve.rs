@@ -147,6 +147,52 @@ struct Report {
     slo: Slo,
     disaggregated: Vec<Level>,
     colocated: Vec<Level>,
+    /// How the disaggregated side's KV moved (the nodes' `/metrics` after its last level).
+    kv: Option<KvMoved>,
+}
+
+/// The KV transfer counters of the disaggregated side, summed over its nodes.
+#[derive(Clone, Debug, Default, Serialize)]
+struct KvMoved {
+    /// Payload bytes the prefill node pushed.
+    bytes_sent: u64,
+    /// Of those, bytes copied device to device by CUDA IPC (same GPU).
+    ipc_bytes_sent: u64,
+    /// Transfers the decode node received and verified.
+    transfers_received: u64,
+    /// Outbound transfer time summed over transfers, push start to the receiver's
+    /// confirmation (layers stream while prefill computes the next), seconds.
+    transfer_seconds: f64,
+}
+
+impl KvMoved {
+    /// Reads the counters from every node's `/metrics` (a missing family counts 0).
+    fn scrape(urls: &[(String, String)], rt: &tokio::runtime::Runtime) -> KvMoved {
+        let http = reqwest::Client::new();
+        let mut kv = KvMoved::default();
+        for (_, url) in urls {
+            let get = |family: &'static str, label: &'static str| {
+                rt.block_on(tandem_chaos_tests::scrape_metric(&http, url, family, label))
+                    .unwrap_or(0.0)
+            };
+            kv.bytes_sent += get("tandem_kv_transfer_bytes_total", "direction=\"sent\"") as u64;
+            kv.ipc_bytes_sent += get("tandem_kv_ipc_bytes_total", "direction=\"sent\"") as u64;
+            kv.transfers_received += get("tandem_kv_transfers_total", "result=\"received\"") as u64;
+            kv.transfer_seconds += get("tandem_kv_transfer_duration_seconds_sum", "");
+        }
+        kv
+    }
+
+    /// One line for the table.
+    fn line(&self) -> String {
+        let share = if self.bytes_sent > 0 { 100.0 * self.ipc_bytes_sent as f64 / self.bytes_sent as f64 } else { 0.0 };
+        let per = if self.transfers_received > 0 { 1e3 * self.transfer_seconds / self.transfers_received as f64 } else { 0.0 };
+        format!(
+            "KV moved: {:.1} MB in {} transfers, {share:.0}% by CUDA IPC; mean push (start to confirmation) {per:.2} ms\n",
+            self.bytes_sent as f64 / 1e6,
+            self.transfers_received
+        )
+    }
 }
 
 /// The levels to run, in order: the concurrency sweep, then the rate sweep.
@@ -213,6 +259,7 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<String> {
         slo,
         disaggregated: vec![],
         colocated: vec![],
+        kv: None,
     };
     let loads = loads(args);
     let sides = if args.mode == Mode::Both { 2 } else { 1 };
@@ -260,6 +307,10 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<String> {
             let level = stats::summarize(load, &samples, wall, &slo);
             bar.suspend(|| progress("disaggregated", &level));
             report.disaggregated.push(level);
+        }
+        match cluster.node_metrics_urls(&rt) {
+            Ok(urls) => report.kv = Some(KvMoved::scrape(&urls, &rt)),
+            Err(e) => eprintln!("bench-serve: the nodes' KV counters could not be read: {e:#}"),
         }
         cluster.shutdown();
         let _ = std::fs::remove_dir_all(&run_dir);
@@ -377,6 +428,10 @@ fn table(args: &BenchServeArgs, report: &Report, loads: &[Load]) -> String {
                 l.slo_attainment * 100.0
             );
         }
+    }
+    if let Some(kv) = &report.kv {
+        s += "\n";
+        s += &kv.line();
     }
     s
 }

@@ -31,7 +31,10 @@
 //!   16-lane trees, so GPU and CPU agree within stated tolerances, not bit for bit. RoPE, the
 //!   KV write, SiLU-mul, residual add, argmax and the conversions perform the CPU's operations
 //!   exactly.
-//! - One [`CudaDevice`] owns one stream; every wrapper queues on it, in order.
+//! - One [`CudaDevice`] owns one stream; every wrapper queues on it, in order. The one other
+//!   stream is a transfer path's ([`KvDeviceAccess`]): it reads or writes only KV blocks the
+//!   engine is not using (pushed, or reserved and not yet adopted), ordered after the engine's
+//!   work by the host (see [`ipc`]).
 //!
 //! # Environment
 //! - `TANDEM_PTX_CACHE`: PTX cache directory ([`ptx::default_dir`] for the fallbacks).

@@ -13,6 +13,8 @@
 //!   combinations of V rows in [-1, 1]; the softmax sums run in another order, online).
 
 mod common;
+#[path = "gpu/ipc.rs"]
+mod ipc;
 #[path = "gpu/staging.rs"]
 mod staging;
 
@@ -27,7 +29,8 @@ use tandem_kv_layout::{KvDtype, KvLayout};
 
 const CHECKS: &str = "cuBLAS linear f32/bf16, rms_norm, silu_mul, add_inplace, argmax, embed f32/bf16, f32<->bf16, \
                       rope+write_kv (f32/f16/bf16), paged attention decode and prefill (f32/f16/bf16, GQA, \
-                      head_dim 64/80/128/256) against tandem-kernels; KV staging to pinned host memory; graph capture";
+                      head_dim 64/80/128/256) against tandem-kernels; KV staging to pinned host memory; graph capture; \
+                      XXH3 slab hashes and a second process copying into this one's pool by CUDA IPC";
 
 fn report_not_run(why: &str) {
     let _ = writeln!(
@@ -84,8 +87,19 @@ fn gpu_kernels_match_the_cpu_kernels() {
     check_gemm(&dev, &mut rng);
     staging::check_staging(&dev, &mut rng);
     staging::check_graph(&dev, &k, &mut rng);
+    ipc::check_ipc(&dev, &PtxCache::new(&cache_dir), &mut rng);
     time_attention(&dev, &k, &mut rng);
     let _ = std::fs::remove_dir_all(&cache_dir);
+}
+
+/// Not a check of its own: the second process of `ipc::check_ipc`, which runs this binary
+/// again with the parent's IPC handle in the environment. Without it (every ordinary run) it
+/// returns at once.
+#[test]
+fn ipc_peer_process() {
+    if let Ok(handle) = std::env::var(ipc::ENV_HANDLE) {
+        ipc::peer(&handle);
+    }
 }
 
 fn up<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
