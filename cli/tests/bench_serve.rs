@@ -71,6 +71,14 @@ fn both_sides_report_every_level_with_real_timings() {
             assert_eq!(l["output_tokens"], 2 * 4, "{side}: nothing lost: {l}");
         }
     }
+    // How the KV moved, read from the nodes' /metrics: every pushed prompt counted, none by
+    // CUDA IPC on the CPU.
+    let kv = &v["kv"];
+    let n = |k: &str| kv[k].as_u64().unwrap_or_else(|| panic!("kv.{k} missing: {v}"));
+    assert!(n("transfers_received") >= 1 && n("transfers_received") <= 7, "{kv}");
+    assert!(n("bytes_sent") > 0, "{kv}");
+    assert_eq!(n("ipc_bytes_sent"), 0, "no GPU here: {kv}");
+    assert!(kv["transfer_seconds"].as_f64().unwrap() > 0.0, "{kv}");
     for png in ["bench-serve-concurrency.png", "bench-serve-rate.png"] {
         let bytes = std::fs::read(plots.join(png)).unwrap_or_else(|e| panic!("{png}: {e}; stderr: {err}"));
         assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n", "{png} is not a PNG");
