@@ -40,7 +40,12 @@ SMOL=scripts/gpu/smollm2-135m.json
 BIG=scripts/gpu/llama70b-8l.json
 FAILED=()
 
-step() { echo; echo "=== gpu-check: $* ($(date -u +%H:%M:%S))"; }
+# The whole check must end (and write RESULTS-gpu.md) inside the run tool's limit: every step's
+# timeout is cut to what is left of GPU_CHECK_BUDGET_S (default 510 s, for timeout_s=540), and a
+# step that starts with under 20 s left is cut to 1 s (it fails, named, and the rest still report).
+BUDGET="${GPU_CHECK_BUDGET_S:-510}"
+tmo() { local left=$((BUDGET - SECONDS - 15)); local t=$(( $1 < left ? $1 : left )); (( t < 5 )) && t=1; echo "$t"; }
+step() { echo; echo "=== gpu-check: $* ($(date -u +%H:%M:%S), ${SECONDS}s of ${BUDGET}s used)"; }
 failed() { echo "gpu-check: FAILED at step: $*"; FAILED+=("$*"); }
 die() { failed "$*"; finish; exit 1; }
 md() { printf '%s\n' "$*" >> "$RESULTS"; }
@@ -101,7 +106,7 @@ done
 
 # ------------------------------------------------------------------------------------------------
 step "3. kernels-cuda GPU test (every kernel against tandem-kernels)"
-if timeout 180 "$G/kernels-cuda-gpu" --nocapture --test-threads=1 > "$OUT/kernels-cuda-gpu.txt" 2>&1; then
+if timeout "$(tmo 180)" "$G/kernels-cuda-gpu" --nocapture --test-threads=1 > "$OUT/kernels-cuda-gpu.txt" 2>&1; then
     KSTATUS=passed
 else
     KSTATUS="FAILED (exit $?)"; failed "kernels-cuda GPU test"
@@ -115,7 +120,7 @@ md '```'
 
 # ------------------------------------------------------------------------------------------------
 step "4. engine CUDA test (engine on cuda:0 against the CPU engine, dummy weights)"
-if timeout 240 "$G/engine-cuda" --nocapture --test-threads=1 > "$OUT/engine-cuda.txt" 2>&1; then
+if timeout "$(tmo 240)" "$G/engine-cuda" --nocapture --test-threads=1 > "$OUT/engine-cuda.txt" 2>&1; then
     ESTATUS=passed
 else
     ESTATUS="FAILED (exit $?)"; failed "engine CUDA test"
@@ -136,7 +141,7 @@ i = int(sys.argv[1]); n = 16 + 24 * i
 print(",".join(str(256 + (j * 7919 + i * 104729) % 48000) for j in range(n)))' "$1"
 }
 gen() { # device dtype prompt -> the token_ids line
-    timeout 120 "$TANDEM" generate --device "$1" --dtype "$2" --dummy-weights "$SMOL" --prompt-ids "$3" \
+    timeout "$(tmo 120)" "$TANDEM" generate --device "$1" --dtype "$2" --dummy-weights "$SMOL" --prompt-ids "$3" \
         --max-tokens 64 --print-token-ids --kv-dtype f32 --kv-blocks 256 2>&1 >/dev/null | grep '^token_ids:'
 }
 SAME=0; BF_AGREE=0; BF_TOTAL=0; EXACT_LINES=()
@@ -180,7 +185,7 @@ md "bf16 weights on cuda:0 against f32 on the CPU: $BF_AGREE of $BF_TOTAL tokens
 
 # ------------------------------------------------------------------------------------------------
 step "6. PyTorch anchor (anchor.py smollm2-135m)"
-if timeout 240 "$PY" "$G/anchor.py" smollm2-135m > "$OUT/anchor-smollm2.jsonl" 2> "$OUT/anchor-smollm2.err"; then
+if timeout "$(tmo 240)" "$PY" "$G/anchor.py" smollm2-135m > "$OUT/anchor-smollm2.jsonl" 2> "$OUT/anchor-smollm2.err"; then
     cat "$OUT/anchor-smollm2.jsonl"
 else
     failed "PyTorch anchor (see anchor-smollm2.err)"; tail -n 20 "$OUT/anchor-smollm2.err"
@@ -194,7 +199,7 @@ md '```'
 # ------------------------------------------------------------------------------------------------
 bench() { # name config extra-args...
     local name=$1 cfg=$2; shift 2
-    if timeout 300 "$TANDEM" bench-engine --device cuda --dummy-weights "$cfg" --kv-dtype bf16 "$@" --format json \
+    if timeout "$(tmo 300)" "$TANDEM" bench-engine --device cuda --dummy-weights "$cfg" --kv-dtype bf16 "$@" --format json \
         > "$OUT/bench-$name.json" 2> "$OUT/bench-$name.err"; then
         cat "$OUT/bench-$name.json"; echo
         md ""; md "## tandem bench-engine --device cuda: $name"; md ""
@@ -235,7 +240,7 @@ fi
 step "9. serving: bench-serve --device cuda (1 prefill + 1 decode node on the GPU, KV by CUDA IPC) beside one colocated GPU engine"
 # The small GGUF (2 layers, the real tokenizer): the router and the nodes need a tokenizer, and
 # the real model does not fit the carry limit. Both sides run the same weights on the same GPU.
-if timeout 420 "$TANDEM" bench-serve --device cuda --model "$G/small.gguf" --concurrency 1,16,64 --requests 64 \
+if timeout "$(tmo 420)" "$TANDEM" bench-serve --device cuda --model "$G/small.gguf" --concurrency 1,16,64 --requests 64 \
     --prompt-len 256 --max-tokens 64 --json > "$OUT/bench-serve.json" 2> "$OUT/bench-serve.err"; then
     cat "$OUT/bench-serve.json"; echo
     md ""; md "## Serving on the GPU: bench-serve --device cuda (small GGUF: 2 layers, real tokenizer; KV by CUDA IPC)"; md ""
@@ -263,7 +268,7 @@ else
 fi
 
 step "9b. the disaggregated side with --no-cuda-ipc (KV staged through pinned host memory)"
-if timeout 200 "$TANDEM" bench-serve --device cuda --no-cuda-ipc --mode disaggregated --model "$G/small.gguf" \
+if timeout "$(tmo 200)" "$TANDEM" bench-serve --device cuda --no-cuda-ipc --mode disaggregated --model "$G/small.gguf" \
     --concurrency 16,64 --requests 64 --prompt-len 256 --max-tokens 64 --json > "$OUT/bench-serve-staged.json" \
     2> "$OUT/bench-serve-staged.err"; then
     md ""; md "### The same cluster with --no-cuda-ipc (staged through host memory)"; md ""
