@@ -127,3 +127,43 @@ async fn a_transport_takes_one_device_only() {
     let e = t.attach_device(Arc::new(HostDeviceKv::new([1; 16], 64))).unwrap_err();
     assert_eq!(e.kind(), tandem_kv_transfer::FailureKind::InvalidRequest, "{e}");
 }
+
+/// A sender on a GPU pushing to a UCX receiver (whose pool UCX could map) is offered no UCX
+/// keys (it asked for CUDA IPC): the bytes go in the stream, intact.
+#[cfg(feature = "ucx")]
+#[tokio::test]
+async fn a_gpu_sender_reaches_a_ucx_receiver_over_the_stream() {
+    use std::sync::Arc;
+    use tandem_kv_transfer::device::HostDeviceKv;
+    use tandem_kv_transfer::{InboundRegistry, KvTransport, TcpKvTransport, TransferConfig, UcxConfig, UcxKvTransport};
+
+    let small = common::small_layout();
+    let sender = TcpKvTransport::new(TransferConfig::default()).unwrap();
+    let source = common::source_pool(small, common::BLOCKS);
+    let device = Arc::new(HostDeviceKv::new([4; 16], source.len_bytes()));
+    // SAFETY: nothing else touches the fresh source pool.
+    device.write(0, unsafe { std::slice::from_raw_parts(source.as_ptr(), source.len_bytes()) });
+    sender.attach_device(device).unwrap();
+    let src = sender.register(source).unwrap();
+    let ucx = UcxConfig { tls: Some("shm".into()), ..Default::default() };
+    let receiver = Arc::new(UcxKvTransport::new(TransferConfig::default(), ucx).unwrap());
+    let registry = InboundRegistry::new(receiver.allocate(small, common::BLOCKS).unwrap(), Duration::from_secs(2));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let peer = listener.local_addr().unwrap().to_string();
+    let stop = CancellationToken::new();
+    let (r, reg, sd) = (Arc::clone(&receiver), registry.clone(), stop.clone());
+    tokio::spawn(async move { r.serve(listener, reg, sd).await.unwrap() });
+    let (s, d) = (common::scenarios::SRC, common::scenarios::DST);
+    let inbound = registry
+        .expect(Reservation { reservation_id: 6, epoch: 1, dst_blocks: d.to_vec(), ttl: Duration::from_secs(10) })
+        .unwrap();
+    let out = sender
+        .push(&src, PushRequest::new(peer, 6, 1, s.to_vec(), d.to_vec()), CancellationToken::new())
+        .unwrap();
+    let (sent, got) = tokio::join!(out.into_future(), inbound.into_future());
+    let (sent, got) = (sent.unwrap(), got.unwrap());
+    assert_eq!(sent.data_mode, "inline");
+    assert!(!got.on_device);
+    assert_eq!(sent.block_checksums, got.block_checksums);
+    stop.cancel();
+}

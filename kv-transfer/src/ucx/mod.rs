@@ -127,8 +127,12 @@ pub(crate) struct UcxNet {
 
 impl DataPath for UcxNet {
     /// The worker address, remote key and extent of `registration`'s pool, when it was mapped
-    /// by this transport.
-    fn offer(&self, registration: &PoolRegistration, _: &Hello) -> Option<DataOffer> {
+    /// by this transport and the sender is a UCX sender.
+    fn offer(&self, registration: &PoolRegistration, hello: &Hello) -> Option<DataOffer> {
+        // A sender with a device UUID wants CUDA IPC, not UCX: no offer, so it gets the stream.
+        if !hello.device_uuid.is_empty() {
+            return None;
+        }
         let mapped = registration.ucx()?;
         Some(DataOffer::Ucx(UcxRemote {
             worker_address: self.rt.worker_address().to_vec(),

@@ -208,6 +208,19 @@ pub async fn tcp_pair_with_stall_timeout(
     let dst = receiver
         .register(Arc::new(KvPool::new(dst_layout, BLOCKS).unwrap()))
         .unwrap();
+    serve_tcp(sender, receiver, src, dst, stall, None).await
+}
+
+/// Starts `receiver` serving `dst` on a loopback port and joins it with `sender` (pushing from
+/// `src`) into a [`Pair`].
+async fn serve_tcp(
+    sender: TcpKvTransport,
+    receiver: Arc<TcpKvTransport>,
+    src: PoolRegistration,
+    dst: PoolRegistration,
+    stall: Option<Duration>,
+    landing: Option<Arc<HostDeviceKv>>,
+) -> Pair {
     let registry = InboundRegistry::with_stall_timeout(dst, fence(), stall);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let peer = listener.local_addr().unwrap().to_string();
@@ -223,7 +236,7 @@ pub async fn tcp_pair_with_stall_timeout(
         peer,
         shutdown,
         _receiver: Some(receiver),
-        landing: None,
+        landing,
     }
 }
 
@@ -251,23 +264,8 @@ pub async fn ipc_pair_on(src_layout: KvLayout, dst_layout: KvLayout, src_gpu: u8
     let dst_device = Arc::new(HostDeviceKv::new([dst_gpu; 16], dst_pool.len_bytes()));
     receiver.attach_device(Arc::clone(&dst_device) as Arc<dyn tandem_kv_transfer::device::DeviceKv>).unwrap();
     let dst = receiver.register(dst_pool).unwrap();
-    let registry = InboundRegistry::with_stall_timeout(dst, fence(), None);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let peer = listener.local_addr().unwrap().to_string();
-    let shutdown = CancellationToken::new();
-    let (r, reg, sd) = (Arc::clone(&receiver), registry.clone(), shutdown.clone());
-    tokio::spawn(async move { r.serve(listener, reg, sd).await.unwrap() });
-    Pair {
-        sender_metrics: Arc::clone(sender.metrics()),
-        receiver_metrics: Arc::clone(receiver.metrics()),
-        sender: Arc::new(sender),
-        src,
-        registry,
-        peer,
-        shutdown,
-        _receiver: Some(receiver),
-        landing: (src_gpu == dst_gpu).then_some(dst_device),
-    }
+    let landing = (src_gpu == dst_gpu).then_some(dst_device);
+    serve_tcp(sender, receiver, src, dst, None, landing).await
 }
 
 /// [`ipc_pair_on`] with both pools on one GPU.
