@@ -24,6 +24,7 @@
 //! | `tandem_node_tokens_per_second` | gauge | – | prompt + generated tokens/s over the last 0.5 s |
 //! | `tandem_node_prompt_tokens_per_step` | gauge | – | prompt tokens one engine step may compute now (decode: sized from measured steps to `--max-step-ms`) |
 //! | `tandem_kv_transfer_bytes_total` | counter | transport, direction | KV bytes sent (prefill) / received and verified (decode) |
+//! | `tandem_kv_ipc_bytes_total` | counter | transport, direction | `--kv-cuda-ipc`: of those, bytes copied device to device into a peer's GPU pool (sent) / verified in this GPU's pool (received) |
 //! | `tandem_kv_transfers_total` | counter | transport, result | started, confirmed (outbound), received (inbound, verified) |
 //! | `tandem_kv_transfer_duration_seconds` | histogram | transport | outbound transfer, start to confirmation |
 //! | `tandem_kv_transfer_failures_total` | counter | transport, reason | transfers that did not complete, by kind |
