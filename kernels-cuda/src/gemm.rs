@@ -12,6 +12,9 @@
 //!
 //! cuBLAS sums in its own order: results agree with the CPU kernels within float rounding, not
 //! bit for bit. Everything is queued on the device's one stream.
+//!
+//! [`Out::Add`] folds a residual add into the GEMM's epilogue (`beta = 1`: `out += x · Wᵀ`),
+//! one kernel and one pass over `out` instead of a GEMM into a scratch buffer and an add.
 
 use std::sync::Arc;
 
@@ -29,6 +32,24 @@ pub struct Gemm {
     stream: Arc<CudaStream>,
     /// cuBLAS's workspace, set once: a GEMM captured into a graph must not allocate.
     _workspace: CudaSlice<u8>,
+}
+
+/// What a linear layer does with its output buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Out {
+    /// `out = x · Wᵀ` (`beta = 0`: `out`'s old contents are never read).
+    Set,
+    /// `out += x · Wᵀ` (`beta = 1`): a residual add in the GEMM's epilogue.
+    Add,
+}
+
+impl Out {
+    fn beta(self) -> f32 {
+        match self {
+            Out::Set => 0.0,
+            Out::Add => 1.0,
+        }
+    }
 }
 
 /// Bytes of cuBLAS's workspace (what PyTorch gives it on Hopper).
@@ -73,8 +94,9 @@ impl Gemm {
         Ok((dim(op, "m", m)?, dim(op, "n", n)?, dim(op, "k", k)?))
     }
 
-    /// `out = x · Wᵀ` in f32: `x` `[m × k]`, `w` `[n × k]`, `out` `[m × n]`.
-    pub fn linear_f32<X, W, O>(&self, x: &X, m: usize, w: &W, n: usize, k: usize, out: &mut O) -> Result<(), CudaError>
+    /// `out = x · Wᵀ` (or `+=`, [`Out::Add`]) in f32: `x` `[m × k]`, `w` `[n × k]`, `out` `[m × n]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_f32<X, W, O>(&self, x: &X, m: usize, w: &W, n: usize, k: usize, out: &mut O, mode: Out) -> Result<(), CudaError>
     where
         X: DevicePtr<f32>,
         W: DevicePtr<f32>,
@@ -94,7 +116,7 @@ impl Gemm {
             alpha: 1.0f32,
             lda: k32,
             ldb: k32,
-            beta: 0.0f32,
+            beta: mode.beta(),
             ldc: n32,
         };
         // SAFETY: the lengths were checked against (m, n, k) above, and the leading dimensions
@@ -102,8 +124,10 @@ impl Gemm {
         unsafe { self.blas.gemm(cfg, w, x, out) }.map_err(|e| cublas(OP, e))
     }
 
-    /// `out = x · Wᵀ` with bf16 `x` and `w` (bits as `u16`) and an f32 `out`, accumulated in f32.
-    pub fn linear_bf16<X, W, O>(&self, x: &X, m: usize, w: &W, n: usize, k: usize, out: &mut O) -> Result<(), CudaError>
+    /// `out = x · Wᵀ` (or `+=`, [`Out::Add`]) with bf16 `x` and `w` (bits as `u16`) and an f32
+    /// `out`, accumulated in f32.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_bf16<X, W, O>(&self, x: &X, m: usize, w: &W, n: usize, k: usize, out: &mut O, mode: Out) -> Result<(), CudaError>
     where
         X: DevicePtr<u16>,
         W: DevicePtr<u16>,
@@ -114,7 +138,7 @@ impl Gemm {
         if m == 0 || n == 0 {
             return Ok(());
         }
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (alpha, beta) = (1.0f32, mode.beta());
         let (wp, _w_guard) = w.device_ptr(&self.stream);
         let (xp, _x_guard) = x.device_ptr(&self.stream);
         let (op, _o_guard) = out.device_ptr_mut(&self.stream);

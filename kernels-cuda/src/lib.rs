@@ -56,7 +56,7 @@ pub mod staging;
 pub use device::{CudaDevice, device_count};
 pub use error::{CudaError, CudaLib};
 pub use buffers::{DecodeWorkspace, DeviceKvPool, DeviceRopeTable, KvGeom};
-pub use gemm::Gemm;
+pub use gemm::{Gemm, Out};
 pub use graph::DeviceGraph;
 pub use ipc::{KvDeviceAccess, KvMemory, PeerKvMemory};
 pub use kernels::CudaKernels;

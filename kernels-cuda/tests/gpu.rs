@@ -24,7 +24,7 @@ use std::io::Write;
 use std::time::Instant;
 use tandem_kernels::{AttnSeq, KvCacheMut, RopeTable};
 use tandem_kernels_cuda::buffers::{DecodeWorkspace, DeviceKvPool, DeviceRopeTable};
-use tandem_kernels_cuda::{CudaDevice, CudaError, CudaKernels, PtxCache, launch};
+use tandem_kernels_cuda::{CudaDevice, CudaError, CudaKernels, Out, PtxCache, launch};
 use tandem_kv_layout::{KvDtype, KvLayout};
 
 const CHECKS: &str = "cuBLAS linear f32/bf16, rms_norm, silu_mul, add_inplace, argmax, embed f32/bf16, f32<->bf16, \
@@ -613,20 +613,31 @@ fn check_gemm(dev: &CudaDevice, rng: &mut Rng) {
     };
     let wd = up(dev, &w);
     let mut out = zeros::<f32>(dev, m * n);
-    g.linear_f32(&up(dev, &x), m, &wd.slice(r0 * k..r1 * k), n, k, &mut out)
+    g.linear_f32(&up(dev, &x), m, &wd.slice(r0 * k..r1 * k), n, k, &mut out, Out::Set)
         .unwrap_or_else(|e| panic!("{e}"));
     assert_close("linear_f32", &down(dev, &out), &want(&x, &w), 1e-3, 1e-4);
+    // The residual add folded into the epilogue: out += x · Wᵀ on a random `out`.
+    let resid = rng.vec(m * n);
+    let mut acc = up(dev, &resid);
+    g.linear_f32(&up(dev, &x), m, &wd.slice(r0 * k..r1 * k), n, k, &mut acc, Out::Add)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let plus = |p: Vec<f32>| -> Vec<f32> { p.iter().zip(&resid).map(|(a, b)| a + b).collect() };
+    assert_close("linear_f32 (Out::Add)", &down(dev, &acc), &plus(want(&x, &w)), 1e-3, 1e-4);
     let (xb, wb): (Vec<f32>, Vec<f32>) = (
         x.iter().map(|&v| bf(v).to_f32()).collect(),
         w.iter().map(|&v| bf(v).to_f32()).collect(),
     );
     let bits = |v: &[f32]| v.iter().map(|&a| bf(a).to_bits()).collect::<Vec<u16>>();
     let wbd = up(dev, &bits(&w));
-    g.linear_bf16(&up(dev, &bits(&x)), m, &wbd.slice(r0 * k..r1 * k), n, k, &mut out)
+    g.linear_bf16(&up(dev, &bits(&x)), m, &wbd.slice(r0 * k..r1 * k), n, k, &mut out, Out::Set)
         .unwrap_or_else(|e| panic!("{e}"));
     assert_close("linear_bf16", &down(dev, &out), &want(&xb, &wb), 1e-3, 1e-4);
+    let mut acc = up(dev, &resid);
+    g.linear_bf16(&up(dev, &bits(&x)), m, &wbd.slice(r0 * k..r1 * k), n, k, &mut acc, Out::Add)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_close("linear_bf16 (Out::Add)", &down(dev, &acc), &plus(want(&xb, &wb)), 1e-3, 1e-4);
     assert!(matches!(
-        g.linear_f32(&up(dev, &x), m + 1, &wd, n_all, k, &mut out),
+        g.linear_f32(&up(dev, &x), m + 1, &wd, n_all, k, &mut out, Out::Set),
         Err(CudaError::Shape { .. })
     ));
 }

@@ -10,7 +10,7 @@
 
 use cudarc::driver::CudaSlice;
 use tandem_kernels::WeightDtype;
-use tandem_kernels_cuda::{CudaDevice, CudaError, CudaKernels, DecodeWorkspace, DeviceKvPool, DeviceRopeTable, Gemm};
+use tandem_kernels_cuda::{CudaDevice, CudaError, CudaKernels, DecodeWorkspace, DeviceKvPool, DeviceRopeTable, Gemm, Out};
 
 use super::weights::{DevElems, DevMatrix, DevWeights};
 use crate::config::ModelConfig;
@@ -24,7 +24,6 @@ pub(super) struct StepBufs {
     k: CudaSlice<f32>,
     v: CudaSlice<f32>,
     attn: CudaSlice<f32>,
-    proj: CudaSlice<f32>,
     gate_up: CudaSlice<f32>,
     act: CudaSlice<f32>,
     /// bf16 copies of the GEMM inputs (one element for f32 weights): width hidden, q, intermediate.
@@ -48,7 +47,6 @@ impl StepBufs {
             k: d.alloc_zeros(t * kv_w)?,
             v: d.alloc_zeros(t * kv_w)?,
             attn: d.alloc_zeros(t * q_w)?,
-            proj: d.alloc_zeros(t * h)?,
             gate_up: d.alloc_zeros(t * 2 * inter)?,
             act: d.alloc_zeros(t * inter)?,
             xb_h: d.alloc_zeros(bf(t * h))?,
@@ -148,9 +146,9 @@ impl Parts<'_> {
             k.f32_to_bf16(&b.xn, &mut b.xb_h)?;
         }
         let (qkv, t) = (&layer.qkv, b.t);
-        mm(g, bf16, &b.xn, &b.xb_h, t, qkv, (0, q_w), &mut b.q)?;
-        mm(g, bf16, &b.xn, &b.xb_h, t, qkv, (q_w, q_w + kv_w), &mut b.k)?;
-        mm(g, bf16, &b.xn, &b.xb_h, t, qkv, (q_w + kv_w, q_w + 2 * kv_w), &mut b.v)?;
+        mm(g, bf16, &b.xn, &b.xb_h, t, qkv, (0, q_w), &mut b.q, Out::Set)?;
+        mm(g, bf16, &b.xn, &b.xb_h, t, qkv, (q_w, q_w + kv_w), &mut b.k, Out::Set)?;
+        mm(g, bf16, &b.xn, &b.xb_h, t, qkv, (q_w + kv_w, q_w + 2 * kv_w), &mut b.v, Out::Set)?;
         k.rope_write_kv(&mut b.q, &b.k, &b.v, heads, self.rope, positions, slots, pool, li)
     }
 
@@ -175,19 +173,18 @@ impl Parts<'_> {
         if bf16 {
             k.f32_to_bf16(&b.attn, &mut b.xb_q)?;
         }
-        mm(g, bf16, &b.attn, &b.xb_q, t, &layer.o_proj, (0, h), &mut b.proj)?;
-        k.add_inplace(&mut b.x, &b.proj)?;
+        // The residual adds are the GEMMs' epilogues (beta = 1): x += attn · W_oᵀ.
+        mm(g, bf16, &b.attn, &b.xb_q, t, &layer.o_proj, (0, h), &mut b.x, Out::Add)?;
         k.rms_norm(&b.x, &layer.mlp_norm, c.rms_norm_eps as f32, &mut b.xn)?;
         if bf16 {
             k.f32_to_bf16(&b.xn, &mut b.xb_h)?;
         }
-        mm(g, bf16, &b.xn, &b.xb_h, t, &layer.gate_up, (0, 2 * inter), &mut b.gate_up)?;
+        mm(g, bf16, &b.xn, &b.xb_h, t, &layer.gate_up, (0, 2 * inter), &mut b.gate_up, Out::Set)?;
         k.silu_mul(&b.gate_up, t, inter, &mut b.act)?;
         if bf16 {
             k.f32_to_bf16(&b.act, &mut b.xb_i)?;
         }
-        mm(g, bf16, &b.act, &b.xb_i, t, &layer.down, (0, h), &mut b.proj)?;
-        k.add_inplace(&mut b.x, &b.proj)
+        mm(g, bf16, &b.act, &b.xb_i, t, &layer.down, (0, h), &mut b.x, Out::Add)
     }
 
     /// The final RMSNorm and the LM head on the step's rows `want` (a row gather: the
@@ -207,7 +204,7 @@ impl Parts<'_> {
             k.f32_to_bf16(&hb.xn, &mut hb.xb)?;
         }
         let head = self.w.head();
-        mm(g, bf16, &hb.xn, &hb.xb, hb.rows, head, (0, head.rows), &mut hb.logits)?;
+        mm(g, bf16, &hb.xn, &hb.xb, hb.rows, head, (0, head.rows), &mut hb.logits, Out::Set)?;
         if argmax {
             k.argmax(&hb.logits, c.vocab_size, &mut hb.ids)?;
         }
@@ -216,6 +213,7 @@ impl Parts<'_> {
 }
 
 /// `out = x · W[r0..r1]ᵀ` for `m` rows of `x`; with bf16 weights from `xb`, the bf16 copy of `x`.
+#[allow(clippy::too_many_arguments)]
 #[allow(clippy::too_many_arguments)]
 fn mm(
     g: &Gemm,
@@ -226,13 +224,14 @@ fn mm(
     w: &DevMatrix,
     (r0, r1): (usize, usize),
     out: &mut CudaSlice<f32>,
+    mode: Out,
 ) -> Result<(), CudaError> {
     let n = r1 - r0;
     if bf16 {
         let wv = w.rows_bf16(r0, r1).expect("bf16 model, bf16 matrices (checked at upload)");
-        g.linear_bf16(xb, m, &wv, n, w.cols, out)
+        g.linear_bf16(xb, m, &wv, n, w.cols, out, mode)
     } else {
         let wv = w.rows_f32(r0, r1).expect("f32 model, f32 matrices (checked at upload)");
-        g.linear_f32(x, m, &wv, n, w.cols, out)
+        g.linear_f32(x, m, &wv, n, w.cols, out, mode)
     }
 }
