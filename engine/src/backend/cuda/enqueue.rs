@@ -12,6 +12,7 @@ use cudarc::driver::CudaSlice;
 use tandem_kernels::WeightDtype;
 use tandem_kernels_cuda::{CudaDevice, CudaError, CudaKernels, DecodeWorkspace, DeviceKvPool, DeviceRopeTable, Gemm, Out};
 
+use super::shard::{Collective, Shard};
 use super::weights::{DevElems, DevMatrix, DevWeights};
 use crate::config::ModelConfig;
 
@@ -33,10 +34,11 @@ pub(super) struct StepBufs {
 }
 
 impl StepBufs {
-    /// Zeroed buffers for `t` tokens of `c` (bf16 copies only for bf16 weights).
-    pub fn new(d: &CudaDevice, c: &ModelConfig, dtype: WeightDtype, t: usize) -> Result<StepBufs, CudaError> {
-        let (h, inter, q_w) = (c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim());
-        let kv_w = c.kv_heads() * c.head_dim();
+    /// Zeroed buffers for `t` tokens of `shard`'s slice of `c` (bf16 copies only for bf16
+    /// weights).
+    pub fn new(d: &CudaDevice, c: &ModelConfig, shard: Shard, dtype: WeightDtype, t: usize) -> Result<StepBufs, CudaError> {
+        let (h, inter, q_w) = (c.hidden_size, shard.inter(c), shard.heads(c) * c.head_dim());
+        let kv_w = shard.kv_heads(c) * c.head_dim();
         // One element otherwise: a zero-byte cuMemAllocAsync is an error.
         let bf = |n: usize| if dtype == WeightDtype::Bf16 { n } else { 1 };
         Ok(StepBufs {
@@ -111,6 +113,10 @@ pub(super) struct Parts<'a> {
     pub rope: &'a DeviceRopeTable,
     pub w: &'a DevWeights,
     pub c: &'a ModelConfig,
+    /// This rank's slice of the model (the whole of it today).
+    pub shard: Shard,
+    /// The group's all-reduce (a no-op for one rank).
+    pub coll: &'a dyn Collective,
 }
 
 impl Parts<'_> {
@@ -138,8 +144,8 @@ impl Parts<'_> {
         pool: &mut DeviceKvPool,
     ) -> Result<(), CudaError> {
         let (c, k, g, bf16) = (self.c, self.k, self.g, self.bf16());
-        let (heads, hd) = (c.num_attention_heads, c.head_dim());
-        let (q_w, kv_w) = (heads * hd, c.kv_heads() * hd);
+        let (heads, hd) = (self.shard.heads(c), c.head_dim());
+        let (q_w, kv_w) = (heads * hd, self.shard.kv_heads(c) * hd);
         let layer = &self.w.layers[li];
         k.rms_norm(&b.x, &layer.attn_norm, c.rms_norm_eps as f32, &mut b.xn)?;
         if bf16 {
@@ -152,11 +158,13 @@ impl Parts<'_> {
         k.rope_write_kv(&mut b.q, &b.k, &b.v, heads, self.rope, positions, slots, pool, li)
     }
 
-    /// The rest of layer `li`: paged attention, O projection and residual add, RMSNorm,
-    /// gate|up GEMM, SiLU-mul, down GEMM and residual add.
+    /// The rest of layer `li`: paged attention, O projection with the residual add, RMSNorm,
+    /// gate|up GEMM, SiLU-mul, down GEMM with the residual add (each row-parallel GEMM followed
+    /// by the group's all-reduce when there is more than one rank; see `shard`).
     pub fn attend_mlp(&self, li: usize, b: &mut StepBufs, attn: &mut Attn<'_>, pool: &DeviceKvPool) -> Result<(), CudaError> {
         let (c, k, g, bf16) = (self.c, self.k, self.g, self.bf16());
-        let (h, inter, heads, hd) = (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.head_dim());
+        let (h, inter, heads, hd) = (c.hidden_size, self.shard.inter(c), self.shard.heads(c), c.head_dim());
+        let (row_out, reduce) = (self.shard.row_parallel_out(), self.shard.world > 1);
         let layer = &self.w.layers[li];
         let scale = 1.0 / (hd as f32).sqrt();
         match attn {
@@ -174,7 +182,10 @@ impl Parts<'_> {
             k.f32_to_bf16(&b.attn, &mut b.xb_q)?;
         }
         // The residual adds are the GEMMs' epilogues (beta = 1): x += attn · W_oᵀ.
-        mm(g, bf16, &b.attn, &b.xb_q, t, &layer.o_proj, (0, h), &mut b.x, Out::Add)?;
+        mm(g, bf16, &b.attn, &b.xb_q, t, &layer.o_proj, (0, h), &mut b.x, row_out)?;
+        if reduce {
+            self.coll.all_reduce_sum(&mut b.x)?;
+        }
         k.rms_norm(&b.x, &layer.mlp_norm, c.rms_norm_eps as f32, &mut b.xn)?;
         if bf16 {
             k.f32_to_bf16(&b.xn, &mut b.xb_h)?;
@@ -184,7 +195,11 @@ impl Parts<'_> {
         if bf16 {
             k.f32_to_bf16(&b.act, &mut b.xb_i)?;
         }
-        mm(g, bf16, &b.act, &b.xb_i, t, &layer.down, (0, h), &mut b.x, Out::Add)
+        mm(g, bf16, &b.act, &b.xb_i, t, &layer.down, (0, h), &mut b.x, row_out)?;
+        if reduce {
+            self.coll.all_reduce_sum(&mut b.x)?;
+        }
+        Ok(())
     }
 
     /// The final RMSNorm and the LM head on the step's rows `want` (a row gather: the

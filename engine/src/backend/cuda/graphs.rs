@@ -59,9 +59,9 @@ impl SeqBucket {
             slots: d.alloc_zeros(seqs)?,
             ctx_lens: d.alloc_zeros(seqs)?,
             tables: HashMap::new(),
-            step: StepBufs::new(d, c, parts.w.dtype, seqs)?,
+            step: StepBufs::new(d, c, parts.shard, parts.w.dtype, seqs)?,
             head: HeadBufs::new(d, c, parts.w.dtype, seqs)?,
-            ws: DecodeWorkspace::new(d, seqs, c.num_attention_heads, c.head_dim(), bucket_splits(seqs, c.num_attention_heads))?,
+            ws: DecodeWorkspace::new(d, seqs, parts.shard.heads(c), c.head_dim(), bucket_splits(seqs, parts.shard.heads(c)))?,
         })
     }
 }

@@ -6,8 +6,8 @@
 //! RMSNorm, the Q/K/V projections (three cuBLAS GEMMs on row ranges of the fused `[q; k; v]`
 //! matrix, so q, k and v land in their own buffers), RoPE fused with the paged-KV write,
 //! paged attention (the decode kernel when every sequence runs one token, the prefill kernel
-//! otherwise), O projection, residual add, RMSNorm, gate|up GEMM, SiLU-mul, down GEMM, residual
-//! add; then the final norm and the LM head on the rows that need logits (gathered with the
+//! otherwise), O projection and residual add, RMSNorm, gate|up GEMM, SiLU-mul, down GEMM and
+//! residual add; then the final norm and the LM head on the rows that need logits (gathered with the
 //! embedding kernel, which is a row gather).
 //!
 //! # Invariants
@@ -24,11 +24,16 @@
 //! (`graphs`); prefill steps, and whatever does not fit a bucket, are queued kernel by kernel
 //! (`enqueue`, the same calls).
 //!
-//! Not yet (issue 16): sampling with temperature on the device, fused epilogues, prefill
-//! buffers sized once (they are reallocated when a step's token count changes).
+//! The two residual adds of a layer are the epilogues of the O and down GEMMs (cuBLAS's
+//! `beta = 1`). Weights, buffers and the KV pool are addressed per tensor-parallel rank
+//! ([`shard`]): one rank of one today, with the all-reduces in place for NCCL.
+//!
+//! Not yet (issue 16): sampling with temperature on the device; prefill buffers sized once
+//! (they are taken from the stream-ordered pool again when a step's token count changes).
 
 mod enqueue;
 mod graphs;
+pub mod shard;
 mod weights;
 
 use tandem_kernels_cuda::{
@@ -39,6 +44,7 @@ use tandem_kv_layout::KvLayout;
 
 use self::enqueue::{Attn, HeadBufs, Parts, StepBufs};
 use self::graphs::{DecodeGraphs, GraphOut};
+use self::shard::{Collective, Shard, SingleRank};
 use self::weights::DevWeights;
 use super::staging::{self, HostMirror, StageOut};
 use crate::config::ModelConfig;
@@ -77,6 +83,9 @@ pub struct CudaForward {
     gemm: Gemm,
     rope: DeviceRopeTable,
     w: DevWeights,
+    /// This rank's slice of the model, and the group's all-reduce (one rank of one today).
+    shard: Shard,
+    coll: Box<dyn Collective>,
     step: Option<StepBufs>,
     head: Option<HeadBufs>,
     /// The split-decode workspace and the sequences it has room for.
@@ -99,6 +108,16 @@ impl CudaForward {
     /// Opens `cuda:ordinal`, loads the kernels (PTX cache: `TANDEM_PTX_CACHE` or the default
     /// directory) and cuBLAS, and uploads `weights` and the RoPE table.
     pub fn new(weights: &ModelWeights, ordinal: usize) -> Result<CudaForward, EngineError> {
+        Self::with_collective(weights, ordinal, Box::new(SingleRank))
+    }
+
+    /// [`new`](Self::new) for one rank of a tensor-parallel group: uploads only `coll`'s
+    /// shard of the weights (see [`shard`]) and all-reduces after the row-parallel GEMMs. A
+    /// group of one ([`SingleRank`]) is the whole model.
+    pub fn with_collective(weights: &ModelWeights, ordinal: usize, coll: Box<dyn Collective>) -> Result<CudaForward, EngineError> {
+        let shard = coll.shard();
+        // Refused before anything is opened or uploaded.
+        Shard::new(shard.rank, shard.world, &weights.config)?;
         let t0 = std::time::Instant::now();
         let dev = CudaDevice::open(ordinal)?;
         let kernels = CudaKernels::load(&dev, &PtxCache::from_env())?;
@@ -106,7 +125,7 @@ impl CudaForward {
         let c = &weights.config;
         let table = tandem_kernels::RopeTable::new(c.head_dim(), c.max_position_embeddings, c.rope_theta);
         let rope = DeviceRopeTable::new(&dev, &table)?;
-        let w = DevWeights::upload(&dev, weights)?;
+        let w = DevWeights::upload(&dev, weights, shard)?;
         dev.synchronize()?;
         tracing::info!(
             device = %format_args!("cuda:{ordinal}"),
@@ -122,6 +141,8 @@ impl CudaForward {
             gemm,
             rope,
             w,
+            shard,
+            coll,
             step: None,
             head: None,
             ws: None,
@@ -214,7 +235,7 @@ impl CudaForward {
             return Ok(());
         }
         self.step = None; // free the old shape first
-        self.step = Some(StepBufs::new(&self.dev, c, self.w.dtype, t)?);
+        self.step = Some(StepBufs::new(&self.dev, c, self.shard, self.w.dtype, t)?);
         Ok(())
     }
 
@@ -255,7 +276,20 @@ impl CudaForward {
         argmax_only: bool,
         on_layer: &mut dyn FnMut(usize),
     ) -> Result<StepLogits<'_>, EngineError> {
-        let (heads, hd) = (c.num_attention_heads, c.head_dim());
+        let (heads, hd) = (self.shard.heads(c), c.head_dim());
+        if kv.layout().num_kv_heads != self.shard.kv_heads(c) {
+            return Err(EngineError::InvalidConfig {
+                field: "kv_pool",
+                value: format!("{} KV heads", kv.layout().num_kv_heads),
+                reason: format!(
+                    "rank {} of {} holds {} of the model's {} KV heads",
+                    self.shard.rank,
+                    self.shard.world,
+                    self.shard.kv_heads(c),
+                    c.kv_heads()
+                ),
+            });
+        }
         let bs = kv.layout().block_size_tokens;
         let t: usize = seqs.iter().map(|s| s.tokens.len()).sum();
         let ix = Self::index(c, seqs, bs)?;
@@ -269,7 +303,7 @@ impl CudaForward {
         self.dev.context().bind_to_thread().map_err(|e| CudaError::driver("cuCtxSetCurrent", e))?;
         let decode = seqs.iter().all(|s| s.tokens.len() == 1);
         let attn_ix = AttnIndex::new(seqs, bs);
-        let parts = Parts { k: &self.kernels, g: &self.gemm, rope: &self.rope, w: &self.w, c };
+        let parts = Parts { k: &self.kernels, g: &self.gemm, rope: &self.rope, w: &self.w, c, shard: self.shard, coll: &*self.coll };
 
         if decode && stage.is_none() && rows == t {
             // Every sequence one token, every row wanted: a graph replay when it fits a bucket.
@@ -308,7 +342,7 @@ impl CudaForward {
         let q_lens = d.upload(&attn_ix.q_lens)?;
         let first_pos = d.upload(&attn_ix.first_pos)?;
 
-        let parts = Parts { k: &self.kernels, g: &self.gemm, rope: &self.rope, w: &self.w, c };
+        let parts = Parts { k: &self.kernels, g: &self.gemm, rope: &self.rope, w: &self.w, c, shard: self.shard, coll: &*self.coll };
         let b = self.step.as_mut().expect("sized above");
         let mut attn = if decode {
             let (ws, _) = self.ws.as_mut().expect("sized above");

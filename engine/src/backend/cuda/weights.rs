@@ -5,11 +5,17 @@
 //!
 //! Upload cost: each matrix is widened row by row on the host (on every core), converted, and
 //! copied; the host copy of one matrix at a time is the peak extra host memory.
+//!
+//! A tensor-parallel rank uploads only its [`Shard`]'s slice of each layer: the rows of its
+//! heads and intermediate features of the column-parallel matrices (`[q; k; v]`, `[gate; up]`),
+//! the matching columns of the row-parallel ones (O, down). One rank of one uploads everything,
+//! as is.
 
 use cudarc::driver::{CudaSlice, CudaView, DeviceRepr};
 use tandem_kernels::{Weight, WeightDtype};
 use tandem_kernels_cuda::{CudaDevice, CudaError};
 
+use super::shard::{Shard, slice_matrix};
 use crate::error::EngineError;
 use crate::loader::ModelWeights;
 
@@ -73,8 +79,10 @@ impl DevWeights {
         self.lm_head.as_ref().unwrap_or(&self.embed)
     }
 
-    /// Uploads `w`; fails before allocating anything when a matrix's dtype has no GPU path.
-    pub fn upload(dev: &CudaDevice, w: &ModelWeights) -> Result<DevWeights, EngineError> {
+    /// Uploads `shard`'s slice of `w`; fails before allocating anything when a matrix's dtype
+    /// has no GPU path.
+    pub fn upload(dev: &CudaDevice, w: &ModelWeights, shard: Shard) -> Result<DevWeights, EngineError> {
+        let c = &w.config;
         let dtype = w.embed.dtype();
         if !matches!(dtype, WeightDtype::F32 | WeightDtype::Bf16) {
             return Err(EngineError::InvalidConfig {
@@ -99,13 +107,14 @@ impl DevWeights {
             .layers
             .iter()
             .map(|l| {
+                let all_rows = |m: &Weight| [0..m.rows()];
                 Ok(DevLayer {
                     attn_norm: dev.upload(&l.attn_norm)?,
-                    qkv: matrix(dev, &l.qkv)?,
-                    o_proj: matrix(dev, &l.o_proj)?,
+                    qkv: part(dev, &l.qkv, &shard.qkv_rows(c), 0..l.qkv.cols())?,
+                    o_proj: part(dev, &l.o_proj, &all_rows(&l.o_proj), shard.o_cols(c))?,
                     mlp_norm: dev.upload(&l.mlp_norm)?,
-                    gate_up: matrix(dev, &l.gate_up)?,
-                    down: matrix(dev, &l.down)?,
+                    gate_up: part(dev, &l.gate_up, &shard.gate_up_rows(c), 0..l.gate_up.cols())?,
+                    down: part(dev, &l.down, &all_rows(&l.down), shard.down_cols(c))?,
                 })
             })
             .collect::<Result<Vec<_>, CudaError>>()?;
@@ -148,6 +157,24 @@ fn unpack<T: Copy + Default + Send>(w: &Weight, conv: impl Fn(f32) -> T + Sync) 
 
 fn upload<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(dev: &CudaDevice, host: Vec<T>) -> Result<CudaSlice<T>, CudaError> {
     dev.upload(&host)
+}
+
+/// Rows `rows` (concatenated) and columns `cols` of `w` on the device: a rank's slice, or
+/// (every row and column) the matrix itself.
+fn part(dev: &CudaDevice, w: &Weight, rows: &[std::ops::Range<usize>], cols: std::ops::Range<usize>) -> Result<DevMatrix, CudaError> {
+    let whole = rows.len() == 1 && rows[0] == (0..w.rows()) && cols == (0..w.cols());
+    if whole {
+        return matrix(dev, w);
+    }
+    let n: usize = rows.iter().map(|r| r.len()).sum();
+    let elems = match w.dtype() {
+        WeightDtype::F32 => DevElems::F32(upload(dev, slice_matrix(&unpack(w, |v| v), w.cols(), rows, cols.clone()))?),
+        _ => DevElems::Bf16(upload(
+            dev,
+            slice_matrix(&unpack(w, |v| half::bf16::from_f32(v).to_bits()), w.cols(), rows, cols.clone()),
+        )?),
+    };
+    Ok(DevMatrix { rows: n, cols: cols.len(), elems })
 }
 
 fn matrix(dev: &CudaDevice, w: &Weight) -> Result<DevMatrix, CudaError> {
