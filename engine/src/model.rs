@@ -81,6 +81,18 @@ impl Model {
         }
     }
 
+    /// One rank of a tensor-parallel group on `cuda:ordinal`: uploads `coll`'s shard of
+    /// `weights`, keeps that rank's KV heads ([`kv_layout`](Self::kv_layout)) and all-reduces
+    /// through `coll` (see `backend::cuda::shard`).
+    pub fn on_cuda_rank(
+        weights: ModelWeights,
+        ordinal: usize,
+        coll: Box<dyn crate::backend::cuda::shard::Collective>,
+    ) -> Result<Self, EngineError> {
+        let fwd = CudaForward::with_collective(&weights, ordinal, coll)?;
+        Ok(Model { weights, backend: Backend::Cuda(Box::new(fwd)) })
+    }
+
     /// Where the forward runs.
     pub fn device(&self) -> Device {
         match &self.backend {
@@ -201,9 +213,13 @@ impl Model {
     /// The KV layout this model needs for `block_size_tokens` and `dtype`.
     pub fn kv_layout(&self, block_size_tokens: usize, dtype: KvDtype) -> Result<KvLayout, EngineError> {
         let c = self.config();
+        let kv_heads = match &self.backend {
+            Backend::Cuda(f) => f.shard().kv_heads(c),
+            Backend::Cpu(_) => c.kv_heads(),
+        };
         Ok(KvLayout::new(
             c.num_hidden_layers,
-            c.kv_heads(),
+            kv_heads,
             c.head_dim(),
             block_size_tokens,
             dtype,

@@ -127,6 +127,37 @@ fn cuda_f32_greedy_tokens_equal_the_cpus_batched_and_chunked() {
     }
 }
 
+/// Tensor parallelism on one GPU: three ranks, each a thread with its own engine holding a third
+/// of the heads, KV heads and MLP features (`backend::cuda::shard`), all-reducing through host
+/// memory, produce the unsharded GPU engine's greedy tokens (f32).
+#[test]
+fn three_tensor_parallel_ranks_on_one_gpu_equal_the_unsharded_engine() {
+    use tandem_engine::backend::cuda::shard::HostAllReduce;
+    let Some(gpu) = cuda_model(WeightDtype::F32, "tensor-parallel ranks") else { return };
+    let mut whole = Engine::new(gpu, None, engine_config(KvDtype::F32, 48)).unwrap();
+    let want = run(&mut whole);
+    drop(whole);
+    let ranks: Vec<_> = HostAllReduce::group(3)
+        .into_iter()
+        .map(|coll| {
+            std::thread::spawn(move || {
+                let model = Model::on_cuda_rank(load(WeightDtype::F32).weights, 0, Box::new(coll)).expect("rank");
+                let mut e = Engine::new(model, None, engine_config(KvDtype::F32, 48)).unwrap();
+                assert_eq!(e.kv_layout().num_kv_heads, 1, "each rank holds one of the 3 KV heads");
+                run(&mut e)
+            })
+        })
+        .collect();
+    for (rank, h) in ranks.into_iter().enumerate() {
+        let got = h.join().expect("a rank panicked");
+        if let Some(d) = first_divergence(&want, &got) {
+            panic!("rank {rank} of 3 against the unsharded engine: {d}");
+        }
+    }
+    let uneven = tandem_engine::backend::cuda::shard::Shard::new(0, 2, &load(WeightDtype::F32).weights.config);
+    assert!(uneven.is_err(), "2 ranks cannot split 9 heads");
+}
+
 #[test]
 fn cuda_bf16_runs_and_reports_its_agreement_with_the_cpu() {
     let Some(gpu) = cuda_model(WeightDtype::Bf16, "bf16 agreement") else { return };

@@ -157,6 +157,11 @@ impl CudaForward {
         self.dev.ordinal()
     }
 
+    /// This rank's slice of the model.
+    pub fn shard(&self) -> Shard {
+        self.shard
+    }
+
     /// A zeroed KV pool of `num_blocks` blocks of `layout` in device memory (f32, f16 or bf16;
     /// int8 is `CudaError::Unsupported`; too large is `CudaError::OutOfMemory` with both sizes).
     pub fn new_kv(&self, layout: KvLayout, num_blocks: usize) -> Result<CudaKv, EngineError> {
@@ -305,7 +310,7 @@ impl CudaForward {
         let attn_ix = AttnIndex::new(seqs, bs);
         let parts = Parts { k: &self.kernels, g: &self.gemm, rope: &self.rope, w: &self.w, c, shard: self.shard, coll: &*self.coll };
 
-        if decode && stage.is_none() && rows == t {
+        if decode && stage.is_none() && rows == t && self.coll.capturable() {
             // Every sequence one token, every row wanted: a graph replay when it fits a bucket.
             if let Some(out) = self.graphs.run(&self.dev, &parts, kv, &ix, &attn_ix, argmax_only)? {
                 for li in 0..c.num_hidden_layers {

@@ -15,7 +15,9 @@
 //! Today a forward runs one rank of one ([`Shard::SINGLE`], [`SingleRank`]): every range is the
 //! whole matrix and no all-reduce is issued, so the GPU runs exactly the unsharded layer. A
 //! multi-GPU build adds a [`Collective`] over NCCL (cudarc's `nccl`, the design's "nccl-rs") and
-//! passes each rank its [`Shard`]; nothing else changes.
+//! passes each rank its [`Shard`]; nothing else changes. [`HostAllReduce`] runs several ranks in
+//! one process (one GPU or more) with the sum staged through host memory: slow, but it checks
+//! the sharding on the device against the unsharded forward without NCCL (engine/tests/cuda.rs).
 //!
 //! # Invariants
 //! - `world` divides the attention heads, the KV heads and the intermediate size (checked by
@@ -23,6 +25,7 @@
 //! - A rank's q heads are the ones whose KV heads it holds (grouped-query attention stays local).
 
 use std::ops::Range;
+use std::sync::{Arc, Barrier, Mutex};
 
 use cudarc::driver::CudaSlice;
 use tandem_kernels_cuda::{CudaError, Out};
@@ -126,6 +129,10 @@ pub trait Collective: Send {
 
     /// `buf = Σ over ranks of buf`, queued on the device's stream.
     fn all_reduce_sum(&self, buf: &mut CudaSlice<f32>) -> Result<(), CudaError>;
+
+    /// True when the all-reduce can be captured into a CUDA graph (NCCL's can; one staged
+    /// through the host cannot, and decode then runs without graphs).
+    fn capturable(&self) -> bool;
 }
 
 /// A group of one: the sum over one rank is the buffer itself.
@@ -139,6 +146,69 @@ impl Collective for SingleRank {
 
     fn all_reduce_sum(&self, _buf: &mut CudaSlice<f32>) -> Result<(), CudaError> {
         Ok(())
+    }
+
+    fn capturable(&self) -> bool {
+        true
+    }
+}
+
+/// A sum all-reduce among ranks in one process, staged through host memory (each rank on its
+/// own thread; a call blocks until every rank of the group made it). For checking the sharding
+/// without NCCL, not for serving.
+pub struct HostAllReduce {
+    shard: Shard,
+    group: Arc<HostGroup>,
+}
+
+struct HostGroup {
+    sum: Mutex<Vec<f32>>,
+    barrier: Barrier,
+}
+
+impl HostAllReduce {
+    /// One member per rank of a group of `world`.
+    pub fn group(world: usize) -> Vec<HostAllReduce> {
+        let group = Arc::new(HostGroup { sum: Mutex::new(Vec::new()), barrier: Barrier::new(world) });
+        (0..world)
+            .map(|rank| HostAllReduce { shard: Shard { rank, world }, group: Arc::clone(&group) })
+            .collect()
+    }
+}
+
+impl Collective for HostAllReduce {
+    fn shard(&self) -> Shard {
+        self.shard
+    }
+
+    fn all_reduce_sum(&self, buf: &mut CudaSlice<f32>) -> Result<(), CudaError> {
+        let stream = Arc::clone(buf.stream());
+        let sync = |s: &Arc<cudarc::driver::CudaStream>| s.synchronize().map_err(|e| CudaError::driver("cuStreamSynchronize", e));
+        let mut host = stream.clone_dtoh(buf).map_err(|e| CudaError::driver("cuMemcpyDtoH (all-reduce)", e))?;
+        sync(&stream)?;
+        let g = &self.group;
+        {
+            let mut sum = g.sum.lock().expect("all-reduce poisoned");
+            if sum.len() < host.len() {
+                sum.resize(host.len(), 0.0);
+            }
+            for (s, v) in sum.iter_mut().zip(&host) {
+                *s += v;
+            }
+        }
+        g.barrier.wait(); // every rank has added
+        let n = host.len();
+        host.copy_from_slice(&g.sum.lock().expect("all-reduce poisoned")[..n]);
+        if g.barrier.wait().is_leader() {
+            g.sum.lock().expect("all-reduce poisoned").fill(0.0);
+        }
+        g.barrier.wait(); // zeroed before anyone adds again
+        stream.memcpy_htod(&host, buf).map_err(|e| CudaError::driver("cuMemcpyHtoD (all-reduce)", e))?;
+        sync(&stream)
+    }
+
+    fn capturable(&self) -> bool {
+        false
     }
 }
 
