@@ -9,8 +9,10 @@
 #   1. nvidia-smi
 #   2. LD_LIBRARY_PATH for libcuda / libnvrtc / libcublas (/usr/local/cuda/lib64 and the PyTorch
 #      venv's nvidia/cu13/lib)
-#   3. kernels-cuda's GPU test (every kernel against the CPU kernels)
-#   4. the engine's CUDA test (engine on cuda:0 against the CPU engine, dummy weights)
+#   3. kernels-cuda's GPU test (every kernel against the CPU kernels; GEMM with the residual in
+#      its epilogue; XXH3 on the device; a second process copying into a pool by CUDA IPC)
+#   4. the engine's CUDA test (engine on cuda:0 against the CPU engine, dummy weights; staged
+#      split; three tensor-parallel ranks against the unsharded engine)
 #   5. exactness: `tandem generate` on --device cuda vs --device cpu, f32, SmolLM2-135M shape,
 #      8 prompts x 64 greedy tokens: identical, or the first divergence; then bf16 on cuda vs f32
 #   6. PyTorch anchor (../shared/gpu/anchor.py smollm2-135m), in the same call
