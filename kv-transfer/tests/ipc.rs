@@ -31,6 +31,32 @@ async fn push_once(pair: &common::Pair, id: u64) -> (tandem_kv_transfer::Transfe
     (sent.unwrap(), got.unwrap())
 }
 
+/// Serves `dst` on `receiver` (a loopback port), pushes the scenario blocks from `src` with
+/// `sender`, and returns both sides' reports.
+async fn push_to(
+    sender: &dyn tandem_kv_transfer::KvTransport,
+    src: &tandem_kv_transfer::PoolRegistration,
+    receiver: std::sync::Arc<tandem_kv_transfer::NetTransport>,
+    dst: tandem_kv_transfer::PoolRegistration,
+) -> (tandem_kv_transfer::TransferReport, tandem_kv_transfer::InboundReport) {
+    let registry = tandem_kv_transfer::InboundRegistry::new(dst, Duration::from_secs(2));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let peer = listener.local_addr().unwrap().to_string();
+    let stop = CancellationToken::new();
+    let (reg, sd) = (registry.clone(), stop.clone());
+    tokio::spawn(async move { receiver.serve(listener, reg, sd).await.unwrap() });
+    let (s, d) = (common::scenarios::SRC, common::scenarios::DST);
+    let inbound = registry
+        .expect(Reservation { reservation_id: 5, epoch: 1, dst_blocks: d.to_vec(), ttl: Duration::from_secs(10) })
+        .unwrap();
+    let out = sender
+        .push(src, PushRequest::new(peer, 5, 1, s.to_vec(), d.to_vec()), CancellationToken::new())
+        .unwrap();
+    let (sent, got) = tokio::join!(out.into_future(), inbound.into_future());
+    stop.cancel();
+    (sent.unwrap(), got.unwrap())
+}
+
 fn host_nonzero(pair: &common::Pair) -> usize {
     let pool = pair.registry.registration().pool();
     // SAFETY: no transfer in flight.
@@ -79,7 +105,7 @@ async fn peers_on_different_gpus_fall_back_to_the_stream_and_say_so() {
 async fn a_plain_tcp_peer_and_an_ipc_peer_talk_over_the_stream_either_way() {
     use std::sync::Arc;
     use tandem_kv_transfer::device::HostDeviceKv;
-    use tandem_kv_transfer::{InboundRegistry, KvPool, KvTransport, TcpKvTransport};
+    use tandem_kv_transfer::{KvPool, KvTransport, TcpKvTransport};
 
     let small = common::small_layout();
     for sender_has_gpu in [false, true] {
@@ -95,25 +121,12 @@ async fn a_plain_tcp_peer_and_an_ipc_peer_talk_over_the_stream_either_way() {
             receiver.attach_device(device).unwrap();
         }
         let src = sender.register(source).unwrap();
-        let registry = InboundRegistry::new(receiver.register(dst_pool).unwrap(), Duration::from_secs(2));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let peer = listener.local_addr().unwrap().to_string();
-        let stop = CancellationToken::new();
-        let (r, reg, sd) = (Arc::clone(&receiver), registry.clone(), stop.clone());
-        tokio::spawn(async move { r.serve(listener, reg, sd).await.unwrap() });
-        let (s, d) = (common::scenarios::SRC, common::scenarios::DST);
-        let inbound = registry
-            .expect(Reservation { reservation_id: 5, epoch: 1, dst_blocks: d.to_vec(), ttl: Duration::from_secs(10) })
-            .unwrap();
-        let out = sender
-            .push(&src, PushRequest::new(peer, 5, 1, s.to_vec(), d.to_vec()), CancellationToken::new())
-            .unwrap();
-        let (sent, got) = tokio::join!(out.into_future(), inbound.into_future());
-        let (sent, got) = (sent.unwrap(), got.unwrap());
+        let dst = receiver.register(dst_pool).unwrap();
+        let receiver = Arc::new(tandem_kv_transfer::NetTransport::Tcp(Arc::into_inner(receiver).unwrap()));
+        let (sent, got) = push_to(&sender, &src, receiver, dst).await;
         assert_eq!(sent.data_mode, "inline", "sender has a GPU: {sender_has_gpu}");
         assert!(!got.on_device);
         assert_eq!(sent.block_checksums, got.block_checksums);
-        stop.cancel();
     }
 }
 
@@ -135,7 +148,7 @@ async fn a_transport_takes_one_device_only() {
 async fn a_gpu_sender_reaches_a_ucx_receiver_over_the_stream() {
     use std::sync::Arc;
     use tandem_kv_transfer::device::HostDeviceKv;
-    use tandem_kv_transfer::{InboundRegistry, KvTransport, TcpKvTransport, TransferConfig, UcxConfig, UcxKvTransport};
+    use tandem_kv_transfer::{KvTransport, TcpKvTransport, TransferConfig, UcxConfig, UcxKvTransport};
 
     let small = common::small_layout();
     let sender = TcpKvTransport::new(TransferConfig::default()).unwrap();
@@ -146,24 +159,11 @@ async fn a_gpu_sender_reaches_a_ucx_receiver_over_the_stream() {
     sender.attach_device(device).unwrap();
     let src = sender.register(source).unwrap();
     let ucx = UcxConfig { tls: Some("shm".into()), ..Default::default() };
-    let receiver = Arc::new(UcxKvTransport::new(TransferConfig::default(), ucx).unwrap());
-    let registry = InboundRegistry::new(receiver.allocate(small, common::BLOCKS).unwrap(), Duration::from_secs(2));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let peer = listener.local_addr().unwrap().to_string();
-    let stop = CancellationToken::new();
-    let (r, reg, sd) = (Arc::clone(&receiver), registry.clone(), stop.clone());
-    tokio::spawn(async move { r.serve(listener, reg, sd).await.unwrap() });
-    let (s, d) = (common::scenarios::SRC, common::scenarios::DST);
-    let inbound = registry
-        .expect(Reservation { reservation_id: 6, epoch: 1, dst_blocks: d.to_vec(), ttl: Duration::from_secs(10) })
-        .unwrap();
-    let out = sender
-        .push(&src, PushRequest::new(peer, 6, 1, s.to_vec(), d.to_vec()), CancellationToken::new())
-        .unwrap();
-    let (sent, got) = tokio::join!(out.into_future(), inbound.into_future());
-    let (sent, got) = (sent.unwrap(), got.unwrap());
+    let receiver = UcxKvTransport::new(TransferConfig::default(), ucx).unwrap();
+    let dst = receiver.allocate(small, common::BLOCKS).unwrap();
+    let receiver = Arc::new(tandem_kv_transfer::NetTransport::Ucx(receiver));
+    let (sent, got) = push_to(&sender, &src, receiver, dst).await;
     assert_eq!(sent.data_mode, "inline");
     assert!(!got.on_device);
     assert_eq!(sent.block_checksums, got.block_checksums);
-    stop.cancel();
 }
