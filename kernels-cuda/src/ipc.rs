@@ -350,17 +350,18 @@ impl Mapping {
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        if let Ok(mut open) = open_mappings().lock()
-            && open.get(&self.handle).is_some_and(|w| w.strong_count() == 0)
-        {
-            open.remove(&self.handle);
-        }
+        // Closed under the table's lock: an `open` of the same handle waits until the driver
+        // has closed this mapping (it refuses a second open while one is live).
+        let mut open = open_mappings().lock().unwrap_or_else(|p| p.into_inner());
         if bind(&self.ctx).is_ok() {
             // SAFETY: opened by `cuIpcOpenMemHandle`, closed once (the last owner).
             let r = unsafe { sys::cuIpcCloseMemHandle(self.ptr) }.result();
             if let Err(e) = r {
                 tracing::warn!(error = %e, "cuIpcCloseMemHandle failed");
             }
+        }
+        if open.get(&self.handle).is_some_and(|w| w.strong_count() == 0) {
+            open.remove(&self.handle);
         }
     }
 }
