@@ -312,10 +312,14 @@ impl Mapping {
         let mut open = open_mappings().lock().expect("IPC mapping table poisoned");
         if let Some(m) = open.get(handle).and_then(Weak::upgrade) {
             if m.len != len {
+                let opened = m.len;
+                // Unlocked first: if `m` was the last owner, its drop takes the lock.
+                drop(open);
+                drop(m);
                 return Err(CudaError::Shape {
                     op: "cuIpcOpenMemHandle",
                     what: "bytes of the peer's pool (as opened before)",
-                    expected: m.len,
+                    expected: opened,
                     got: len,
                 });
             }
