@@ -67,12 +67,24 @@ pub fn check_ipc(dev: &CudaDevice, cache: &PtxCache, rng: &mut Rng) {
     let handle = access.ipc_handle().unwrap_or_else(|e| panic!("cuIpcGetMemHandle: {e}"));
     let seed = rng.next_u64();
     let exe = std::env::current_exe().unwrap();
-    let out = std::process::Command::new(exe)
+    let mut child = std::process::Command::new(exe)
         .args(["--exact", "ipc_peer_process", "--nocapture", "--test-threads=1"])
         .env(ENV_HANDLE, handle.iter().map(|b| format!("{b:02x}")).collect::<String>())
         .env(ENV_SEED, seed.to_string())
-        .output()
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .unwrap();
+    // Bounded: a peer stuck in the driver must not hang the whole GPU check.
+    let deadline = Instant::now() + std::time::Duration::from_secs(90);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the IPC peer process did not finish within 90 s (killed)");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "the peer process failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     let line = stdout.lines().find(|l| l.starts_with("IPC_PEER ")).unwrap_or_else(|| panic!("no result line:\n{stdout}"));
