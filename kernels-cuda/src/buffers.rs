@@ -6,7 +6,8 @@ use crate::device::CudaDevice;
 use crate::error::{CudaError, check_len};
 use crate::ipc::KvMemory;
 use crate::launch;
-use cudarc::driver::{CudaSlice, DeviceRepr};
+use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
+use tandem_kernels::sample::SampleSpec;
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
 use tandem_kernels::RopeTable;
@@ -35,6 +36,33 @@ pub struct KvGeom {
 // SAFETY: `#[repr(C)]`, plain integers, the same layout as the CUDA struct (3 × i64, 3 × int,
 // padded to 40 bytes, 8-byte aligned).
 unsafe impl DeviceRepr for KvGeom {}
+
+/// One row's sampling parameters as `sample.cu` reads them ([`SampleSpec`] in device layout).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SampleRow {
+    /// 0 = greedy.
+    pub temperature: f32,
+    /// In `(0, 1]`; 1 = no limit.
+    pub top_p: f32,
+    /// 0 = no limit; 1 = greedy.
+    pub top_k: u32,
+    _pad: u32,
+    /// The row's uniform draw (low 53 bits).
+    pub draw: u64,
+}
+
+// SAFETY: `#[repr(C)]`, plain numbers, the CUDA struct's layout (f32, f32, u32, u32, u64: 24
+// bytes, 8-byte aligned).
+unsafe impl DeviceRepr for SampleRow {}
+// SAFETY: all zeros is a valid value (greedy, draw 0).
+unsafe impl ValidAsZeroBits for SampleRow {}
+
+impl From<&SampleSpec> for SampleRow {
+    fn from(s: &SampleSpec) -> SampleRow {
+        SampleRow { temperature: s.temperature, top_p: s.top_p, top_k: s.top_k, _pad: 0, draw: s.draw }
+    }
+}
 
 impl KvGeom {
     /// The geometry of `layer` of a pool of `num_blocks` blocks.

@@ -13,7 +13,7 @@
 //! validates them on the host, where it builds them.
 
 use crate::SOURCES;
-use crate::buffers::{DecodeWorkspace, DeviceKvPool, DeviceRopeTable};
+use crate::buffers::{DecodeWorkspace, DeviceKvPool, DeviceRopeTable, SampleRow};
 use crate::device::CudaDevice;
 use crate::error::{CudaError, check_len};
 use crate::launch::{self, DecodePlan};
@@ -230,6 +230,36 @@ impl CudaKernels {
         let mut b = self.stream.launch_builder(self.f("argmax_f32"));
         b.arg(logits).arg(out).arg(&v32);
         launch(OP, &mut b, launch::argmax(rows, vocab))
+    }
+
+    /// `out[r]` = the token row `r` of `logits` samples with `specs[r]`: exactly
+    /// tandem-kernels `sample::sample` (greedy rows: the argmax).
+    pub fn sample(
+        &self,
+        logits: &CudaSlice<f32>,
+        vocab: usize,
+        specs: &CudaSlice<SampleRow>,
+        out: &mut CudaSlice<i32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "sample";
+        check_nonzero(OP, "vocab", vocab)?;
+        check_len(
+            OP,
+            "logits (a multiple of vocab)",
+            logits.len().next_multiple_of(vocab),
+            logits.len(),
+        )?;
+        let rows = logits.len() / vocab;
+        check_len(OP, "specs (rows)", rows, specs.len())?;
+        check_len(OP, "out (rows)", rows, out.len())?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let v32 = to_i32(OP, "vocab", vocab)?;
+        let shift = tandem_kernels::sample::weight_shift(vocab) as i32;
+        let mut b = self.stream.launch_builder(self.f("sample_rows"));
+        b.arg(logits).arg(specs).arg(&v32).arg(&shift).arg(out);
+        launch(OP, &mut b, launch::sample(rows, vocab))
     }
 
     /// `out[t] = table[ids[t]]` (f32 table `[vocab × hidden]`).

@@ -59,6 +59,14 @@ pub fn argmax(rows: usize, vocab: usize) -> LaunchConfig {
     per_row(rows, vocab, 1024)
 }
 
+/// Threads of a sampling block (`sample.cu`, at most its `TANDEM_SAMPLE_MAX_THREADS`).
+pub const SAMPLE_THREADS: u32 = 512;
+
+/// Sampling of `rows` rows of `vocab` logits: one block per row.
+pub fn sample(rows: usize, vocab: usize) -> LaunchConfig {
+    per_row(rows, vocab, SAMPLE_THREADS)
+}
+
 /// RoPE + KV write of `tokens` tokens: one block per token, threads over rotation pairs.
 pub fn rope_write_kv(
     tokens: usize,

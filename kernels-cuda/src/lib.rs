@@ -55,7 +55,7 @@ pub mod staging;
 
 pub use device::{CudaDevice, device_count};
 pub use error::{CudaError, CudaLib};
-pub use buffers::{DecodeWorkspace, DeviceKvPool, DeviceRopeTable, KvGeom};
+pub use buffers::{DecodeWorkspace, DeviceKvPool, DeviceRopeTable, KvGeom, SampleRow};
 pub use gemm::{Gemm, Out};
 pub use graph::DeviceGraph;
 pub use ipc::{KvDeviceAccess, KvMemory, PeerKvMemory};
@@ -127,6 +127,11 @@ pub const SOURCES: &[KernelSource] = &[
         functions: &["argmax_f32"],
     },
     KernelSource {
+        name: "sample.cu",
+        body: SAMPLE_SOURCE,
+        functions: &["sample_rows"],
+    },
+    KernelSource {
         name: "rope_kv.cu",
         body: include_str!("cu/rope_kv.cu"),
         functions: &[
@@ -154,6 +159,11 @@ pub const SOURCES: &[KernelSource] = &[
         functions: &["xxh3_64_slabs"],
     },
 ];
+
+/// `sample.cu`: temperature / top-k / top-p sampling on the device, token for token what
+/// tandem-kernels `sample::sample` picks. Also run by the host's C++ compiler in the suite (a
+/// thread block emulated by threads and a barrier), against the CPU's sampler.
+pub const SAMPLE_SOURCE: &str = include_str!("cu/sample.cu");
 
 /// `hash.cu`: XXH3-64 of KV slabs on the device (the checksums of the CUDA IPC path). Also
 /// compiled by the host's C++ compiler in the suite, against the CPU's XXH3.

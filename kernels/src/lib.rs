@@ -46,6 +46,7 @@ pub mod probe;
 pub mod quant;
 pub mod reference;
 mod rope;
+pub mod sample;
 mod simd;
 mod weight;
 
