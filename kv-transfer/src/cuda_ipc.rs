@@ -25,7 +25,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use crate::datapath::{BoxFuture, Completion, DataPath, Keep, Offer, PeerDataPath};
+use crate::datapath::{BoxFuture, Completion, DataPath, Keep, Offer, PeerDataPath, slab_pairs};
 use crate::device::{DevicePeer, DeviceKv};
 use crate::error::{Phase, TransferError};
 use crate::fault::ChunkFaults;
@@ -72,13 +72,14 @@ impl DataPath for IpcPath {
         let len = registration.pool().len_bytes();
         if len != self.device.len_bytes() {
             tracing::warn!(host_pool = len, device_pool = self.device.len_bytes(), "the registered pool is not the device pool's mirror: no CUDA IPC offer");
+            self.metrics.ipc_declined();
             return None;
         }
-        Some(DataOffer::CudaIpc(IpcRemote {
-            device_uuid: uuid.to_vec(),
-            handle: self.handle()?,
-            len_bytes: len as u64,
-        }))
+        let Some(handle) = self.handle() else {
+            self.metrics.ipc_declined();
+            return None;
+        };
+        Some(DataOffer::CudaIpc(IpcRemote { device_uuid: uuid.to_vec(), handle, len_bytes: len as u64 }))
     }
 
     fn device_uuid(&self) -> Vec<u8> {
@@ -204,19 +205,7 @@ impl PeerDataPath for IpcPeer {
                     reason: std::io::ErrorKind::ConnectionAborted,
                 });
             }
-            if ranges
-                .iter()
-                .any(|&(_, d, len)| d + len > self.remote_len)
-            {
-                return Err(TransferError::invalid(
-                    "dst_blocks",
-                    "range beyond the receiver's pool",
-                ));
-            }
-            let slabs: Vec<(usize, usize)> = ranges
-                .iter()
-                .flat_map(|&(s, d, len)| (0..len).step_by(slab_bytes).map(move |k| (s + k, d + k)))
-                .collect();
+            let slabs = slab_pairs(&ranges, slab_bytes, self.remote_len as u64)?;
             let flip_at = faults.corrupt_at.and_then(|at| payload_to_dst(&ranges, at));
             let bytes: usize = ranges.iter().map(|r| r.2).sum();
             let remote = Arc::clone(&self.remote);

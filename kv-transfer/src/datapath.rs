@@ -342,3 +342,21 @@ mod tests {
         assert_eq!(e.kind(), FailureKind::LayoutMismatch);
     }
 }
+
+/// The `(source offset, destination offset)` of every slab of a chunk's `ranges`
+/// `(src, dst, len)`, in payload order, for a path that writes into the receiver's pool itself
+/// (a UCX mapping, a CUDA IPC mapping). A range that ends past `remote_len`, the receiver's
+/// pool, is refused before any byte moves.
+pub(crate) fn slab_pairs(
+    ranges: &[(usize, usize, usize)],
+    slab_bytes: usize,
+    remote_len: u64,
+) -> Result<Vec<(usize, usize)>, TransferError> {
+    if ranges.iter().any(|&(_, d, len)| (d + len) as u64 > remote_len) {
+        return Err(TransferError::invalid("dst_blocks", "range beyond the receiver's pool"));
+    }
+    Ok(ranges
+        .iter()
+        .flat_map(|&(s, d, len)| (0..len).step_by(slab_bytes).map(move |k| (s + k, d + k)))
+        .collect())
+}

@@ -31,6 +31,7 @@ pub struct TransferMetrics {
     inbound_succeeded: AtomicU64,
     ipc_bytes_sent: AtomicU64,
     ipc_bytes_received: AtomicU64,
+    ipc_declined: AtomicU64,
     failures: [AtomicU64; FailureKind::ALL.len()],
     seconds_buckets: [AtomicU64; SECONDS_BUCKETS.len() + 1],
     seconds_sum_ns: AtomicU64,
@@ -101,6 +102,12 @@ impl TransferMetrics {
         self.ipc_bytes_received.fetch_add(bytes, Ordering::Relaxed);
     }
 
+    /// A sender on this GPU got no CUDA IPC offer (the pool could not be exported, or the
+    /// registered pool is not the device pool's mirror): its bytes go in the stream.
+    pub(crate) fn ipc_declined(&self) {
+        self.ipc_declined.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub(crate) fn transfer_started(&self) {
         self.transfers_started.fetch_add(1, Ordering::Relaxed);
     }
@@ -156,6 +163,7 @@ impl TransferMetrics {
             inbound_succeeded: load(&self.inbound_succeeded),
             ipc_bytes_sent: load(&self.ipc_bytes_sent),
             ipc_bytes_received: load(&self.ipc_bytes_received),
+            ipc_declined: load(&self.ipc_declined),
             failures: FailureKind::ALL
                 .iter()
                 .filter_map(|k| {
@@ -192,6 +200,10 @@ pub struct MetricsSnapshot {
     /// Payload bytes that arrived by CUDA IPC and verified on this device.
     #[serde(default)]
     pub ipc_bytes_received: u64,
+    /// Connections from senders on this GPU that got no CUDA IPC offer and stream their bytes
+    /// instead (the pool could not be exported, or is not the device pool's mirror; each logged).
+    #[serde(default)]
+    pub ipc_declined: u64,
     /// Failures by [`FailureKind`] label (only non-zero kinds).
     pub failures: Vec<(String, u64)>,
     /// Outbound transfer durations per [`SECONDS_BUCKETS`] bucket (last: +Inf), not cumulative.

@@ -97,6 +97,24 @@ async fn peers_on_different_gpus_fall_back_to_the_stream_and_say_so() {
     assert!(host_nonzero(&pair) > 0);
     let (s, r) = (pair.sender_metrics.snapshot(), pair.receiver_metrics.snapshot());
     assert_eq!((s.ipc_bytes_sent, r.ipc_bytes_received), (0, 0));
+    assert_eq!(r.ipc_declined, 0, "another GPU is not a decline");
+    pair.assert_released().await;
+}
+
+/// On one GPU, a receiver whose registered pool is not its device pool's mirror makes no offer:
+/// the sender streams from its mirror, the blocks arrive right, and the receiver counts the
+/// decline (the fallback an operator must see: `tandem_kv_ipc_declined_total`).
+#[tokio::test]
+async fn a_receiver_that_cannot_offer_ipc_on_its_gpu_counts_the_decline_and_takes_the_stream() {
+    let small = common::small_layout();
+    let pair = common::ipc_pair_mismatched_mirror(small, 4096).await;
+    let (sent, got) = push_once(&pair, 3).await;
+    assert_eq!(sent.data_mode, "inline");
+    assert!(!got.on_device);
+    assert_eq!(pair.mismatched(&common::scenarios::SRC, &common::scenarios::DST), 0);
+    let (s, r) = (pair.sender_metrics.snapshot(), pair.receiver_metrics.snapshot());
+    assert_eq!((s.ipc_bytes_sent, r.ipc_bytes_received), (0, 0));
+    assert_eq!(r.ipc_declined, 1, "one connection, declined once");
     pair.assert_released().await;
 }
 

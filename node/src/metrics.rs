@@ -25,6 +25,7 @@
 //! | `tandem_node_prompt_tokens_per_step` | gauge | – | prompt tokens one engine step may compute now (decode: sized from measured steps to `--max-step-ms`) |
 //! | `tandem_kv_transfer_bytes_total` | counter | transport, direction | KV bytes sent (prefill) / received and verified (decode) |
 //! | `tandem_kv_ipc_bytes_total` | counter | transport, direction | `--kv-cuda-ipc`: of those, bytes copied device to device into a peer's GPU pool (sent) / verified in this GPU's pool (received) |
+//! | `tandem_kv_ipc_declined_total` | counter | transport | `--kv-cuda-ipc`: connections from senders on this GPU that got no IPC offer and stream their bytes (export failed, or the pool is not the device pool's mirror; each logged) |
 //! | `tandem_kv_transfers_total` | counter | transport, result | started, confirmed (outbound), received (inbound, verified) |
 //! | `tandem_kv_transfer_duration_seconds` | histogram | transport | outbound transfer, start to confirmation |
 //! | `tandem_kv_transfer_failures_total` | counter | transport, reason | transfers that did not complete, by kind |
@@ -405,6 +406,10 @@ fn transfer_families(transports: &[(&'static str, Arc<TransferMetrics>)]) -> Vec
         "tandem_kv_ipc_bytes",
         "KV payload bytes moved device to device by CUDA IPC (sent: copied into a peer's GPU pool; received: verified in this GPU's pool). Part of tandem_kv_transfer_bytes.",
     );
+    let mut ipc_declined = tm::Family::counter(
+        "tandem_kv_ipc_declined",
+        "Connections from senders on this GPU that got no CUDA IPC offer and stream KV bytes instead (the pool could not be exported, or is not the device pool's mirror).",
+    );
     let mut transfers = tm::Family::counter(
         "tandem_kv_transfers",
         "KV transfers: outbound started and confirmed, inbound (reservations) filled and verified.",
@@ -434,6 +439,7 @@ fn transfer_families(transports: &[(&'static str, Arc<TransferMetrics>)]) -> Vec
         ipc_bytes = ipc_bytes
             .with(l("direction", "sent"), s.ipc_bytes_sent as f64)
             .with(l("direction", "received"), s.ipc_bytes_received as f64);
+        ipc_declined = ipc_declined.with(vec![("transport", t.to_string())], s.ipc_declined as f64);
         transfers = transfers
             .with(l("result", "started"), s.transfers_started as f64)
             .with(l("result", "confirmed"), s.transfers_succeeded as f64)
@@ -460,7 +466,7 @@ fn transfer_families(transports: &[(&'static str, Arc<TransferMetrics>)]) -> Vec
             .with(l("what", "transfers"), s.live_transfers as f64)
             .with(l("what", "connections"), s.live_connections as f64);
     }
-    vec![bytes, ipc_bytes, transfers, failures, mismatches, seconds, live]
+    vec![bytes, ipc_bytes, ipc_declined, transfers, failures, mismatches, seconds, live]
 }
 
 /// Binds `--metrics-addr` and serves `GET /metrics` from `metrics`; returns the server and the

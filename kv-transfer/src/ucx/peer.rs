@@ -91,20 +91,7 @@ impl UcxPeer {
         let base = self
             .mapped
             .ok_or_else(|| TransferError::protocol("ucx_copy", "peer pool not mapped"))?;
-        if ranges
-            .iter()
-            .any(|&(_, t, len)| (t + len) as u64 > self.remote_len)
-        {
-            return Err(TransferError::invalid(
-                "dst_blocks",
-                "range beyond the receiver's pool",
-            ));
-        }
-        // (source offset, destination offset) of every slab, in payload order.
-        let slabs: Vec<(usize, usize)> = ranges
-            .iter()
-            .flat_map(|&(s, t, len)| (0..len).step_by(slab_bytes).map(move |k| (s + k, t + k)))
-            .collect();
+        let slabs = crate::datapath::slab_pairs(&ranges, slab_bytes, self.remote_len)?;
         let pool = Arc::clone(pool);
         // Awaited to the end, never dropped midway: the copy must not outlive the mapping.
         let sums = tokio::task::spawn_blocking(move || {

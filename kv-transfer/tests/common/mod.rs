@@ -245,6 +245,17 @@ async fn serve_tcp(
 /// holds the source pattern; bytes land in the receiver's device pool when the GPUs are the
 /// same, in its registered host pool (the stream) when they differ.
 pub async fn ipc_pair_on(src_layout: KvLayout, dst_layout: KvLayout, src_gpu: u8, dst_gpu: u8) -> Pair {
+    ipc_pair_with(src_layout, dst_layout, src_gpu, dst_gpu, 0).await
+}
+
+/// Both on one GPU, but the receiver's device pool is `extra_bytes` larger than its registered
+/// host pool (not its mirror): it must decline IPC, so the sender streams from its mirror.
+pub async fn ipc_pair_mismatched_mirror(layout: KvLayout, extra_bytes: usize) -> Pair {
+    ipc_pair_with(layout, layout, 4, 4, extra_bytes).await
+}
+
+async fn ipc_pair_with(src_layout: KvLayout, dst_layout: KvLayout, src_gpu: u8, dst_gpu: u8, extra_bytes: usize) -> Pair {
+    let ipc = src_gpu == dst_gpu && extra_bytes == 0;
     let sender = TcpKvTransport::new(small_chunks()).unwrap();
     let receiver = Arc::new(TcpKvTransport::new(small_chunks()).unwrap());
     let source = source_pool(src_layout, BLOCKS);
@@ -254,17 +265,17 @@ pub async fn ipc_pair_on(src_layout: KvLayout, dst_layout: KvLayout, src_gpu: u8
     sender.attach_device(src_device).unwrap();
     // On one GPU the bytes must come from the device pool: the host mirror is left zero, so a
     // path that read it would fail every content check.
-    let mirror = if src_gpu == dst_gpu {
+    let mirror = if ipc {
         Arc::new(KvPool::new(src_layout, BLOCKS).unwrap())
     } else {
         source
     };
     let src = sender.register(mirror).unwrap();
     let dst_pool = Arc::new(KvPool::new(dst_layout, BLOCKS).unwrap());
-    let dst_device = Arc::new(HostDeviceKv::new([dst_gpu; 16], dst_pool.len_bytes()));
+    let dst_device = Arc::new(HostDeviceKv::new([dst_gpu; 16], dst_pool.len_bytes() + extra_bytes));
     receiver.attach_device(Arc::clone(&dst_device) as Arc<dyn tandem_kv_transfer::device::DeviceKv>).unwrap();
     let dst = receiver.register(dst_pool).unwrap();
-    let landing = (src_gpu == dst_gpu).then_some(dst_device);
+    let landing = ipc.then_some(dst_device);
     serve_tcp(sender, receiver, src, dst, None, landing).await
 }
 
