@@ -24,6 +24,7 @@
 //! call, and O(T · hidden) elementwise work; the LM head runs only on rows that need logits.
 
 use tandem_kernels::WeightDtype;
+use tandem_kernels::sample::SampleSpec;
 use tandem_kv_layout::{KvDtype, KvLayout};
 
 use crate::backend::cpu::CpuForward;
@@ -245,9 +246,9 @@ impl Model {
         kv: &mut KvStore,
         on_layer: &mut dyn FnMut(usize),
     ) -> Result<&[f32], EngineError> {
-        match self.forward_staged(seqs, kv, None, false, on_layer)? {
+        match self.forward_staged(seqs, kv, None, None, on_layer)? {
             StepLogits::Rows(rows) => Ok(rows),
-            StepLogits::Argmax(_) => unreachable!("argmax only when asked"),
+            StepLogits::Picked(_) => unreachable!("picks only when asked"),
         }
     }
 
@@ -256,16 +257,16 @@ impl Model {
     /// writes, layer by layer, and `on_layer(l)` is called once layer `l`'s slabs are in the
     /// mirror. A [`Staging::Receive`] mirror is not touched by a forward pass.
     ///
-    /// `argmax_only`: every wanted row only needs its argmax (greedy sequences; see
-    /// [`Sampler::argmax_suffices`](crate::sampler::Sampler::argmax_suffices)). A GPU then picks
-    /// the tokens on the device and returns only their ids ([`StepLogits::Argmax`]); the CPU
-    /// returns the rows either way (they are in host memory already).
+    /// `picks`: every wanted row only needs its pick, by these specs (one per wanted row, in
+    /// order; see [`Sampler::device_spec`](crate::sampler::Sampler::device_spec)). A GPU then
+    /// picks the tokens on the device and returns only their ids ([`StepLogits::Picked`]); the
+    /// CPU returns the rows either way (they are in host memory already).
     pub fn forward_staged(
         &mut self,
         seqs: &[ForwardSeq<'_>],
         kv: &mut KvStore,
         mirror: Option<&mut HostMirror>,
-        argmax_only: bool,
+        picks: Option<&[SampleSpec]>,
         on_layer: &mut dyn FnMut(usize),
     ) -> Result<StepLogits<'_>, EngineError> {
         let mut stage = mirror.filter(|m| m.staging() == Staging::Push).map(|mirror| {
@@ -279,7 +280,7 @@ impl Model {
                 cpu.forward(&self.weights, seqs, pool, stage, on_layer).map(StepLogits::Rows)
             }
             (Backend::Cuda(cuda), KvStore::Cuda(pool)) => {
-                cuda.forward(&self.weights.config, seqs, pool, stage, argmax_only, on_layer)
+                cuda.forward(&self.weights.config, seqs, pool, stage, picks, on_layer)
             }
             (_, kv) => Err(store_mismatch(here, kv)),
         }
@@ -291,8 +292,8 @@ impl Model {
 pub enum StepLogits<'a> {
     /// The logits, `rows × vocab_size`.
     Rows(&'a [f32]),
-    /// Each row's argmax (computed on the device; only the ids came back).
-    Argmax(&'a [u32]),
+    /// Each row's token, picked on the device by its spec (only the ids came back).
+    Picked(&'a [u32]),
 }
 
 /// A KV store on another device than the model's.

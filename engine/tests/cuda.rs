@@ -217,6 +217,51 @@ fn cuda_steps_that_need_the_rows_bring_them_back_and_greedy_ones_only_ids() {
     }
 }
 
+/// The 8 prompts sampled: temperatures 0.7 / 1.0 / 1.3, top-p 0.9 on half, top-k 40 on a
+/// quarter, each its own seed; the first one also wants log probabilities when asked.
+fn sampled_requests(logprobs_on_first: bool) -> Vec<Request> {
+    let mut reqs = requests();
+    for (i, r) in reqs.iter_mut().enumerate() {
+        r.params.temperature = [0.7, 1.0, 1.3][i % 3];
+        r.params.top_p = if i % 2 == 0 { 0.9 } else { 1.0 };
+        r.params.top_k = if i % 4 == 1 { 40 } else { 0 };
+        r.params.seed = Some(1000 + i as u64);
+        r.params.logprobs = logprobs_on_first && i == 0;
+    }
+    reqs
+}
+
+#[test]
+fn cuda_sampling_on_the_device_picks_the_hosts_tokens() {
+    // Sampled requests with nothing else to compute pick their tokens on the device. With one
+    // request wanting log probabilities, every step brings its rows back and the host samples
+    // them all. The streams must be the same, token for token: the device's pick is the host
+    // sampler's (tandem-kernels `sample`), and the draws are the requests' own.
+    let cfg = || engine_config(KvDtype::F32, 512);
+    let Some(gpu) = cuda_model(WeightDtype::F32, "device sampling") else { return };
+    let mut cuda = Engine::new(gpu, None, cfg()).unwrap();
+    let on_device = cuda.generate(sampled_requests(false), |_| {}).unwrap();
+    let st = cuda.stats();
+    assert_eq!(st.tokens_picked_on_device, st.decode_tokens, "every token picked on the device: {st:?}");
+    assert!(st.cuda_graph_replays > 0 && st.cuda_graph_fallbacks == 0, "sampling decode steps replay graphs: {st:?}");
+    drop(cuda);
+    let gpu = cuda_model(WeightDtype::F32, "device sampling").expect("the GPU opened a moment ago");
+    let mut cuda = Engine::new(gpu, None, cfg()).unwrap();
+    let on_host = cuda.generate(sampled_requests(true), |_| {}).unwrap();
+    assert_eq!(cuda.stats().tokens_picked_on_device, 0, "a logprobs row in every step: the host samples");
+    if let Some(d) = first_divergence(&on_host, &on_device) {
+        panic!("sampled on the host vs on the device (same GPU logits): {d}");
+    }
+    // Beside it, for the record: the CPU engine's f32 logits differ from the GPU's in the last
+    // bits, so a draw that lands on a boundary may pick differently; say where.
+    let mut cpu = Engine::new(Model::new(load(WeightDtype::F32).weights), None, cfg()).unwrap();
+    let on_cpu = cpu.generate(sampled_requests(false), |_| {}).unwrap();
+    match first_divergence(&on_cpu, &on_device) {
+        None => eprintln!("engine cuda tests: sampled streams equal the CPU engine's (8 x 24 tokens)"),
+        Some(d) => eprintln!("engine cuda tests: sampled streams first differ from the CPU engine's at {d}"),
+    }
+}
+
 #[test]
 fn a_cpu_engine_keeps_its_kv_in_host_memory() {
     // CPU side only: a CPU model's KV store is host memory, and the engine says so.

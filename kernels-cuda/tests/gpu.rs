@@ -29,7 +29,7 @@ use tandem_kv_layout::{KvDtype, KvLayout};
 
 const CHECKS: &str = "cuBLAS linear f32/bf16, rms_norm, silu_mul, add_inplace, argmax, embed f32/bf16, f32<->bf16, \
                       rope+write_kv (f32/f16/bf16), paged attention decode and prefill (f32/f16/bf16, GQA, \
-                      head_dim 64/80/128/256) against tandem-kernels; KV staging to pinned host memory; graph capture; \
+                      head_dim 64/80/128/256), sampling (temperature/top-k/top-p) against tandem-kernels; KV staging to pinned host memory; graph capture; \
                       XXH3 slab hashes and a second process copying into this one's pool by CUDA IPC";
 
 fn report_not_run(why: &str) {
@@ -77,6 +77,7 @@ fn gpu_kernels_match_the_cpu_kernels() {
     check_elementwise(&dev, &k, &mut rng);
     check_rms_norm(&dev, &k, &mut rng);
     check_argmax(&dev, &k, &mut rng);
+    check_sample(&dev, &k, &mut rng);
     check_embed_and_bf16(&dev, &k, &mut rng);
     for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Bf16] {
         check_rope_write_kv(&dev, &k, &mut rng, dtype);
@@ -225,6 +226,48 @@ fn check_argmax(dev: &CudaDevice, k: &CudaKernels, rng: &mut Rng) {
     k.argmax(&up(dev, &flat), vocab, &mut out).unwrap();
     assert_eq!(down(dev, &out), cpu, "argmax");
     assert_eq!(cpu[1], 7);
+}
+
+/// `sample.cu` picks tandem-kernels `sample`'s token on every case (`common::sample_cases`), then
+/// its time beside argmax's at SmolLM2's and Llama 3's vocabularies.
+fn check_sample(dev: &CudaDevice, k: &CudaKernels, rng: &mut Rng) {
+    use tandem_kernels::sample::{SampleSpec, sample};
+    use tandem_kernels_cuda::SampleRow;
+    for vocab in [7usize, 1000, 49_152, 128_256] {
+        let cases = common::sample_cases(vocab, rng);
+        let flat: Vec<f32> = cases.iter().flat_map(|(r, _)| r.iter().copied()).collect();
+        let specs: Vec<SampleRow> = cases.iter().map(|(_, s)| SampleRow::from(s)).collect();
+        let mut out = zeros::<i32>(dev, cases.len());
+        k.sample(&up(dev, &flat), vocab, &up(dev, &specs), &mut out).unwrap();
+        let got = down(dev, &out);
+        for (n, ((row, spec), &g)) in cases.iter().zip(&got).enumerate() {
+            assert_eq!(g as usize, sample(row, spec), "sample: vocab {vocab}, case {n}: {spec:?}");
+        }
+    }
+    for vocab in [49_152usize, 128_256] {
+        for rows in [1usize, 64, 256] {
+            let logits = up(dev, &(0..rows * vocab).map(|_| rng.normal(3.0)).collect::<Vec<f32>>());
+            let spec = SampleSpec { temperature: 0.8, top_k: 0, top_p: 0.95, draw: rng.next_u64() >> 11 };
+            let specs = up(dev, &vec![SampleRow::from(&spec); rows]);
+            let mut out = zeros::<i32>(dev, rows);
+            let time = |f: &mut dyn FnMut()| {
+                f();
+                dev.synchronize().unwrap();
+                let t = Instant::now();
+                for _ in 0..20 {
+                    f();
+                }
+                dev.synchronize().unwrap();
+                t.elapsed().as_secs_f64() * 1e6 / 20.0
+            };
+            let s_us = time(&mut || k.sample(&logits, vocab, &specs, &mut out).unwrap());
+            let a_us = time(&mut || k.argmax(&logits, vocab, &mut out).unwrap());
+            let _ = writeln!(
+                std::io::stderr(),
+                "kernels-cuda: sample (T 0.8, top-p 0.95) vocab {vocab} x {rows} rows: {s_us:.1} us (argmax {a_us:.1} us)"
+            );
+        }
+    }
 }
 
 fn check_embed_and_bf16(dev: &CudaDevice, k: &CudaKernels, rng: &mut Rng) {

@@ -9,7 +9,10 @@
 
 use std::process::Command;
 
-use tandem_kernels::sample::{DRAW_BITS, SampleSpec, sample};
+mod common;
+
+use common::{Rng, sample_cases};
+use tandem_kernels::sample::{SampleSpec, sample};
 use tandem_kernels_cuda::SAMPLE_SOURCE;
 
 /// What the CUDA source expects around it: its prelude's types and the CUDA built-ins it uses.
@@ -102,81 +105,6 @@ int main(int argc, char** argv) {
 }
 "#;
 
-struct Xs(u64);
-impl Xs {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32
-    }
-    /// Roughly normal, standard deviation `sd`.
-    fn normal(&mut self, sd: f32) -> f32 {
-        ((0..4).map(|_| self.unit()).sum::<f32>() - 2.0) * sd * 1.73
-    }
-}
-
-/// Rows of one vocabulary size, each with the spec it is sampled with.
-fn cases(vocab: usize, rng: &mut Xs) -> Vec<(Vec<f32>, SampleSpec)> {
-    let mut rows: Vec<Vec<f32>> = Vec::new();
-    for sd in [0.5f32, 3.0, 10.0] {
-        rows.push((0..vocab).map(|_| rng.normal(sd)).collect());
-    }
-    // Many ties: logits on a coarse grid.
-    rows.push((0..vocab).map(|_| (rng.normal(2.0) * 2.0).round() / 2.0).collect());
-    // Every value equal.
-    rows.push(vec![1.25; vocab]);
-    // NaN, ±inf and both zeros among them.
-    rows.push(
-        (0..vocab)
-            .map(|i| match i % 7 {
-                0 => f32::NAN,
-                1 => f32::NEG_INFINITY,
-                2 if i % 3 == 0 => f32::INFINITY,
-                3 => -0.0,
-                4 => 0.0,
-                _ => rng.normal(1.0),
-            })
-            .collect(),
-    );
-    // One finite value; none; all NaN.
-    let mut one = vec![f32::NEG_INFINITY; vocab];
-    one[vocab / 2] = -3.0;
-    rows.push(one);
-    rows.push((0..vocab).map(|i| if i % 2 == 0 { f32::NEG_INFINITY } else { f32::NAN }).collect());
-    rows.push(vec![f32::NAN; vocab]);
-    // The maximum at zero with both signs (greedy treats them as equal).
-    let mut zeros: Vec<f32> = (0..vocab).map(|_| -1.0 - rng.unit()).collect();
-    zeros[3] = -0.0;
-    zeros[1] = 0.0;
-    rows.push(zeros);
-
-    let temps = [0.0f32, 1e-4, 0.3, 0.7, 1.0, 1.5, 1e4];
-    let top_ks = [0u32, 1, 2, 5, 50, vocab as u32 + 1];
-    let top_ps = [1.0f32, 0.95, 0.5, 1e-4];
-    let mut out = Vec::new();
-    for (r, row) in rows.iter().enumerate() {
-        for j in 0..12 {
-            let draw = match j {
-                0 => 0,
-                1 => (1u64 << DRAW_BITS) - 1,
-                _ => rng.next() >> (64 - DRAW_BITS),
-            };
-            let spec = SampleSpec {
-                temperature: temps[(r + j) % temps.len()],
-                top_k: if j % 3 == 0 { top_ks[(r + j / 3) % top_ks.len()] } else { 0 },
-                top_p: top_ps[(r * 5 + j) % top_ps.len()],
-                draw,
-            };
-            out.push((row.clone(), spec));
-        }
-    }
-    out
-}
-
 fn compile(dir: &std::path::Path) -> std::path::PathBuf {
     let src = dir.join("sample_check.cpp");
     let exe = dir.join("sample_check");
@@ -220,7 +148,7 @@ fn the_device_weight_is_the_cpus_bit_for_bit() {
     let dir = std::env::temp_dir().join(format!("tandem-sample-weight-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let exe = compile(&dir);
-    let mut rng = Xs(0x9E37_79B9_7F4A_7C15);
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     let mut ds: Vec<(u32, f64)> = Vec::new();
     for shift in [32u32, 45, 46, 61] {
         ds.extend([0.0, -0.0, -1e-300, -0.5, -1.0, -2.0 * std::f64::consts::LN_2].map(|d| (shift, d)));
@@ -252,10 +180,10 @@ fn the_device_sampler_picks_the_cpu_samplers_token_on_every_row_spec_and_block_s
     let dir = std::env::temp_dir().join(format!("tandem-sample-host-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let exe = compile(&dir);
-    let mut rng = Xs(0x2545_F491_4F6C_DD1D);
+    let mut rng = Rng(0x2545_F491_4F6C_DD1D);
     let mut checked = 0;
     for (vocab, threads) in [(7usize, 32u32), (1000, 96), (3001, 300), (49_152, 512)] {
-        let cases = cases(vocab, &mut rng);
+        let cases = sample_cases(vocab, &mut rng);
         let got = run(&exe, &dir, vocab, &cases, threads);
         assert_eq!(got.len(), cases.len());
         for (n, ((row, spec), &g)) in cases.iter().zip(&got).enumerate() {

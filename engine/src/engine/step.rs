@@ -17,6 +17,7 @@ use super::{ChunkView, Completion, Engine, FinishReason, LayerDone, Request, Ste
 use crate::error::EngineError;
 use crate::model::{ForwardSeq, StepLogits};
 use crate::sampler::TokenLogprob;
+use tandem_kernels::sample::SampleSpec;
 
 impl Engine {
     /// Runs one scheduling step and forward pass; returns a token for every request that
@@ -57,13 +58,15 @@ impl Engine {
             .collect();
         let vocab = self.model.config().vocab_size;
         let num_layers = self.model.config().num_hidden_layers;
-        // Greedy-only steps need no logits on the host (a GPU picks the tokens itself).
-        let argmax_only = plan
+        // When no row needs more than its pick, a GPU picks the tokens itself: the same tokens the
+        // host's samplers would pick from the same rows, so this never changes a stream.
+        let picks: Option<Vec<SampleSpec>> = plan
             .chunks
             .iter()
             .filter(|c| c.want_logits)
-            .all(|c| self.reqs.get(&c.seq_id).is_some_and(|st| st.sampler.argmax_suffices()));
-        let logits = self.model.forward_staged(&fseqs, &mut self.pool, self.mirror.as_mut(), argmax_only, &mut |layer| {
+            .map(|c| self.reqs.get(&c.seq_id).and_then(|st| st.sampler.device_spec()))
+            .collect();
+        let logits = self.model.forward_staged(&fseqs, &mut self.pool, self.mirror.as_mut(), picks.as_deref(), &mut |layer| {
             on_layer(LayerDone { layer, num_layers, chunks: &views })
         })?;
         drop(views);
@@ -78,7 +81,10 @@ impl Engine {
                 let st = self.reqs.get_mut(&c.seq_id).expect("scheduled request has state");
                 let sampled = match logits {
                     StepLogits::Rows(l) => st.sampler.sample(&l[row * vocab..(row + 1) * vocab]),
-                    StepLogits::Argmax(ids) => st.sampler.accept_argmax(ids[row]),
+                    StepLogits::Picked(ids) => {
+                        self.stats.tokens_picked_on_device += 1;
+                        st.sampler.accept_device(ids[row])
+                    }
                 };
                 row += 1;
                 if let Some(e) = &sampled.grammar_error {

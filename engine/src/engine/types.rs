@@ -180,6 +180,9 @@ pub struct EngineStats {
     /// Whether a staged engine's host mirror is page-locked (false without a mirror: see
     /// [`Engine::kv_mirror`](crate::Engine::kv_mirror)).
     pub kv_mirror_pinned: bool,
+    /// Tokens picked on the device (greedy or sampled there; only their ids came back). The
+    /// rest were picked by the host from rows of logits.
+    pub tokens_picked_on_device: u64,
     /// CUDA: decode steps replayed from a captured graph.
     pub cuda_graph_replays: u64,
     /// CUDA: graph captures that failed (decode then runs without graphs; logged once).

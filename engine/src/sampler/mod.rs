@@ -14,8 +14,14 @@
 //! Log probabilities are those of the masked row (the distribution actually sampled from). A
 //! grammar failure leaves only end-of-sequence and is reported in [`Sampled::grammar_error`].
 //!
-//! Cost: greedy is one pass over the vocabulary; top-k/top-p sort only the candidates that
-//! survive (a partial selection for top-k, a full sort of at most the vocabulary otherwise).
+//! The pick itself is tandem-kernels [`sample`](tandem_kernels::sample::sample): probabilities
+//! as integer weights (exact softmax up to a relative 2^-45 quantum; a token below it is never
+//! picked), top-k, top-p and the draw in integer arithmetic. It is defined so that a GPU picks
+//! the same token from the same row without sorting it ([`Sampler::device_spec`]): whether a
+//! row was sampled on the host or the device never changes a seeded stream.
+//!
+//! Cost: greedy is one pass over the vocabulary; otherwise one pass for the weights, then a
+//! sort of the candidates of nonzero weight (a partial selection first for top-k).
 //! Penalties touch only the tokens seen ([`penalties`]); logprobs add one pass
 //! ([`logprobs`]).
 
@@ -29,6 +35,7 @@ use self::penalties::Penalties;
 use crate::error::EngineError;
 use crate::rng::Rng;
 use tandem_grammar::{Constraint, ResponseFormat};
+use tandem_kernels::sample::SampleSpec;
 
 /// Sampling parameters of one request.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -209,19 +216,23 @@ impl Sampler {
         self.params.temperature == 0.0 || self.params.top_k == 1
     }
 
-    /// True when the next token is the row's argmax and nothing else of the row is needed
-    /// (greedy, no penalties, no grammar, no log probabilities): a GPU can then pick it on the
-    /// device and send back only the id ([`accept_argmax`](Self::accept_argmax)).
-    pub fn argmax_suffices(&self) -> bool {
-        self.is_greedy() && self.penalties.is_none() && self.constraint.is_none() && !self.params.logprobs
+    /// The next pick as a [`SampleSpec`] (its draw included, not yet taken) when nothing but the
+    /// pick needs the row: no penalties, no grammar, no log probabilities. A GPU then samples on
+    /// the device (tandem-kernels-cuda `sample.cu`, the same token [`sample`](Self::sample)
+    /// would pick from the same row) and only the id comes back ([`accept_device`](Self::accept_device)).
+    pub fn device_spec(&self) -> Option<SampleSpec> {
+        if self.penalties.is_some() || self.constraint.is_some() || self.params.logprobs {
+            return None;
+        }
+        Some(self.spec(if self.is_greedy() { 0 } else { self.rng.clone().next_u64() >> 11 }))
     }
 
-    /// Takes `token`, the row's argmax computed elsewhere (lowest index on ties, NaN never
-    /// wins: `tandem_kernels::argmax`), as this sampler's pick; only valid when
-    /// [`argmax_suffices`](Self::argmax_suffices), where it is exactly what
-    /// [`sample`](Self::sample) returns for that row.
-    pub fn accept_argmax(&mut self, token: u32) -> Sampled {
-        debug_assert!(self.argmax_suffices(), "accept_argmax on a sampler that needs the whole row");
+    /// Takes `token`, picked elsewhere with [`device_spec`](Self::device_spec)'s spec, as this
+    /// sampler's pick: its draw is taken, so the stream goes on as if [`sample`](Self::sample)
+    /// had picked it.
+    pub fn accept_device(&mut self, token: u32) -> Sampled {
+        debug_assert!(self.device_spec().is_some(), "accept_device on a sampler that needs the whole row");
+        self.skip_draws(1);
         Sampled { token, logprob: None, grammar_error: None }
     }
 
@@ -263,52 +274,20 @@ impl Sampler {
     }
 
     fn pick(&mut self, logits: &[f32]) -> u32 {
-        if self.is_greedy() {
-            return tandem_kernels::argmax(logits) as u32;
-        }
+        let draw = if self.is_greedy() { 0 } else { self.rng.next_u64() >> 11 };
+        let spec = self.spec(draw);
+        tandem_kernels::sample::sample(logits, &spec) as u32
+    }
+
+    /// This sampler's next pick as a [`SampleSpec`] with `draw` (its next draw, or 0 when greedy).
+    fn spec(&self, draw: u64) -> SampleSpec {
         let p = &self.params;
-        // Candidates sorted by descending logit, ties by ascending index (deterministic).
-        let mut idx: Vec<u32> = (0..logits.len() as u32).filter(|&i| logits[i as usize].is_finite()).collect();
-        if idx.is_empty() {
-            return tandem_kernels::argmax(logits) as u32;
+        SampleSpec {
+            temperature: p.temperature,
+            top_k: u32::try_from(p.top_k).unwrap_or(u32::MAX),
+            top_p: p.top_p,
+            draw,
         }
-        let by_logit = |a: &u32, b: &u32| {
-            logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b))
-        };
-        if p.top_k > 0 && p.top_k < idx.len() {
-            idx.select_nth_unstable_by(p.top_k - 1, by_logit);
-            idx.truncate(p.top_k);
-        }
-        idx.sort_unstable_by(by_logit);
-        let max = logits[idx[0] as usize] as f64;
-        let inv_t = 1.0 / p.temperature as f64;
-        let mut probs: Vec<f64> = idx.iter().map(|&i| ((logits[i as usize] as f64 - max) * inv_t).exp()).collect();
-        let total: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|x| *x /= total);
-        if p.top_p < 1.0 {
-            let mut acc = 0.0;
-            let mut keep = probs.len();
-            for (n, pr) in probs.iter().enumerate() {
-                acc += pr;
-                if acc >= p.top_p as f64 {
-                    keep = n + 1;
-                    break;
-                }
-            }
-            probs.truncate(keep);
-            idx.truncate(keep);
-            let total: f64 = probs.iter().sum();
-            probs.iter_mut().for_each(|x| *x /= total);
-        }
-        let u = self.rng.next_f64();
-        let mut acc = 0.0;
-        for (n, pr) in probs.iter().enumerate() {
-            acc += pr;
-            if u < acc {
-                return idx[n];
-            }
-        }
-        *idx.last().expect("at least one candidate")
     }
 }
 
@@ -327,22 +306,28 @@ mod tests {
     }
 
     #[test]
-    fn only_plain_greedy_lets_the_argmax_stand_for_the_row() {
-        let plain = Sampler::new(SamplingParams::greedy(4), 1, &[]);
-        assert!(plain.argmax_suffices());
-        assert!(Sampler::new(SamplingParams { top_k: 1, temperature: 0.7, ..Default::default() }, 1, &[]).argmax_suffices());
+    fn a_row_can_be_picked_elsewhere_only_when_nothing_else_needs_it_and_the_stream_goes_on() {
         for needs_row in [
-            SamplingParams { temperature: 0.7, ..Default::default() },
-            SamplingParams { logprobs: true, ..Default::default() },
+            SamplingParams { logprobs: true, temperature: 0.7, ..Default::default() },
             SamplingParams { repetition_penalty: 1.2, ..Default::default() },
             SamplingParams { presence_penalty: 0.5, ..Default::default() },
         ] {
-            assert!(!Sampler::new(needs_row.clone(), 1, &[3]).argmax_suffices(), "{needs_row:?}");
+            assert!(Sampler::new(needs_row.clone(), 1, &[3]).device_spec().is_none(), "{needs_row:?}");
         }
-        // Where it suffices, taking the argmax is what sampling the row gives.
-        let (mut a, mut b) = (plain.clone(), plain);
+        let greedy = Sampler::new(SamplingParams::greedy(4), 1, &[]).device_spec().expect("plain greedy");
+        assert!(greedy.is_greedy() && greedy.draw == 0);
+        // A seeded sampler: picking each token from the spec (as a GPU does) and accepting it
+        // gives the stream `sample` gives, draw for draw.
+        let params = SamplingParams { temperature: 0.9, top_k: 4, top_p: 0.9, seed: Some(11), ..Default::default() };
         let l = logits();
-        assert_eq!(a.accept_argmax(tandem_kernels::argmax(&l) as u32), b.sample(&l));
+        let mut host = Sampler::new(params.clone(), 3, &[]);
+        let mut dev = Sampler::new(params, 3, &[]);
+        for _ in 0..64 {
+            let spec = dev.device_spec().expect("no penalties, grammar or logprobs");
+            assert_eq!(spec, dev.device_spec().expect("peeking takes no draw"));
+            let token = tandem_kernels::sample::sample(&l, &spec) as u32;
+            assert_eq!(dev.accept_device(token), host.sample(&l));
+        }
     }
 
     #[test]

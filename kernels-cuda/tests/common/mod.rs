@@ -32,6 +32,16 @@ impl Rng {
         (0..n).map(|_| self.f32()).collect()
     }
 
+    /// Uniform in [0, 1).
+    pub fn unit(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+
+    /// Roughly normal, standard deviation about `sd`.
+    pub fn normal(&mut self, sd: f32) -> f32 {
+        ((0..4).map(|_| self.unit()).sum::<f32>() - 2.0) * sd * 1.73
+    }
+
     pub fn below(&mut self, n: usize) -> usize {
         (self.next_u64() % n as u64) as usize
     }
@@ -44,4 +54,62 @@ impl Rng {
         }
         v
     }
+}
+
+/// Rows of `vocab` logits, each with the spec it is sampled with (`sample.cu` against
+/// tandem-kernels `sample`): flat and peaked rows, many ties, all equal, NaN / ±inf / ±0.0,
+/// one finite value, none, all NaN, a zero maximum of both signs; every temperature from 0 to
+/// 1e4, top-k from none to past the row, top-p from 1 to 1e-4, the lowest and highest draws.
+/// 10 rows × 12 specs.
+pub fn sample_cases(vocab: usize, rng: &mut Rng) -> Vec<(Vec<f32>, tandem_kernels::sample::SampleSpec)> {
+    use tandem_kernels::sample::{DRAW_BITS, SampleSpec};
+    let mut rows: Vec<Vec<f32>> = Vec::new();
+    for sd in [0.5f32, 3.0, 10.0] {
+        rows.push((0..vocab).map(|_| rng.normal(sd)).collect());
+    }
+    rows.push((0..vocab).map(|_| (rng.normal(2.0) * 2.0).round() / 2.0).collect());
+    rows.push(vec![1.25; vocab]);
+    rows.push(
+        (0..vocab)
+            .map(|i| match i % 7 {
+                0 => f32::NAN,
+                1 => f32::NEG_INFINITY,
+                2 if i % 3 == 0 => f32::INFINITY,
+                3 => -0.0,
+                4 => 0.0,
+                _ => rng.normal(1.0),
+            })
+            .collect(),
+    );
+    let mut one = vec![f32::NEG_INFINITY; vocab];
+    one[vocab / 2] = -3.0;
+    rows.push(one);
+    rows.push((0..vocab).map(|i| if i % 2 == 0 { f32::NEG_INFINITY } else { f32::NAN }).collect());
+    rows.push(vec![f32::NAN; vocab]);
+    let mut zeros: Vec<f32> = (0..vocab).map(|_| -1.0 - rng.unit()).collect();
+    zeros[3] = -0.0;
+    zeros[1] = 0.0;
+    rows.push(zeros);
+
+    let temps = [0.0f32, 1e-4, 0.3, 0.7, 1.0, 1.5, 1e4];
+    let top_ks = [0u32, 1, 2, 5, 50, vocab as u32 + 1];
+    let top_ps = [1.0f32, 0.95, 0.5, 1e-4];
+    let mut out = Vec::new();
+    for (r, row) in rows.iter().enumerate() {
+        for j in 0..12 {
+            let draw = match j {
+                0 => 0,
+                1 => (1u64 << DRAW_BITS) - 1,
+                _ => rng.next_u64() >> (64 - DRAW_BITS),
+            };
+            let spec = SampleSpec {
+                temperature: temps[(r + j) % temps.len()],
+                top_k: if j % 3 == 0 { top_ks[(r + j / 3) % top_ks.len()] } else { 0 },
+                top_p: top_ps[(r * 5 + j) % top_ps.len()],
+                draw,
+            };
+            out.push((row.clone(), spec));
+        }
+    }
+    out
 }

@@ -10,7 +10,8 @@
 
 use cudarc::driver::CudaSlice;
 use tandem_kernels::WeightDtype;
-use tandem_kernels_cuda::{CudaDevice, CudaError, CudaKernels, DecodeWorkspace, DeviceKvPool, DeviceRopeTable, Gemm, Out};
+use tandem_kernels::sample::SampleSpec;
+use tandem_kernels_cuda::{CudaDevice, CudaError, CudaKernels, DecodeWorkspace, DeviceKvPool, DeviceRopeTable, Gemm, Out, SampleRow};
 
 use super::shard::{Collective, Shard};
 use super::weights::{DevElems, DevMatrix, DevWeights};
@@ -65,8 +66,32 @@ pub(super) struct HeadBufs {
     xn: CudaSlice<f32>,
     xb: CudaSlice<u16>,
     pub logits: CudaSlice<f32>,
-    /// Each row's argmax (greedy steps).
+    /// Each row's sampling spec (steps that sample on the device).
+    pub specs: CudaSlice<SampleRow>,
+    /// Each row's picked token (steps that pick on the device).
     pub ids: CudaSlice<i32>,
+}
+
+/// What the LM head leaves for the host: the rows' logits, or only their picked tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) enum HeadPick {
+    /// The logits (the host samples).
+    Logits,
+    /// Every row greedy: the argmax kernel.
+    Argmax,
+    /// The sampling kernel, by the specs in [`HeadBufs::specs`].
+    Sample,
+}
+
+impl HeadPick {
+    /// The head for a step with these device picks (`None`: the host needs the rows).
+    pub fn of(picks: Option<&[SampleSpec]>) -> HeadPick {
+        match picks {
+            None => HeadPick::Logits,
+            Some(p) if p.iter().all(SampleSpec::is_greedy) => HeadPick::Argmax,
+            Some(_) => HeadPick::Sample,
+        }
+    }
 }
 
 impl HeadBufs {
@@ -80,8 +105,17 @@ impl HeadBufs {
             xn: d.alloc_zeros(rows * h)?,
             xb: d.alloc_zeros(bf)?,
             logits: d.alloc_zeros(rows * c.vocab_size)?,
+            specs: d.alloc_zeros(rows)?,
             ids: d.alloc_zeros(rows)?,
         })
+    }
+
+    /// Queues the copy of `picks` into [`specs`](Self::specs); rows past them (a graph bucket's
+    /// padding) are greedy.
+    pub fn set_specs(&mut self, d: &CudaDevice, picks: &[SampleSpec]) -> Result<(), CudaError> {
+        let mut rows: Vec<SampleRow> = picks.iter().map(SampleRow::from).collect();
+        rows.resize(self.rows, SampleRow::default());
+        d.stream().memcpy_htod(&rows, &mut self.specs).map_err(|e| CudaError::driver("cuMemcpyHtoDAsync", e))
     }
 }
 
@@ -204,8 +238,8 @@ impl Parts<'_> {
 
     /// The final RMSNorm and the LM head on the step's rows `want` (a row gather: the
     /// embedding kernel with the hidden states as its table), or on every row in order when
-    /// `want` is `None` (`hb.rows == b.t`); with `argmax`, each row's argmax into `hb.ids`.
-    pub fn head(&self, b: &StepBufs, want: Option<&CudaSlice<i32>>, hb: &mut HeadBufs, argmax: bool) -> Result<(), CudaError> {
+    /// `want` is `None` (`hb.rows == b.t`); with a device `pick`, each row's token into `hb.ids`.
+    pub fn head(&self, b: &StepBufs, want: Option<&CudaSlice<i32>>, hb: &mut HeadBufs, pick: HeadPick) -> Result<(), CudaError> {
         let (c, k, g, bf16) = (self.c, self.k, self.g, self.bf16());
         let eps = c.rms_norm_eps as f32;
         match want {
@@ -220,10 +254,11 @@ impl Parts<'_> {
         }
         let head = self.w.head();
         mm(g, bf16, &hb.xn, &hb.xb, hb.rows, head, (0, head.rows), &mut hb.logits, Out::Set)?;
-        if argmax {
-            k.argmax(&hb.logits, c.vocab_size, &mut hb.ids)?;
+        match pick {
+            HeadPick::Logits => Ok(()),
+            HeadPick::Argmax => k.argmax(&hb.logits, c.vocab_size, &mut hb.ids),
+            HeadPick::Sample => k.sample(&hb.logits, c.vocab_size, &hb.specs, &mut hb.ids),
         }
-        Ok(())
     }
 }
 

@@ -2,14 +2,14 @@
 //! graph launch instead of ~15 kernels a layer. Small models' decode is launch-bound (SmolLM2's
 //! 30 layers are ~450 launches a step), and this is what closes it.
 //!
-//! A graph is captured once per bucket, `(sequences, blocks, argmax)`: sequences rounded up to a
+//! A graph is captured once per bucket, `(sequences, blocks, pick)`: sequences rounded up to a
 //! power of two (at most [`MAX_GRAPH_SEQS`]), the widest block table rounded up to a power of two
-//! (at least [`MIN_GRAPH_BLOCKS`]), and whether the step picks its tokens on the device. A step
+//! (at least [`MIN_GRAPH_BLOCKS`]), and what the head leaves (logits, argmax, sampled tokens). A step
 //! of `n` sequences runs in bucket `B ≥ n`: rows `n..B` are padding (token 0 at position 0, KV
 //! slot -1 so nothing is written, context 0 so attention reads nothing), and only the first `n`
 //! rows' results are read back. Each sequence bucket owns its buffers (allocated once, at its
 //! first capture), shared by its graphs; the values that change (ids, positions, slots, block
-//! tables, context lengths) are copied into them before each replay.
+//! tables, context lengths, sampling specs) are copied into them before each replay.
 //!
 //! # Invariants
 //! - A replay runs the same kernels as the eager forward (`enqueue`), on the bucket's shapes:
@@ -26,7 +26,8 @@ use std::collections::hash_map::Entry;
 use cudarc::driver::{CudaSlice, DevicePtr};
 use tandem_kernels_cuda::{CudaDevice, CudaError, DecodeWorkspace, DeviceGraph, launch};
 
-use super::enqueue::{Attn, HeadBufs, Parts, StepBufs};
+use super::enqueue::{Attn, HeadBufs, HeadPick, Parts, StepBufs};
+use tandem_kernels::sample::SampleSpec;
 use super::{AttnIndex, CudaKv, StepIndex};
 
 /// Most sequences a captured decode step holds (larger steps run eagerly).
@@ -81,7 +82,7 @@ pub(super) struct DecodeGraphs {
     /// The KV pool the graphs were captured against (its device address).
     pool: u64,
     buckets: HashMap<usize, SeqBucket>,
-    graphs: HashMap<(usize, usize, bool), DeviceGraph>,
+    graphs: HashMap<(usize, usize, HeadPick), DeviceGraph>,
     /// Steps replayed from a graph.
     pub replays: u64,
     /// Captures that failed (graphs are off after the first).
@@ -115,7 +116,8 @@ impl DecodeGraphs {
         kv: &mut CudaKv,
         ix: &StepIndex,
         attn_ix: &AttnIndex,
-        argmax: bool,
+        pick: HeadPick,
+        specs: &[SampleSpec],
     ) -> Result<Option<GraphOut>, CudaError> {
         let n = ix.ids.len();
         let bs = kv.pool.layout.block_size_tokens;
@@ -140,12 +142,12 @@ impl DecodeGraphs {
         if let Entry::Vacant(v) = bucket.tables.entry(blocks) {
             v.insert(d.alloc_zeros(seqs * blocks)?);
         }
-        let key = (seqs, blocks, argmax);
+        let key = (seqs, blocks, pick);
         if let Entry::Vacant(v) = self.graphs.entry(key) {
             let t0 = std::time::Instant::now();
-            match capture(d, parts, kv, bucket, blocks, argmax) {
+            match capture(d, parts, kv, bucket, blocks, pick) {
                 Ok(g) => {
-                    tracing::debug!(seqs, blocks, argmax, us = t0.elapsed().as_micros() as u64, "decode graph captured");
+                    tracing::debug!(seqs, blocks, ?pick, us = t0.elapsed().as_micros() as u64, "decode graph captured");
                     v.insert(g);
                 }
                 Err(e) => {
@@ -167,11 +169,14 @@ impl DecodeGraphs {
         stream.memcpy_htod(&p.ctx_lens, &mut bucket.ctx_lens).map_err(copy)?;
         let table_buf = bucket.tables.get_mut(&blocks).expect("allocated above");
         stream.memcpy_htod(&p.tables, table_buf).map_err(copy)?;
+        if pick == HeadPick::Sample {
+            bucket.head.set_specs(d, specs)?;
+        }
         self.graphs[&key].launch()?;
         self.replays += 1;
         // Only the step's own rows come back, not the padding.
         let back = |e| CudaError::driver("cuMemcpyDtoHAsync", e);
-        Ok(Some(if argmax {
+        Ok(Some(if pick != HeadPick::Logits {
             GraphOut::Ids(stream.clone_dtoh(&bucket.head.ids.slice(..n)).map_err(back)?)
         } else {
             let rows = n * parts.c.vocab_size;
@@ -215,7 +220,7 @@ fn capture(
     kv: &mut CudaKv,
     bucket: &mut SeqBucket,
     blocks: usize,
-    argmax: bool,
+    pick: HeadPick,
 ) -> Result<DeviceGraph, CudaError> {
     let bs = kv.pool.layout.block_size_tokens;
     let SeqBucket { ids, positions, slots, ctx_lens, tables, step, head, ws } = bucket;
@@ -227,7 +232,7 @@ fn capture(
             parts.qkv_rope(li, step, positions, slots, &mut kv.pool)?;
             parts.attend_mlp(li, step, &mut attn, &kv.pool)?;
         }
-        parts.head(step, None, head, argmax)
+        parts.head(step, None, head, pick)
     })
 }
 

@@ -19,7 +19,10 @@
 //! - f32 weights: agrees with the CPU within float rounding (cuBLAS, RMSNorm and attention sum
 //!   in other orders), so greedy tokens match except at near-ties. bf16: within bf16 rounding.
 //!
-//! Greedy steps pick their tokens on the device (`argmax_only`: only the ids come back).
+//! Steps whose rows need only their pick (greedy, or sampled with temperature / top-k / top-p
+//! and no penalties, grammar or log probabilities) pick their tokens on the device: the same
+//! tokens the host's sampler picks from the same rows (tandem-kernels `sample`); only the ids
+//! come back.
 //! Decode steps (one token per sequence, no staging) replay CUDA graphs captured per bucket
 //! (`graphs`); prefill steps, and whatever does not fit a bucket, are queued kernel by kernel
 //! (`enqueue`, the same calls).
@@ -40,9 +43,10 @@ use tandem_kernels_cuda::{
     CudaDevice, CudaError, CudaKernels, DecodeWorkspace, DeviceKvPool, DeviceRopeTable, Gemm, PinnedHost, PtxCache,
     StreamMark, launch,
 };
+use tandem_kernels::sample::SampleSpec;
 use tandem_kv_layout::KvLayout;
 
-use self::enqueue::{Attn, HeadBufs, Parts, StepBufs};
+use self::enqueue::{Attn, HeadBufs, HeadPick, Parts, StepBufs};
 use self::graphs::{DecodeGraphs, GraphOut};
 use self::shard::{Collective, Shard, SingleRank};
 use self::weights::DevWeights;
@@ -271,14 +275,14 @@ impl CudaForward {
     }
 
     /// Runs `seqs`, writing their KV into `kv`; returns the wanted rows' logits, or with
-    /// `argmax_only` their argmax ids (host memory).
+    /// with `picks` (one spec per wanted row) their picked tokens (host memory).
     pub(crate) fn forward(
         &mut self,
         c: &ModelConfig,
         seqs: &[ForwardSeq<'_>],
         kv: &mut CudaKv,
         mut stage: Option<&mut StageOut<'_>>,
-        argmax_only: bool,
+        picks: Option<&[SampleSpec]>,
         on_layer: &mut dyn FnMut(usize),
     ) -> Result<StepLogits<'_>, EngineError> {
         let (heads, hd) = (self.shard.heads(c), c.head_dim());
@@ -299,6 +303,14 @@ impl CudaForward {
         let t: usize = seqs.iter().map(|s| s.tokens.len()).sum();
         let ix = Self::index(c, seqs, bs)?;
         let rows = ix.want.len();
+        if picks.is_some_and(|p| p.len() != rows) {
+            return Err(EngineError::InvalidConfig {
+                field: "picks",
+                value: format!("{} specs", picks.map_or(0, <[_]>::len)),
+                reason: format!("one per wanted row: the step wants {rows}"),
+            });
+        }
+        let pick = HeadPick::of(picks);
         if t == 0 {
             self.logits.clear();
             return Ok(StepLogits::Rows(&self.logits));
@@ -312,7 +324,7 @@ impl CudaForward {
 
         if decode && stage.is_none() && rows == t && self.coll.capturable() {
             // Every sequence one token, every row wanted: a graph replay when it fits a bucket.
-            if let Some(out) = self.graphs.run(&self.dev, &parts, kv, &ix, &attn_ix, argmax_only)? {
+            if let Some(out) = self.graphs.run(&self.dev, &parts, kv, &ix, &attn_ix, pick, picks.unwrap_or_default())? {
                 for li in 0..c.num_hidden_layers {
                     on_layer(li);
                 }
@@ -320,7 +332,7 @@ impl CudaForward {
                     GraphOut::Ids(ids) => {
                         self.ids.clear();
                         self.ids.extend(ids.iter().map(|&i| i as u32));
-                        StepLogits::Argmax(&self.ids)
+                        StepLogits::Picked(&self.ids)
                     }
                     GraphOut::Logits(l) => {
                         self.logits = l;
@@ -405,14 +417,17 @@ impl CudaForward {
         let hb = self.head.as_mut().expect("sized above");
         let all_rows = rows == t && ix.want.iter().enumerate().all(|(i, &r)| r as usize == i);
         let want = if all_rows { None } else { Some(d.upload(&ix.want)?) };
-        parts.head(b, want.as_ref(), hb, argmax_only)?;
-        if argmax_only {
-            // Greedy rows: picked on the device; only the ids come back (4 bytes a row, not the
-            // vocabulary's logits).
+        if pick == HeadPick::Sample {
+            hb.set_specs(d, picks.unwrap_or_default())?;
+        }
+        parts.head(b, want.as_ref(), hb, pick)?;
+        if pick != HeadPick::Logits {
+            // Picked on the device; only the ids come back (4 bytes a row, not the vocabulary's
+            // logits).
             let ids = d.download(&hb.ids)?;
             self.ids.clear();
             self.ids.extend(ids.iter().map(|&i| i as u32));
-            return Ok(StepLogits::Argmax(&self.ids));
+            return Ok(StepLogits::Picked(&self.ids));
         }
         self.logits = d.download(&hb.logits)?;
         Ok(StepLogits::Rows(&self.logits))
@@ -486,21 +501,7 @@ mod tests {
 
     #[test]
     fn the_step_index_checks_what_the_cpu_forward_checks() {
-        let c = ModelConfig {
-            hidden_size: 8,
-            intermediate_size: 16,
-            num_hidden_layers: 1,
-            num_attention_heads: 2,
-            num_key_value_heads: None,
-            head_dim: None,
-            vocab_size: 10,
-            rope_theta: 1e4,
-            rms_norm_eps: 1e-5,
-            max_position_embeddings: 64,
-            tie_word_embeddings: true,
-            bos_token_id: None,
-            eos_token_id: vec![],
-        };
+        let c = super::shard::tiny_config(2, 2, 4, 16);
         let table = [5u32, 1];
         let ok = [ForwardSeq { tokens: &[1, 2], first_pos: 15, block_table: &table, want_logits: true }];
         let ix = CudaForward::index(&c, &ok, 16).unwrap();

@@ -224,27 +224,29 @@ pub fn slice_matrix<T: Copy>(m: &[T], cols_all: usize, ranges: &[Range<usize>], 
     out
 }
 
+/// A one-layer config of `heads` × `hd` with `kv_heads` and `inter` MLP features (unit tests).
+#[cfg(test)]
+pub(super) fn tiny_config(heads: usize, kv_heads: usize, hd: usize, inter: usize) -> ModelConfig {
+    ModelConfig {
+        hidden_size: heads * hd,
+        intermediate_size: inter,
+        num_hidden_layers: 1,
+        num_attention_heads: heads,
+        num_key_value_heads: Some(kv_heads),
+        head_dim: Some(hd),
+        vocab_size: 10,
+        rope_theta: 1e4,
+        rms_norm_eps: 1e-5,
+        max_position_embeddings: 64,
+        tie_word_embeddings: true,
+        bos_token_id: None,
+        eos_token_id: vec![],
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn config(heads: usize, kv_heads: usize, hd: usize, inter: usize) -> ModelConfig {
-        ModelConfig {
-            hidden_size: heads * hd,
-            intermediate_size: inter,
-            num_hidden_layers: 1,
-            num_attention_heads: heads,
-            num_key_value_heads: Some(kv_heads),
-            head_dim: Some(hd),
-            vocab_size: 10,
-            rope_theta: 1e4,
-            rms_norm_eps: 1e-5,
-            max_position_embeddings: 64,
-            tie_word_embeddings: true,
-            bos_token_id: None,
-            eos_token_id: vec![],
-        }
-    }
 
     /// `y[m × n] = x[m × k] · Wᵀ` for a row-major `W` `[n × k]`, in f64.
     fn matmul(x: &[f64], m: usize, w: &[f64], n: usize, k: usize) -> Vec<f64> {
@@ -269,7 +271,7 @@ mod tests {
 
     #[test]
     fn one_rank_holds_every_row_and_column() {
-        let c = config(9, 3, 8, 48);
+        let c = tiny_config(9, 3, 8, 48);
         let s = Shard::new(0, 1, &c).unwrap();
         assert_eq!(s, Shard::SINGLE);
         let (q_w, kv_w) = (9 * 8, 3 * 8);
@@ -286,7 +288,7 @@ mod tests {
     #[test]
     fn sharded_projections_reassemble_the_unsharded_layer() {
         let (heads, kv_heads, hd, inter, m) = (6, 2, 4, 12, 3);
-        let c = config(heads, kv_heads, hd, inter);
+        let c = tiny_config(heads, kv_heads, hd, inter);
         let (h, q_w, kv_w) = (c.hidden_size, heads * hd, kv_heads * hd);
         let qkv = values((q_w + 2 * kv_w) * h, 1);
         let o = values(h * q_w, 2);
@@ -360,7 +362,7 @@ mod tests {
 
     #[test]
     fn a_group_size_that_does_not_divide_the_model_is_refused_naming_the_numbers() {
-        let c = config(9, 3, 8, 48);
+        let c = tiny_config(9, 3, 8, 48);
         let e = Shard::new(0, 2, &c).unwrap_err().to_string();
         assert!(e.contains("9 attention heads") && e.contains("rank 0 of 2"), "{e}");
         assert!(Shard::new(1, 1, &c).is_err());
