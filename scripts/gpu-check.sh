@@ -9,16 +9,19 @@
 #   1. nvidia-smi
 #   2. LD_LIBRARY_PATH for libcuda / libnvrtc / libcublas (/usr/local/cuda/lib64 and the PyTorch
 #      venv's nvidia/cu13/lib)
-#   3. kernels-cuda's GPU test (every kernel against the CPU kernels; GEMM with the residual in
-#      its epilogue; XXH3 on the device; a second process copying into a pool by CUDA IPC)
+#   3. kernels-cuda's GPU test (every kernel against the CPU kernels; sampling against the CPU's
+#      sampler, token for token, with its time beside argmax's; GEMM with the residual in its
+#      epilogue; XXH3 on the device; a second process copying into a pool by CUDA IPC)
 #   4. the engine's CUDA test (engine on cuda:0 against the CPU engine, dummy weights; staged
-#      split; three tensor-parallel ranks against the unsharded engine)
+#      split; three tensor-parallel ranks against the unsharded engine; sampled requests picked
+#      on the device against the same requests sampled by the host)
 #   5. exactness: `tandem generate` on --device cuda vs --device cpu, f32, SmolLM2-135M shape,
 #      8 prompts x 64 greedy tokens: identical, or the first divergence; then bf16 on cuda vs f32
 #   6. PyTorch anchor (../shared/gpu/anchor.py smollm2-135m), in the same call
 #   7. `tandem bench-engine --device cuda` on the SmolLM2-135M shape (prefill 512; decode batch
 #      1 / 32 / 256 around ctx 96), JSON
 #   7b. the same with TANDEM_CUDA_GRAPHS=0 (decode kernel by kernel: what the graphs are worth)
+#   7c. the same sampled (temperature 0.8, top-p 0.95; tokens picked on the device)
 #   8. optional (GPU_CHECK_70B=1): bench-engine on the 70B shape (8 layers built)
 #   9. serving: `bench-serve --device cuda` on the small GGUF, 1 prefill + 1 decode node on the
 #      GPU (KV device to device by CUDA IPC) beside one colocated GPU engine, concurrency
@@ -117,7 +120,7 @@ tail -n 30 "$OUT/kernels-cuda-gpu.txt"
 md ""
 md "## Kernels (kernels-cuda tests/gpu.rs): $KSTATUS"
 md '```'
-grep -E "kernels-cuda:|µs|us |ms|GB/s|test result" "$OUT/kernels-cuda-gpu.txt" | head -n 40 >> "$RESULTS"
+grep -E "kernels-cuda:|µs|us |ms|GB/s|test result" "$OUT/kernels-cuda-gpu.txt" | head -n 60 >> "$RESULTS"
 md '```'
 
 # ------------------------------------------------------------------------------------------------
@@ -208,7 +211,9 @@ bench() { # name config extra-args...
         "$PY" - "$OUT/bench-$name.json" >> "$RESULTS" <<'EOF' || failed "render bench-$name.json"
 import json, sys
 r = json.load(open(sys.argv[1]))
-print(f"{r['model']} · {r['device']} · weights {r['dtype']} · KV {r['kv_dtype']} · medians of {r['runs']} runs · "
+sampled = f"sampled T {r['temperature']} top-p {r['top_p']}" if r.get("temperature") else "greedy"
+print(f"{r['model']} · {r['device']} · weights {r['dtype']} · KV {r['kv_dtype']} · medians of {r['runs']} runs · {sampled} · "
+      f"tokens picked on the device: {r.get('tokens_picked_on_device')} · "
       f"decode steps from CUDA graphs: {r.get('cuda_graph_replays')} (failed captures: {r.get('cuda_graph_fallbacks')})")
 print()
 print("| figure | tandem | min–max |")
@@ -231,6 +236,10 @@ bench smollm2-135m "$SMOL" --prompt-len 512 --batch 1,32,256 --decode-prompt-len
 step "7b. the same without CUDA graphs (TANDEM_CUDA_GRAPHS=0): what the graphs are worth"
 TANDEM_CUDA_GRAPHS=0 bench smollm2-135m-no-graphs "$SMOL" --prompt-len 512 --batch 1,32,256 --decode-prompt-len 64 \
     --decode-tokens 64 --runs 3 --kv-cache-gb 8 --max-model-len 2048
+
+step "7c. the same sampled (temperature 0.8, top-p 0.95: picked on the device by sample.cu)"
+bench smollm2-135m-sampled "$SMOL" --prompt-len 512 --batch 1,32,256 --decode-prompt-len 64 --decode-tokens 64 \
+    --runs 3 --kv-cache-gb 8 --max-model-len 2048 --temperature 0.8 --top-p 0.95
 
 if [ "${GPU_CHECK_70B:-0}" = 1 ]; then
     step "8. bench-engine --device cuda, 70B shape (8 layers built)"

@@ -49,6 +49,13 @@ pub struct BenchEngineArgs {
     /// Runs per figure (the median is reported).
     #[arg(long, default_value_t = 3)]
     pub runs: usize,
+    /// Decode sampled at this temperature (0 = greedy): what sampling costs per step. On CUDA
+    /// the tokens are picked on the device (the report's `tokens_picked_on_device`).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// With `--temperature`: nucleus sampling at this top-p (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
     /// Decode with presence 0.5, frequency 0.5 and repetition 1.1 penalties (what they cost:
     /// run once with and once without, alternating).
     #[arg(long)]
@@ -112,6 +119,9 @@ struct Report {
     bandwidth_bound_tok_s: f64,
     flops_per_token: u64,
     runs: usize,
+    /// Decode sampling (`--temperature`, `--top-p`; 0 = greedy).
+    temperature: f32,
+    top_p: f32,
     /// Decode sampled with penalties (`--penalties`).
     penalties: bool,
     /// Decode under the `--structured` JSON schema.
@@ -119,6 +129,8 @@ struct Report {
     /// With `--structured`: the grammar's own cost per token (mask + advance), measured alone
     /// on the same vocabulary and schema, median of `runs` walks of `decode_tokens` tokens.
     grammar_us_per_token: Option<f64>,
+    /// Tokens picked on the device (greedy or sampled there; 0 on the CPU, which samples rows).
+    tokens_picked_on_device: u64,
     /// CUDA: decode steps replayed from captured graphs, and failed captures (0 on the CPU).
     cuda_graph_replays: u64,
     cuda_graph_fallbacks: u64,
@@ -169,6 +181,9 @@ fn bench_decode(
         let prompt = random_prompt(&mut rng, args.decode_prompt_len, vocab);
         let mut params = SamplingParams {
             ignore_eos: true,
+            temperature: args.temperature,
+            top_p: args.top_p,
+            seed: Some(seed * 1000 + i as u64),
             ..SamplingParams::greedy(args.decode_tokens + 1)
         };
         if args.penalties {
@@ -254,6 +269,8 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<String> {
         "prompt lengths must be > 0"
     );
     anyhow::ensure!(args.batch.iter().all(|&b| b > 0), "batch sizes must be > 0");
+    // Refused before the engine loads, naming the flag's field.
+    SamplingParams { temperature: args.temperature, top_p: args.top_p, ..SamplingParams::greedy(1) }.validate()?;
     let mut eargs = args.engine.clone();
     eargs.no_prefix_caching = true;
     eargs.max_tokens_per_step = eargs.max_tokens_per_step.max(args.prompt_len);
@@ -327,9 +344,12 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<String> {
         bandwidth_bound_tok_s: mem_bw * 1e9 / bytes_per_token as f64,
         flops_per_token,
         runs: args.runs,
+        temperature: args.temperature,
+        top_p: args.top_p,
         penalties: args.penalties,
         structured: args.structured,
         grammar_us_per_token: grammar_us,
+        tokens_picked_on_device: stats.tokens_picked_on_device,
         cuda_graph_replays: stats.cuda_graph_replays,
         cuda_graph_fallbacks: stats.cuda_graph_fallbacks,
     };
@@ -337,13 +357,18 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<String> {
         Format::Json => serde_json::to_string(&report)?,
         Format::Table => {
             let mut s = format!(
-                "model {} · device {} · weights {} · KV {} · {} threads · medians of {} runs (min–max){}{}\n",
+                "model {} · device {} · weights {} · KV {} · {} threads · medians of {} runs (min–max){}{}{}\n",
                 report.model,
                 report.device,
                 report.dtype,
                 report.kv_dtype,
                 report.threads,
                 report.runs,
+                if args.temperature > 0.0 {
+                    format!(" · sampled T {} top-p {}", args.temperature, args.top_p)
+                } else {
+                    String::new()
+                },
                 if args.penalties { " · penalties" } else { "" },
                 if args.structured { " · JSON schema" } else { "" },
             );
