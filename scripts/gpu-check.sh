@@ -238,8 +238,8 @@ TANDEM_CUDA_GRAPHS=0 bench smollm2-135m-no-graphs "$SMOL" --prompt-len 512 --bat
     --decode-tokens 64 --runs 3 --kv-cache-gb 8 --max-model-len 2048
 
 step "7c. the same sampled (temperature 0.8, top-p 0.95: picked on the device by sample.cu)"
-bench smollm2-135m-sampled "$SMOL" --prompt-len 512 --batch 1,32,256 --decode-prompt-len 64 --decode-tokens 64 \
-    --runs 3 --kv-cache-gb 8 --max-model-len 2048 --temperature 0.8 --top-p 0.95
+bench smollm2-135m-sampled "$SMOL" --prompt-len 64 --batch 1,256 --decode-prompt-len 64 --decode-tokens 64 \
+    --runs 1 --kv-cache-gb 8 --max-model-len 2048 --temperature 0.8 --top-p 0.95
 
 if [ "${GPU_CHECK_70B:-0}" = 1 ]; then
     step "8. bench-engine --device cuda, 70B shape (8 layers built)"
