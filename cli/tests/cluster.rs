@@ -240,12 +240,15 @@ async fn one_prefill_one_decode_cluster_serves_exactly_the_engine_output_and_deg
     );
     assert!(prefill_prompt > 0.0 && generated > 0.0, "prefill {prefill_prompt}, decode generated {generated}");
     // CPU nodes keep their KV in the transport's memory: nothing is staged, no graph is used,
-    // nothing moves by CUDA IPC, and the series are exported (a GPU node's show there).
+    // nothing moves by CUDA IPC, no token is picked on a device, and the series are exported (a
+    // GPU node's show there).
     for (role, id) in [(Role::Prefill, "p0"), (Role::Decode, "d0")] {
         for series in [
             "tandem_node_kv_staged_bytes_total",
             "tandem_node_cuda_graph_fallbacks_total",
             "tandem_kv_ipc_bytes_total",
+            "tandem_kv_ipc_declined_total",
+            "tandem_node_tokens_picked_on_device_total",
         ] {
             let v = c.node_metric(role, id, series).await;
             assert_eq!(v, Some(0.0), "{id}: {series}");

@@ -126,6 +126,8 @@ pub struct EngineSnapshot {
     pub kv_staged_out_bytes: u64,
     /// `--device cuda`: KV bytes copied host mirror → device (decode) since start.
     pub kv_staged_in_bytes: u64,
+    /// `--device cuda`: tokens picked on the device (only ids came back) since start.
+    pub tokens_picked_on_device: u64,
     /// `--device cuda`: decode steps replayed from graphs since start.
     pub cuda_graph_replays: u64,
     /// `--device cuda`: graph captures that failed (each logged) since start.
@@ -154,6 +156,7 @@ impl EngineSnapshot {
             prefill_token_cap: s.prefill_token_cap(),
             kv_staged_out_bytes: stats.kv_staged_out_bytes,
             kv_staged_in_bytes: stats.kv_staged_in_bytes,
+            tokens_picked_on_device: stats.tokens_picked_on_device,
             cuda_graph_replays: stats.cuda_graph_replays,
             cuda_graph_fallbacks: stats.cuda_graph_fallbacks,
         }

@@ -19,6 +19,7 @@
 //! | `tandem_node_kv_blocks_capacity` | gauge | – | blocks in the pool |
 //! | `tandem_node_engine_steps_total`, `_computed_prompt_tokens_total`, `_generated_tokens_total`, `_preemptions_total` | counter | – | the engine's own counts |
 //! | `tandem_node_kv_staged_bytes_total` | counter | direction | `--device cuda`: KV bytes copied device → host pool (out, prefill) and host pool → device (in, decode) |
+//! | `tandem_node_tokens_picked_on_device_total` | counter | – | `--device cuda`: tokens sampled on the GPU (only ids came back); the rest were sampled by the host from logits (penalties, grammar, logprobs) |
 //! | `tandem_node_cuda_graph_replays_total`, `_cuda_graph_fallbacks_total` | counter | – | `--device cuda`: decode steps replayed from graphs; failed captures (each logged) |
 //! | `tandem_node_grammar_failures_total` | counter | – | structured outputs ended early because llguidance failed (its limits); each also logged |
 //! | `tandem_node_tokens_per_second` | gauge | – | prompt + generated tokens/s over the last 0.5 s |
@@ -324,6 +325,11 @@ fn engine_families(s: &EngineSnapshot) -> Vec<tm::Family> {
         )
         .with(vec![("direction", "out".into())], s.kv_staged_out_bytes as f64)
         .with(vec![("direction", "in".into())], s.kv_staged_in_bytes as f64),
+        tm::Family::counter(
+            "tandem_node_tokens_picked_on_device",
+            "--device cuda: tokens sampled on the GPU (only their ids came back); the rest of tandem_node_decode_tokens were sampled by the host from logits.",
+        )
+        .value(s.tokens_picked_on_device as f64),
         tm::Family::counter(
             "tandem_node_cuda_graph_replays",
             "--device cuda: decode steps replayed from a captured CUDA graph.",
