@@ -51,6 +51,13 @@ fn check_nonzero(op: &'static str, what: &'static str, v: usize) -> Result<(), C
     Ok(())
 }
 
+/// The rows of `logits` (`vocab` > 0 and a whole number of rows, else a shape error).
+fn logit_rows(op: &'static str, logits: &CudaSlice<f32>, vocab: usize) -> Result<usize, CudaError> {
+    check_nonzero(op, "vocab", vocab)?;
+    check_len(op, "logits (a multiple of vocab)", logits.len().next_multiple_of(vocab), logits.len())?;
+    Ok(logits.len() / vocab)
+}
+
 fn check_grid_yz(op: &'static str, what: &'static str, v: usize) -> Result<(), CudaError> {
     if v > launch::MAX_GRID_YZ {
         return Err(CudaError::Shape {
@@ -214,14 +221,7 @@ impl CudaKernels {
         out: &mut CudaSlice<i32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "argmax";
-        check_nonzero(OP, "vocab", vocab)?;
-        check_len(
-            OP,
-            "logits (a multiple of vocab)",
-            logits.len().next_multiple_of(vocab),
-            logits.len(),
-        )?;
-        let rows = logits.len() / vocab;
+        let rows = logit_rows(OP, logits, vocab)?;
         check_len(OP, "out (rows)", rows, out.len())?;
         if rows == 0 {
             return Ok(());
@@ -242,14 +242,7 @@ impl CudaKernels {
         out: &mut CudaSlice<i32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "sample";
-        check_nonzero(OP, "vocab", vocab)?;
-        check_len(
-            OP,
-            "logits (a multiple of vocab)",
-            logits.len().next_multiple_of(vocab),
-            logits.len(),
-        )?;
-        let rows = logits.len() / vocab;
+        let rows = logit_rows(OP, logits, vocab)?;
         check_len(OP, "specs (rows)", rows, specs.len())?;
         check_len(OP, "out (rows)", rows, out.len())?;
         if rows == 0 {

@@ -125,6 +125,18 @@ fn zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     dev.alloc_zeros(n).unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// Microseconds per call of `f` (queued work included): one warm-up call, then `iters` timed.
+fn time_us(dev: &CudaDevice, iters: usize, f: &mut dyn FnMut()) -> f64 {
+    f();
+    dev.synchronize().unwrap();
+    let t = Instant::now();
+    for _ in 0..iters {
+        f();
+    }
+    dev.synchronize().unwrap();
+    t.elapsed().as_secs_f64() * 1e6 / iters as f64
+}
+
 fn assert_bits(what: &str, gpu: &[f32], cpu: &[f32]) {
     assert_eq!(gpu.len(), cpu.len(), "{what}: length");
     if let Some(i) = (0..gpu.len()).find(|&i| gpu[i].to_bits() != cpu[i].to_bits()) {
@@ -250,18 +262,8 @@ fn check_sample(dev: &CudaDevice, k: &CudaKernels, rng: &mut Rng) {
             let spec = SampleSpec { temperature: 0.8, top_k: 0, top_p: 0.95, draw: rng.next_u64() >> 11 };
             let specs = up(dev, &vec![SampleRow::from(&spec); rows]);
             let mut out = zeros::<i32>(dev, rows);
-            let time = |f: &mut dyn FnMut()| {
-                f();
-                dev.synchronize().unwrap();
-                let t = Instant::now();
-                for _ in 0..20 {
-                    f();
-                }
-                dev.synchronize().unwrap();
-                t.elapsed().as_secs_f64() * 1e6 / 20.0
-            };
-            let s_us = time(&mut || k.sample(&logits, vocab, &specs, &mut out).unwrap());
-            let a_us = time(&mut || k.argmax(&logits, vocab, &mut out).unwrap());
+            let s_us = time_us(dev, 20, &mut || k.sample(&logits, vocab, &specs, &mut out).unwrap());
+            let a_us = time_us(dev, 20, &mut || k.argmax(&logits, vocab, &mut out).unwrap());
             let _ = writeln!(
                 std::io::stderr(),
                 "kernels-cuda: sample (T 0.8, top-p 0.95) vocab {vocab} x {rows} rows: {s_us:.1} us (argmax {a_us:.1} us)"
@@ -577,16 +579,9 @@ fn time_attention(dev: &CudaDevice, k: &CudaKernels, rng: &mut Rng) {
             k.paged_attn_decode(
                 &q, n_heads, &pool, 0, &tabs, width, &ctx32, ctx, scale, &mut ws, &mut out,
             )
-            .unwrap()
+            .unwrap();
         };
-        run();
-        dev.synchronize().unwrap();
-        let t = Instant::now();
-        for _ in 0..100 {
-            run();
-        }
-        dev.synchronize().unwrap();
-        let us = t.elapsed().as_secs_f64() * 1e6 / 100.0;
+        let us = time_us(dev, 100, &mut run);
         let _ = writeln!(
             std::io::stderr(),
             "kernels-cuda: decode bf16 9/3x64, {seqs} seqs x ctx {ctx}: {us:.1} us/call (launches included)"

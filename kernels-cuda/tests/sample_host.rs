@@ -105,7 +105,9 @@ int main(int argc, char** argv) {
 }
 "#;
 
-fn compile(dir: &std::path::Path) -> std::path::PathBuf {
+/// The kernel and [`DRIVER`] compiled as host C++ in a fresh directory for `tag`: (dir, exe).
+fn compile(tag: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    let dir = common::temp_dir(tag);
     let src = dir.join("sample_check.cpp");
     let exe = dir.join("sample_check");
     std::fs::write(&src, format!("{PRELUDE}\n{SAMPLE_SOURCE}\n{DRIVER}")).unwrap();
@@ -117,7 +119,7 @@ fn compile(dir: &std::path::Path) -> std::path::PathBuf {
         .output()
         .unwrap_or_else(|e| panic!("`{cxx}` (g++, which scripts/setup.sh installs) did not run: {e}"));
     assert!(out.status.success(), "sample.cu does not compile as host C++:\n{}", String::from_utf8_lossy(&out.stderr));
-    exe
+    (dir, exe)
 }
 
 fn run(exe: &std::path::Path, dir: &std::path::Path, vocab: usize, cases: &[(Vec<f32>, SampleSpec)], threads: u32) -> Vec<usize> {
@@ -145,9 +147,7 @@ fn run(exe: &std::path::Path, dir: &std::path::Path, vocab: usize, cases: &[(Vec
 
 #[test]
 fn the_device_weight_is_the_cpus_bit_for_bit() {
-    let dir = std::env::temp_dir().join(format!("tandem-sample-weight-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let exe = compile(&dir);
+    let (dir, exe) = compile("sample-weight");
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     let mut ds: Vec<(u32, f64)> = Vec::new();
     for shift in [32u32, 45, 46, 61] {
@@ -177,9 +177,7 @@ fn the_device_weight_is_the_cpus_bit_for_bit() {
 
 #[test]
 fn the_device_sampler_picks_the_cpu_samplers_token_on_every_row_spec_and_block_size() {
-    let dir = std::env::temp_dir().join(format!("tandem-sample-host-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let exe = compile(&dir);
+    let (dir, exe) = compile("sample-host");
     let mut rng = Rng(0x2545_F491_4F6C_DD1D);
     let mut checked = 0;
     for (vocab, threads) in [(7usize, 32u32), (1000, 96), (3001, 300), (49_152, 512)] {
