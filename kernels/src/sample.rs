@@ -3,7 +3,7 @@
 //!
 //! # The definition
 //! For a row `l[0..vocab)` and a [`SampleSpec`]:
-//! 1. Greedy (`temperature == 0` or `top_k == 1`): [`argmax`](crate::argmax).
+//! 1. Greedy (`temperature` not above 0, or `top_k == 1`): [`argmax`](crate::argmax).
 //! 2. Candidates are the finite logits (none: [`argmax`](crate::argmax)), in the *order*
 //!    "larger logit first, lower index first among equals" (`f32::total_cmp`, so `-0.0` comes
 //!    after `+0.0`). With `0 < top_k < candidates`, only the first `top_k` stay.
@@ -44,14 +44,15 @@ pub struct SampleSpec {
 }
 
 impl SampleSpec {
-    /// True when the row's pick is its argmax (no draw is used).
+    /// True when the row's pick is its argmax (no draw is used): `temperature` 0 (or not a
+    /// positive number, which request validation refuses before it gets here), or `top_k` 1.
     pub fn is_greedy(&self) -> bool {
-        self.temperature == 0.0 || self.top_k == 1
+        !(self.temperature > 0.0) || self.top_k == 1
     }
 }
 
 /// `log2` of the weight of the most likely token: `62 − ⌈log2 vocab⌉`, so `vocab` weights sum
-/// below 2^62 (at least 32: a vocabulary above 2^30 is refused by the kernels' shapes).
+/// below 2^62 (at least 32: up to the kernels' largest vocabulary, 2^31, they sum below 2^63).
 pub fn weight_shift(vocab: usize) -> u32 {
     let bits = usize::BITS - vocab.max(2).saturating_sub(1).leading_zeros();
     62u32.saturating_sub(bits).max(32)

@@ -15,8 +15,9 @@
 //! grammar failure leaves only end-of-sequence and is reported in [`Sampled::grammar_error`].
 //!
 //! The pick itself is tandem-kernels [`sample`](tandem_kernels::sample::sample): probabilities
-//! as integer weights (exact softmax up to a relative 2^-45 quantum; a token below it is never
-//! picked), top-k, top-p and the draw in integer arithmetic. It is defined so that a GPU picks
+//! as integer weights (exact softmax up to a quantum of 2^-(62 − ⌈log2 vocab⌉) of the most likely
+//! token's, 2^-46 for SmolLM2's vocabulary; a token below half of it is never picked), top-k,
+//! top-p and the draw in integer arithmetic. It is defined so that a GPU picks
 //! the same token from the same row without sorting it ([`Sampler::device_spec`]): whether a
 //! row was sampled on the host or the device never changes a seeded stream.
 //!

@@ -14,7 +14,7 @@
 // logit, in index order", a block-wide count. All sums are integers (u64, no order effects);
 // the weight is the CPU's sequence of f64 operations (--fmad=false, fma written out).
 //
-// Greedy rows (temperature 0, top_k 1) and rows without a finite logit take the argmax: the
+// Greedy rows (temperature not above 0, top_k 1) and rows without a finite logit take the argmax: the
 // largest non-NaN value (+0.0 and -0.0 equal), lowest index on ties, 0 when all are NaN.
 
 #define TANDEM_SAMPLE_MAX_THREADS 1024
@@ -223,7 +223,7 @@ extern "C" __global__ void sample_rows(
     kmax = sh.w[0];
     kany = sh.w[1];
     nfin = sh.w[2];
-    if (p.temperature == 0.0f || p.top_k == 1u || nfin == 0u) {
+    if (!(p.temperature > 0.0f) || p.top_k == 1u || nfin == 0u) {
         // Non-NaN keys are nonzero: kany == 0 means every value is NaN.
         for (int i = threadIdx.x; i < vocab && kany != 0u; i += blockDim.x) {
             const float v = row[i];
@@ -256,7 +256,9 @@ extern "C" __global__ void sample_rows(
     __syncthreads();
     unsigned long long kept = sh.u[2];
     if (p.top_p < 1.0f) {
-        c.lo = tandem_select(c, true, tandem_top_p_target(kept, p.top_p) - 1ull, sh, &before, &own);
+        // A target of 0 (top_p not above 0, which validation refuses) keeps the first, as on the CPU.
+        const unsigned long long need = tandem_top_p_target(kept, p.top_p);
+        c.lo = tandem_select(c, true, need == 0ull ? 0ull : need - 1ull, sh, &before, &own);
         kept = before + own;
     }
     const unsigned long long pick = tandem_select(c, true, tandem_draw_target(p.draw, kept), sh, &before, &own);

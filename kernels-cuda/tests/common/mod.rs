@@ -91,9 +91,10 @@ pub fn sample_cases(vocab: usize, rng: &mut Rng) -> Vec<(Vec<f32>, tandem_kernel
     zeros[1] = 0.0;
     rows.push(zeros);
 
-    let temps = [0.0f32, 1e-4, 0.3, 0.7, 1.0, 1.5, 1e4];
+    // -1 and 0 top-p are refused by request validation; both sides still agree on them.
+    let temps = [0.0f32, 1e-4, 0.3, 0.7, 1.0, 1.5, 1e4, -1.0];
     let top_ks = [0u32, 1, 2, 5, 50, vocab as u32 + 1];
-    let top_ps = [1.0f32, 0.95, 0.5, 1e-4];
+    let top_ps = [1.0f32, 0.95, 0.5, 1e-4, 0.0];
     let mut out = Vec::new();
     for (r, row) in rows.iter().enumerate() {
         for j in 0..12 {

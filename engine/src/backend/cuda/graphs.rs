@@ -24,10 +24,10 @@ use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 
 use cudarc::driver::{CudaSlice, DevicePtr};
+use tandem_kernels::sample::SampleSpec;
 use tandem_kernels_cuda::{CudaDevice, CudaError, DecodeWorkspace, DeviceGraph, launch};
 
 use super::enqueue::{Attn, HeadBufs, HeadPick, Parts, StepBufs};
-use tandem_kernels::sample::SampleSpec;
 use super::{AttnIndex, CudaKv, StepIndex};
 
 /// Most sequences a captured decode step holds (larger steps run eagerly).

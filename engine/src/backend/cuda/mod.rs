@@ -274,8 +274,8 @@ impl CudaForward {
         (self.graphs.replays, self.graphs.fallbacks)
     }
 
-    /// Runs `seqs`, writing their KV into `kv`; returns the wanted rows' logits, or with
-    /// with `picks` (one spec per wanted row) their picked tokens (host memory).
+    /// Runs `seqs`, writing their KV into `kv`; returns the wanted rows' logits, or with `picks`
+    /// (one spec per wanted row) their tokens picked on the device (host memory).
     pub(crate) fn forward(
         &mut self,
         c: &ModelConfig,
