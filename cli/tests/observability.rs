@@ -215,7 +215,10 @@ fn a_frozen_decode_node_stalls_its_stream_under_10s_then_the_traced_stream_migra
     up.wait_for_line("is serving", Duration::from_secs(180));
     let http: SocketAddr = http_s.parse().unwrap();
     let pids = up.pids();
-    let body = r#"{"prompt": "Ten facts about octopuses:\n1.", "max_tokens": 160, "ignore_eos": true,
+    // Long enough that the node cannot have generated (and written to its socket) the whole
+    // stream by the time this client has read 10 events, even with the machine loaded: a node
+    // frozen after finishing would leave nothing to migrate.
+    let body = r#"{"prompt": "Ten facts about octopuses:\n1.", "max_tokens": 400, "ignore_eos": true,
                   "stream": true, "stream_options": {"include_usage": true}}"#;
     let (tid, sid) = ("5cf92f3577b34da6a3ce929d0e0e4799", "10f067aa0ba902b7");
     let mut stopped = None;
@@ -226,7 +229,7 @@ fn a_frozen_decode_node_stalls_its_stream_under_10s_then_the_traced_stream_migra
         &[("traceparent", &format!("00-{tid}-{sid}-01"))],
         Some(body),
         |n| {
-            if n == 20 && stopped.is_none() {
+            if n == 10 && stopped.is_none() {
                 // The decode node serving this stream, from the router's own counts.
                 let m = request(http, "GET", "/metrics", &[], None, |_| {}).body;
                 let busy = m
@@ -244,7 +247,7 @@ fn a_frozen_decode_node_stalls_its_stream_under_10s_then_the_traced_stream_migra
             }
         },
     );
-    let (busy, pid) = stopped.expect("the stream reached 20 events");
+    let (busy, pid) = stopped.expect("the stream reached 10 events");
     // SAFETY: as above; the node resumes (and finds its stream gone).
     unsafe { libc::kill(pid, libc::SIGCONT) };
     assert_eq!(r.status, 200);
@@ -263,7 +266,7 @@ fn a_frozen_decode_node_stalls_its_stream_under_10s_then_the_traced_stream_migra
         .iter()
         .find(|e| e.contains("\"usage\":{"))
         .expect("a usage chunk");
-    assert!(usage.contains("\"completion_tokens\":160"), "{usage}");
+    assert!(usage.contains("\"completion_tokens\":400"), "{usage}");
     let text = |r: &Reply| -> String {
         r.events
             .iter()
