@@ -47,7 +47,7 @@ impl SampleSpec {
     /// True when the row's pick is its argmax (no draw is used): `temperature` 0 (or not a
     /// positive number, which request validation refuses before it gets here), or `top_k` 1.
     pub fn is_greedy(&self) -> bool {
-        !(self.temperature > 0.0) || self.top_k == 1
+        self.temperature.partial_cmp(&0.0) != Some(Ordering::Greater) || self.top_k == 1
     }
 }
 
@@ -61,8 +61,8 @@ pub fn weight_shift(vocab: usize) -> u32 {
 const LOG2_E: f64 = std::f64::consts::LOG2_E;
 const LN2: f64 = std::f64::consts::LN_2;
 /// Cody–Waite split of ln 2 (fdlibm's): `k · LN2_HI` is exact for the `k` used here.
-const LN2_HI: f64 = 6.931_471_803_691_238_164_9e-1;
-const LN2_LO: f64 = 1.908_214_929_270_587_700_02e-10;
+const LN2_HI: f64 = 6.931_471_803_691_238e-1;
+const LN2_LO: f64 = 1.908_214_929_270_587_7e-10;
 /// `1/n!` for n = 13 down to 0: Taylor series of `exp(r)` for `|r| ≤ ln2 / 2`.
 const EXP_TAYLOR: [f64; 14] = [
     1.6059043836821613e-10,
@@ -86,8 +86,13 @@ const EXP_TAYLOR: [f64; 14] = [
 /// operations is part of the definition (`sample.cu` repeats it): `k = round(d · log2 e)`,
 /// `r = d − k·ln2` (two `fma`s), a degree-13 Horner polynomial in `fma`, times `2^k`.
 pub fn weight(d: f64, shift: u32) -> u64 {
-    // `!(a >= b)` also sends NaN to 0.
-    if !(d >= -((shift + 2) as f64) * LN2) {
+    weight_inline(d, shift)
+}
+
+/// [`weight`], inlined into its callers (so a caller compiled for FMA gets hardware `fma`).
+#[inline(always)]
+fn weight_inline(d: f64, shift: u32) -> u64 {
+    if d.is_nan() || d < -((shift + 2) as f64) * LN2 {
         return 0;
     }
     let k = (d * LOG2_E).round();
@@ -121,9 +126,125 @@ pub fn draw_target(draw: u64, total: u64) -> u64 {
     ((d * total as u128) >> DRAW_BITS) as u64
 }
 
-/// The token [`SampleSpec`] picks from `logits` (module docs). `O(n log n)` in the candidates
-/// of nonzero weight; the GPU's `sample.cu` gives the same index without sorting.
+/// The token [`SampleSpec`] picks from `logits` (module docs). `O(n)`: one pass for the
+/// weights (hardware `fma` where the CPU has it: the same correctly rounded operation), then
+/// selection by weight histograms over the order key ([`select_by_weight`]), as `sample.cu`
+/// does on the GPU; only the few candidates in the last bucket are sorted.
 pub fn sample(logits: &[f32], spec: &SampleSpec) -> usize {
+    if spec.is_greedy() {
+        return crate::argmax(logits);
+    }
+    let mut cand: Vec<u32> = (0..logits.len() as u32).filter(|&i| logits[i as usize].is_finite()).collect();
+    if cand.is_empty() {
+        return crate::argmax(logits);
+    }
+    let k = spec.top_k as usize;
+    if k > 0 && k < cand.len() {
+        cand.select_nth_unstable_by(k - 1, |a, b| {
+            logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b))
+        });
+        cand.truncate(k);
+    }
+    let max = cand.iter().map(|&i| logits[i as usize]).fold(f32::NEG_INFINITY, f32::max) as f64;
+    let inv_t = 1.0 / spec.temperature as f64;
+    let mut items = weigh(logits, &cand, max, inv_t, weight_shift(logits.len()));
+    let total: u64 = items.iter().map(|&(_, w)| w).sum();
+    let kept_total = if spec.top_p < 1.0 {
+        // The first candidate at which the running weight reaches the target, and those before.
+        let need = top_p_target(total, spec.top_p).max(1);
+        let (cut, before, own) = select_by_weight(&mut items, need - 1);
+        items.retain(|&(key, _)| key >= cut);
+        before + own
+    } else {
+        total
+    };
+    let (key, _, _) = select_by_weight(&mut items, draw_target(spec.draw, kept_total));
+    !(key as u32) as usize
+}
+
+/// `(order key << 32 | !index, weight)` of every candidate of nonzero weight: a larger key64
+/// comes first in the sampling order.
+fn weigh(logits: &[f32], cand: &[u32], max: f64, inv_t: f64, shift: u32) -> Vec<(u64, u64)> {
+    // A plain loop: iterator adapters and closures are compiled apart from the caller and
+    // would not get its target features.
+    #[inline(always)]
+    fn body(logits: &[f32], cand: &[u32], max: f64, inv_t: f64, shift: u32) -> Vec<(u64, u64)> {
+        let mut out = Vec::with_capacity(cand.len());
+        for &i in cand {
+            let l = logits[i as usize];
+            let w = weight_inline((l as f64 - max) * inv_t, shift);
+            if w > 0 {
+                out.push((((order_key(l) as u64) << 32) | (!i) as u64, w));
+            }
+        }
+        out
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "fma,sse4.1")]
+        fn with_fma(logits: &[f32], cand: &[u32], max: f64, inv_t: f64, shift: u32) -> Vec<(u64, u64)> {
+            body(logits, cand, max, inv_t, shift)
+        }
+        if std::arch::is_x86_feature_detected!("fma") && std::arch::is_x86_feature_detected!("sse4.1") {
+            // SAFETY: the CPU has FMA and SSE4.1 (checked just above).
+            return unsafe { with_fma(logits, cand, max, inv_t, shift) };
+        }
+    }
+    body(logits, cand, max, inv_t, shift)
+}
+
+/// Among `items` (distinct keys), the one at which the running weight, in descending key order,
+/// first exceeds `x` (`x` below their total): `(its key, the weight before it, its weight)`.
+/// Radix selection, 11 bits of the key a round: a weight histogram, the bucket the running
+/// weight crosses in, then only that bucket's items; a bucket of at most 64 is sorted. Reorders
+/// `items`.
+pub fn select_by_weight(items: &mut [(u64, u64)], mut x: u64) -> (u64, u64, u64) {
+    const BITS: u32 = 11;
+    let mut before = 0u64;
+    let mut rest: &mut [(u64, u64)] = items;
+    let mut shift = 64 - BITS;
+    loop {
+        if rest.len() <= 64 {
+            rest.sort_unstable_by_key(|&(key, _)| std::cmp::Reverse(key));
+            let mut acc = 0u64;
+            for &(key, w) in rest.iter() {
+                if acc + w > x {
+                    return (key, before + acc, w);
+                }
+                acc += w;
+            }
+            unreachable!("the target {x} is below the items' weight {acc}");
+        }
+        let digit = |key: u64| ((key >> shift) & ((1 << BITS) - 1)) as usize;
+        let mut hist = [0u64; 1 << BITS];
+        for &(key, w) in rest.iter() {
+            hist[digit(key)] += w;
+        }
+        let mut d = (1 << BITS) - 1;
+        let mut acc = 0u64;
+        while d > 0 && acc + hist[d] <= x {
+            acc += hist[d];
+            d -= 1;
+        }
+        x -= acc;
+        before += acc;
+        // The crossing bucket's items to the front, the rest dropped.
+        let mut n = 0;
+        for j in 0..rest.len() {
+            if digit(rest[j].0) == d {
+                rest.swap(n, j);
+                n += 1;
+            }
+        }
+        rest = &mut rest[..n];
+        shift = shift.saturating_sub(BITS);
+    }
+}
+
+/// [`sample`] the plain way: every candidate of nonzero weight sorted, then the walks. The
+/// reference the unit tests hold the selection path to.
+#[cfg(test)]
+fn sample_sorted(logits: &[f32], spec: &SampleSpec) -> usize {
     if spec.is_greedy() {
         return crate::argmax(logits);
     }
@@ -189,8 +310,8 @@ mod tests {
         let shift = weight_shift(49_152);
         assert_eq!(shift, 46);
         assert_eq!(weight(0.0, shift), 1 << shift);
-        for d in [-1e-9, -0.1, -0.5, -1.0, -2.5, -7.0, -13.3, -20.0, -31.0] {
-            let exact = (d as f64).exp() * (1u64 << shift) as f64;
+        for d in [-1e-9f64, -0.1, -0.5, -1.0, -2.5, -7.0, -13.3, -20.0, -31.0] {
+            let exact = d.exp() * (1u64 << shift) as f64;
             let got = weight(d, shift) as f64;
             assert!((got - exact).abs() <= 1.0 + exact * 1e-14, "d {d}: {got} vs {exact}");
         }
@@ -256,6 +377,35 @@ mod tests {
         // exp(-50) is far below 2^-61 of the maximum: weight 0, even at the top of the draw.
         let l = [0.0f32, -50.0];
         assert_eq!(sample(&l, &spec(1.0, 0, 1.0, 1.0 - f64::EPSILON)), 0);
+    }
+
+    #[test]
+    fn the_selection_path_picks_what_sorting_every_candidate_picks() {
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for case in 0..400 {
+            let vocab = [5usize, 70, 1000, 49_152][case % 4];
+            let sd = [0.3f32, 3.0, 12.0][case % 3];
+            let grid = case % 5 == 0; // many equal logits
+            let row: Vec<f32> = (0..vocab)
+                .map(|_| {
+                    let v = ((next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * sd * 3.4;
+                    if grid { v.round() } else { v }
+                })
+                .collect();
+            let spec = SampleSpec {
+                temperature: [0.05f32, 0.7, 1.0, 2.5, 1e3][case % 5],
+                top_k: [0u32, 0, 3, 50][(case % 4) ^ ((case / 4) % 4)],
+                top_p: [1.0f32, 0.9, 0.3, 1e-3][(case / 3) % 4],
+                draw: next() >> 11,
+            };
+            assert_eq!(sample(&row, &spec), sample_sorted(&row, &spec), "case {case}: {spec:?}");
+        }
     }
 
     #[test]
