@@ -109,19 +109,19 @@ fn weight_inline(d: f64, shift: u32) -> u64 {
 }
 
 /// `f32::total_cmp`'s order as an unsigned key (larger key = larger value).
-pub fn order_key(v: f32) -> u32 {
+fn order_key(v: f32) -> u32 {
     let b = v.to_bits();
     if b & 0x8000_0000 != 0 { !b } else { b | 0x8000_0000 }
 }
 
 /// `⌈W · P / 2^32⌉` with `P = ⌈top_p · 2^32⌉`: the weight the top-p prefix must reach.
-pub fn top_p_target(total: u64, top_p: f32) -> u64 {
+fn top_p_target(total: u64, top_p: f32) -> u64 {
     let p = ((top_p as f64) * 4_294_967_296.0).ceil() as u128;
     ((total as u128 * p).div_ceil(1u128 << 32)) as u64
 }
 
 /// `⌊draw · W / 2^53⌋`: the running weight the picked token's must exceed.
-pub fn draw_target(draw: u64, total: u64) -> u64 {
+fn draw_target(draw: u64, total: u64) -> u64 {
     let d = (draw & ((1u64 << DRAW_BITS) - 1)) as u128;
     ((d * total as u128) >> DRAW_BITS) as u64
 }
@@ -131,20 +131,9 @@ pub fn draw_target(draw: u64, total: u64) -> u64 {
 /// selection by weight histograms over the order key ([`select_by_weight`]), as `sample.cu`
 /// does on the GPU; only the few candidates in the last bucket are sorted.
 pub fn sample(logits: &[f32], spec: &SampleSpec) -> usize {
-    if spec.is_greedy() {
+    let Some(cand) = candidates(logits, spec) else {
         return crate::argmax(logits);
-    }
-    let mut cand: Vec<u32> = (0..logits.len() as u32).filter(|&i| logits[i as usize].is_finite()).collect();
-    if cand.is_empty() {
-        return crate::argmax(logits);
-    }
-    let k = spec.top_k as usize;
-    if k > 0 && k < cand.len() {
-        cand.select_nth_unstable_by(k - 1, |a, b| {
-            logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b))
-        });
-        cand.truncate(k);
-    }
+    };
     let max = cand.iter().map(|&i| logits[i as usize]).fold(f32::NEG_INFINITY, f32::max) as f64;
     let inv_t = 1.0 / spec.temperature as f64;
     let mut items = weigh(logits, &cand, max, inv_t, weight_shift(logits.len()));
@@ -160,6 +149,25 @@ pub fn sample(logits: &[f32], spec: &SampleSpec) -> usize {
     };
     let (key, _, _) = select_by_weight(&mut items, draw_target(spec.draw, kept_total));
     !(key as u32) as usize
+}
+
+/// The candidates of a sampled row (steps 1–2 of the definition): its finite logits' indices,
+/// cut to the first `top_k` in order; `None` when the pick is the argmax (greedy, or no finite
+/// logit).
+fn candidates(logits: &[f32], spec: &SampleSpec) -> Option<Vec<u32>> {
+    if spec.is_greedy() {
+        return None;
+    }
+    let mut cand: Vec<u32> = (0..logits.len() as u32).filter(|&i| logits[i as usize].is_finite()).collect();
+    if cand.is_empty() {
+        return None;
+    }
+    let k = spec.top_k as usize;
+    if k > 0 && k < cand.len() {
+        cand.select_nth_unstable_by(k - 1, |a, b| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b)));
+        cand.truncate(k);
+    }
+    Some(cand)
 }
 
 /// `(order key << 32 | !index, weight)` of every candidate of nonzero weight: a larger key64
@@ -198,7 +206,7 @@ fn weigh(logits: &[f32], cand: &[u32], max: f64, inv_t: f64, shift: u32) -> Vec<
 /// Radix selection, 11 bits of the key a round: a weight histogram, the bucket the running
 /// weight crosses in, then only that bucket's items; a bucket of at most 64 is sorted. Reorders
 /// `items`.
-pub fn select_by_weight(items: &mut [(u64, u64)], mut x: u64) -> (u64, u64, u64) {
+fn select_by_weight(items: &mut [(u64, u64)], mut x: u64) -> (u64, u64, u64) {
     const BITS: u32 = 11;
     let mut before = 0u64;
     let mut rest: &mut [(u64, u64)] = items;
@@ -245,21 +253,12 @@ pub fn select_by_weight(items: &mut [(u64, u64)], mut x: u64) -> (u64, u64, u64)
 /// reference the unit tests hold the selection path to.
 #[cfg(test)]
 fn sample_sorted(logits: &[f32], spec: &SampleSpec) -> usize {
-    if spec.is_greedy() {
+    let Some(cand) = candidates(logits, spec) else {
         return crate::argmax(logits);
-    }
-    let mut cand: Vec<u32> = (0..logits.len() as u32).filter(|&i| logits[i as usize].is_finite()).collect();
-    if cand.is_empty() {
-        return crate::argmax(logits);
-    }
+    };
     let first = |a: &u32, b: &u32| -> Ordering {
         logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b))
     };
-    let k = spec.top_k as usize;
-    if k > 0 && k < cand.len() {
-        cand.select_nth_unstable_by(k - 1, first);
-        cand.truncate(k);
-    }
     let max = cand.iter().map(|&i| logits[i as usize]).fold(f32::NEG_INFINITY, f32::max) as f64;
     let inv_t = 1.0 / spec.temperature as f64;
     let shift = weight_shift(logits.len());

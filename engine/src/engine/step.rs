@@ -14,6 +14,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use super::{ChunkView, Completion, Engine, FinishReason, LayerDone, Request, StepOutput, Usage};
+use crate::backend::Device;
 use crate::error::EngineError;
 use crate::model::{ForwardSeq, StepLogits};
 use crate::sampler::TokenLogprob;
@@ -59,13 +60,17 @@ impl Engine {
         let vocab = self.model.config().vocab_size;
         let num_layers = self.model.config().num_hidden_layers;
         // When no row needs more than its pick, a GPU picks the tokens itself: the same tokens the
-        // host's samplers would pick from the same rows, so this never changes a stream.
-        let picks: Option<Vec<SampleSpec>> = plan
-            .chunks
-            .iter()
-            .filter(|c| c.want_logits)
-            .map(|c| self.reqs.get(&c.seq_id).and_then(|st| st.sampler.device_spec()))
-            .collect();
+        // host's samplers would pick from the same rows, so this never changes a stream. (The CPU
+        // forward returns rows in host memory anyway: nothing to pick there.)
+        let picks: Option<Vec<SampleSpec>> = if self.model.device() == Device::Cpu {
+            None
+        } else {
+            plan.chunks
+                .iter()
+                .filter(|c| c.want_logits)
+                .map(|c| self.reqs.get(&c.seq_id).and_then(|st| st.sampler.device_spec()))
+                .collect()
+        };
         let logits = self.model.forward_staged(&fseqs, &mut self.pool, self.mirror.as_mut(), picks.as_deref(), &mut |layer| {
             on_layer(LayerDone { layer, num_layers, chunks: &views })
         })?;

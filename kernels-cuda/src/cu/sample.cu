@@ -96,6 +96,11 @@ __device__ __forceinline__ unsigned long long tandem_mass(const SampleCtx& c, fl
     return tandem_sample_weight(((double)v - (double)c.maxv) * c.inv_t, c.shift);
 }
 
+// A candidate whose order key is `key` (one of a tie group).
+__device__ __forceinline__ bool tandem_in_group(const SampleCtx& c, float v, int i, u32 key) {
+    return tandem_is_finite(v) && tandem_order_key(v) == key && tandem_key64(key, i) >= c.lo;
+}
+
 // The candidate at which the running mass (in order) first exceeds x (x below the candidates'
 // total mass): its key64; *before = the mass of the candidates ahead of it, *own = its mass.
 __device__ unsigned long long tandem_select(
@@ -140,8 +145,7 @@ __device__ unsigned long long tandem_select(
     const int i1 = i0 + seg < c.vocab ? i0 + seg : c.vocab;
     u32 mine = 0;
     for (int i = i0; i < i1; ++i) {
-        const float v = c.row[i];
-        if (tandem_is_finite(v) && tandem_order_key(v) == prefix && tandem_key64(prefix, i) >= c.lo) ++mine;
+        if (tandem_in_group(c, c.row[i], i, prefix)) ++mine;
     }
     sh.counts[threadIdx.x] = mine;
     __syncthreads();
@@ -158,8 +162,7 @@ __device__ unsigned long long tandem_select(
     if (n >= start && n < start + mine) {
         unsigned long long seen = start;
         for (int i = i0; i < i1; ++i) {
-            const float v = c.row[i];
-            if (tandem_is_finite(v) && tandem_order_key(v) == prefix && tandem_key64(prefix, i) >= c.lo) {
+            if (tandem_in_group(c, c.row[i], i, prefix)) {
                 if (seen == n) {
                     sh.w[1] = (u32)i;
                     break;
