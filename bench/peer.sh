@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Measures tandem's engine against llama.cpp, the peer of ../shared/BASELINES.md, on this machine,
-# in one run: it builds llama.cpp (the revision bundled in llama-cpp-python 0.3.36, the one the
-# baselines used) under .tandem/peer/, makes F32, F16, Q8_0 and Q4_0 GGUFs from the served Q4_1 model
+# Measures tandem's engine against its peer, llama.cpp's CPU engine on the same weights, on this
+# machine, in one run: it builds llama.cpp (the revision bundled in llama-cpp-python 0.3.36)
+# under .tandem/peer/, makes F32, F16, Q8_0 and Q4_0 GGUFs from the served Q4_1 model
 # with llama-quantize (so both engines run the same weights; q4_1 is the served file itself, run
 # as stored by both), then alternates rounds of
 # `tandem bench-engine` and llama.cpp's llama-bench / llama-batched-bench and prints medians,

@@ -5,7 +5,7 @@
 # every prompt distinct (no prefix-cache hits), both servers on the same weights: the served
 # Q4_1 file as shipped (default), or with --weights f32 that model dequantised to F32 (llama-
 # quantize's file for llama-server, --dtype f32 for tandem), alternating rounds. llama.cpp is the revision
-# bench/peer.sh builds (the one BASELINES.md used). Each step says what failed, with its log.
+# bench/peer.sh builds (llama-cpp-python 0.3.36's). Each step says what failed, with its log.
 #
 #   bench/serve-peer.sh                                # 2 rounds, concurrency 1,4,16
 #   bench/serve-peer.sh --rounds 3 --rates 0.5,1,2 --json bench/serve-peer.json
