@@ -1,5 +1,6 @@
-//! `tandem plan` end to end: the built binary, DESIGN.md's flag sets, every figure asserted
-//! through `--format json`, and a non-zero exit with a clear message for each bad combination.
+//! `tandem plan` end to end: the built binary, the reference deployment's flag sets (its figures
+//! are listed in `cli/src/plan/mod.rs`'s doc), every figure asserted through `--format json`,
+//! and a non-zero exit with a clear message for each bad combination.
 
 use std::process::{Command, Output};
 
@@ -9,13 +10,13 @@ const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
 const KIB: u64 = 1 << 10;
 
-/// The served model (DESIGN.md "The served model").
+/// The served model, SmolLM2-135M-Instruct Q4_1, where `tandem model fetch` puts it.
 const SMOLLM2_GGUF: &str = "/root/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
-/// DESIGN.md's reference model: 80 layers, 8 KV heads, head dim 128, BF16.
+/// The reference deployment's model (70B-class, GQA): 80 layers, 8 KV heads, head dim 128, BF16.
 const LLAMA70B: &str = "--layers 80 --kv-heads 8 --head-dim 128 --dtype bf16";
 
-/// DESIGN.md's TP-4 unit: 4 × 80 GB, 140 GB weights, 5 GB reserve, 2048 tokens, batch 16.
+/// The reference TP-4 unit: 4 × 80 GB, 140 GB weights, 5 GB reserve, 2048 tokens, batch 16.
 const TP4_UNIT: &str =
     "--weights-gb 140 --gpu-mem-gb 80 --tp 4 --reserve-gb 5 --seq-len 2048 --batch 16";
 

@@ -3,16 +3,28 @@
 //! ```text
 //! etcd  /tandem/{cluster}/nodes/{role}/{node_id}   node info (JSON), under the node's lease
 //!       /tandem/{cluster}/layout                   the cluster's KV layout (JSON), no lease
+//!       /tandem/{cluster}/drain/{role}/{node_id}   a request that the node drain and leave
+//!       /tandem/{cluster}/scale/{role}             the size the pool is asked to have
+//!       /tandem/{cluster}/scale-limits             each pool's min and max
+//!       /tandem/{cluster}/planner/leader           the acting planner, under its lease
+//!       /tandem/{cluster}/ratelimit/{key_id}       one API key's shared rate-limit buckets
+//!       /tandem/{cluster}/usage/{key_id}           the usage ledger's record for one API key id
 //! NATS  tandem.{cluster}.load.{role}.{node_id}     load reports (JSON)
 //!       tandem.{cluster}.kv.{node_id}              KV block stored/evicted events
+//!       tandem.{cluster}.planner.decisions         every scaling decision (JSON)
 //! ```
+//!
+//! Prefixes and wildcards for listing and watching: `/tandem/{cluster}/` (everything the
+//! cluster keeps in etcd), `/tandem/{cluster}/nodes/`, `/tandem/{cluster}/nodes/{role}/`,
+//! `/tandem/{cluster}/usage/`, `tandem.{cluster}.load.{role}.*` and `tandem.{cluster}.kv.*`.
+//! Node keys, load subjects and KV subjects parse back to their role and node id.
 //!
 //! # Invariants
 //! - Every name (cluster, node id) is one *segment*: it is percent-encoded so that nothing in it
 //!   can change the address. Only `A-Z a-z 0-9 - _` pass through; every other byte (`.` `/` `*`
 //!   `>` `%`, spaces, non-ASCII UTF-8) becomes `%XX` with upper-case hex. So `a.b` can never
 //!   become two NATS tokens, `a/b` never two etcd levels, and `*` or `>` never a wildcard
-//!   (Dynamo's `EventScope::subject_prefix()` does the same, STYLE.md §2).
+//!   (Dynamo's `EventScope::subject_prefix()` does the same).
 //! - The encoding is canonical: [`decode_segment`] accepts only what [`encode_segment`] produces,
 //!   so one name has exactly one address and parsing a key back is exact.
 //! - Names are never empty (an empty segment would make `a//b` or `a..b`).

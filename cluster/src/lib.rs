@@ -15,8 +15,8 @@
 //!
 //! The control plane is not on the data path: if etcd or NATS goes away, views keep their
 //! last value, publishers keep ticking, registrations keep retrying, and everything resumes
-//! when the server returns ("degrade, don't die", DESIGN.md). Nothing here blocks a thread;
-//! all waits on the network carry a timeout.
+//! when the server returns ("degrade, don't die": docs/ARCHITECTURE.md, "Invariants and where
+//! tests assert them"). Nothing here blocks a thread; all waits on the network carry a timeout.
 //!
 //! Background tasks are spawned on the caller's tokio runtime (`tokio::spawn`), so every
 //! constructor and trait method must be called from within one.

@@ -62,7 +62,7 @@ impl FromStr for Role {
     }
 }
 
-/// Where a node is in its life (DESIGN.md "Scaling and a node's life"), published in its
+/// Where a node is in its life (docs/ARCHITECTURE.md, "A node's life"), published in its
 /// record. Only `Serving` nodes get work.
 ///
 /// ```text

@@ -3,8 +3,9 @@
 //! m = 1 (single-sequence decode) streams weights that are *not* in cache: the bench cycles
 //! through enough copies of the matrix (≥ 384 MB) that each call reads from DRAM, as decode does
 //! with a 269-538 MB model; its throughput is reported in bytes/s of weights (compare: 51 GB/s
-//! DRAM read, BASELINES.md). m ≥ 4 reports FLOP/s as "elem/s" (2·m·rows·cols per call; compare:
-//! 422 GFLOP/s OpenBLAS f32 GEMM on both cores).
+//! DRAM read, sysbench with 2 threads on the project's 2 vCPU AMD EPYC reference host, see
+//! bench/RESULTS.md). m ≥ 4 reports FLOP/s as "elem/s" (2·m·rows·cols per call; compare:
+//! 422 GFLOP/s OpenBLAS f32 GEMM on both cores of that host).
 //!
 //! Run: `cargo bench -p tandem-kernels --bench linear` (filter: `-- f16/576x3072`); the
 //! quantized dtypes (`q8_0`, `q4_1`) take their ISA's decode kernels, so

@@ -1,4 +1,4 @@
-//! Every environment variable a node reads, in one place (STYLE.md §4). Each one is the
+//! Every environment variable a node reads, in one place. Each one is the
 //! fallback of the flag named in its doc; flags win over variables, variables over a `--config`
 //! file, the file over built-in defaults.
 //!

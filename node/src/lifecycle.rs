@@ -1,7 +1,7 @@
 //! A node's life: admission (refused once draining), in-flight tracking (what a drain waits
 //! for), OS signals, logging, ids.
 //!
-//! Phased shutdown (both roles, DESIGN.md "Degrade, don't die"; Dynamo's phases):
+//! Phased shutdown (both roles, docs/ARCHITECTURE.md, "A node's life"; Dynamo's phases):
 //! ```text
 //!  SIGTERM / Ctrl-C
 //!   1. draining: etcd record `draining: true`, health NOT_SERVING, new work refused (UNAVAILABLE)

@@ -1,4 +1,4 @@
-//! Every metric family a node exports, both roles (STYLE.md §11: declared here once; the
+//! Every metric family a node exports, both roles (declared here once; the
 //! services and drivers hold [`NodeMetrics`] handles). Served at `GET /metrics` on
 //! `--metrics-addr`, whose URL the node advertises in its etcd record (`metrics_url`), so
 //! Prometheus service discovery (`tandem up --prometheus`) finds every node.

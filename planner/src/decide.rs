@@ -1,7 +1,7 @@
 //! The planner's decision: a pure function of one observation, the configuration and what the
 //! planner remembers (when each pool last changed, since when it has been quiet). The same
-//! function runs in `tandem planner`, in `tandem sim` and in the table tests below
-//! (STYLE.md §12).
+//! function runs in `tandem planner`, in `tandem sim` and in the table tests below: no second
+//! copy of the policy (docs/ARCHITECTURE.md, "The planner").
 //!
 //! **Prefill** is sized by its backlog: the prompt tokens queued and not yet computed, over the
 //! throughput of one node (configured, or the best the reports have shown). The pool should

@@ -1,5 +1,5 @@
 //! Admission at the edge: a bounded, priority-aware queue in front of a fixed
-//! number of in-flight slots (STYLE.md §5: fail fast instead of queueing without limit).
+//! number of in-flight slots (fail fast instead of queueing without limit).
 //!
 //! ```text
 //!  acquire(priority) ── slot free? ──yes──▶ Permit (RAII: dropping it frees the slot)

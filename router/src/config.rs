@@ -25,7 +25,7 @@ use crate::model::default_model_path;
 use crate::pipeline::RouterOptions;
 use crate::request::TokenLimits;
 
-/// Every environment variable the router reads (STYLE.md §4).
+/// Every environment variable the router reads, in one place.
 pub mod env_names {
     /// `--config`: a TOML file with flag values.
     pub const CONFIG: &str = "TANDEM_ROUTER_CONFIG";

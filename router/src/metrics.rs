@@ -1,4 +1,4 @@
-//! Every metric family the router exports (STYLE.md §11: declared here once; call sites hold
+//! Every metric family the router exports (declared here once; call sites hold
 //! [`RouterMetrics`] handles). Rendered at `GET /metrics` on the HTTP port.
 //!
 //! | family | type | labels | what |

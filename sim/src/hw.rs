@@ -8,8 +8,9 @@
 //! all-reduce    = 2 × layers × (latency + 2 (tp-1)/tp × tokens × hidden × 2 B / NVLink)
 //! FLOPs         = 2 × params × tokens + 2 × layers × hidden × (attended context per token)
 //! ```
-//! Figures are the datasheet's and BASELINES.md's (HBM 4.8 TB/s peak, 4.25 TB/s copy
-//! measured; 989 TFLOP/s dense bf16, 881 measured in a GEMM; NVLink 900 GB/s; 400 Gb/s RDMA).
+//! Figures are the H200 datasheet's (HBM 4.8 TB/s peak, 989 TFLOP/s dense bf16, NVLink 900 GB/s,
+//! 400 Gb/s RDMA) and ones measured on an H200 on 2026-12-04 (4.25 TB/s device-to-device copy of
+//! 2 GiB, read + write counted; 881 TFLOP/s in a cuBLAS bf16 8192³ GEMM).
 
 use serde::Serialize;
 

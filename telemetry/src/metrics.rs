@@ -1,7 +1,7 @@
 //! Prometheus metrics: what every tandem process shares (bucket boundaries, the text encoding,
 //! the `/metrics` endpoint, a collector for values read at scrape time).
 //!
-//! Each crate declares its own families in one `metrics` module (STYLE.md §11) on a
+//! Each crate declares its own families in one `metrics` module on a
 //! [`Registry`] from this crate; call sites hold typed handles, never names. Conventions:
 //! - names start with `tandem_`, carry their base unit (`_seconds`, `_bytes`), and counters are
 //!   registered without `_total` (the encoder appends it);
@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 /// The `Content-Type` of [`render`]'s output (Prometheus text format 0.0.4).
 pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
 
-/// Histogram bucket upper bounds, in seconds, per quantity (STYLE.md §11).
+/// Histogram bucket upper bounds, in seconds, chosen per quantity and written down here.
 pub mod buckets {
     /// Time to first token: 10 ms to 60 s (a long prompt behind a queue takes seconds).
     pub const TTFT_SECONDS: &[f64] = &[

@@ -1,4 +1,5 @@
-//! Unit tests of the capacity arithmetic, one per DESIGN.md figure plus the edge cases.
+//! Unit tests of the capacity arithmetic, one per reference-deployment figure (listed in
+//! `plan/mod.rs`'s doc) plus the edge cases.
 
 use super::*;
 use crate::plan::units::{GIB_BYTES, KIB_BYTES, MIB_BYTES};
@@ -14,7 +15,7 @@ const SMOLLM2: ModelShape = ModelShape {
     head_dim: 64,
 };
 
-/// DESIGN.md's TP-4 reference unit: 4 × 80 GB, 140 GB weights, 5 GB reserve, 2048 tokens, batch 16.
+/// The reference TP-4 unit: 4 × 80 GB, 140 GB weights, 5 GB reserve, 2048 tokens, batch 16.
 fn tp4_reference(kv_per_gpu: KvPerGpu) -> PlanInput {
     PlanInput {
         shape: LLAMA70B,
@@ -30,7 +31,7 @@ fn tp4_reference(kv_per_gpu: KvPerGpu) -> PlanInput {
     }
 }
 
-/// DESIGN.md's single card: 80 GB, 40 GB weights, 8 GB reserve.
+/// The reference deployment's single card: 80 GB, 40 GB weights, 8 GB reserve.
 fn tp1_reference(seq_len_tokens: u64, batch: u64) -> PlanInput {
     PlanInput {
         weight_bytes: 40 * GIB_BYTES,

@@ -6,7 +6,17 @@
 //! GPU, the KV budget per GPU, the largest batch at that length, concurrent requests per unit
 //! and batches in flight — as a table, or as one JSON object with `--format json`.
 //!
-//! It reproduces every figure of DESIGN.md "The numbers it must get right". By default it
+//! It reproduces every figure of the reference deployment, a 70B-class dense GQA model (80
+//! layers, 8 KV heads, head dim 128, BF16: 327,680 B = 320 KiB of KV per token):
+//! - 320 KiB × 4096 tokens × batch 32 = 40 GiB;
+//! - one 80 GB card, 40 GB weights, 8 GB reserve → 32 GiB of KV → largest batch at 8192
+//!   tokens = floor(32 GiB / (320 KiB × 8192)) = 12;
+//! - a TP-4 unit of 4 × 80 GB, 140 GB weights (35 GB a card), 5 GB reserve → 40 GiB of KV a
+//!   card; at 2048 tokens a request needs 640 MiB → 64 concurrent requests, batches of 16 → 4
+//!   batches in flight, with every card charged the full 320 KiB a token (with the KV heads
+//!   split 2 a card: 256 requests, 16 batches).
+//!
+//! These are asserted in `calc_tests.rs` and `cli/tests/plan.rs`. By default it
 //! models tensor parallelism splitting the KV heads across the unit's GPUs (replicating them
 //! when TP exceeds the KV heads); `--kv-per-gpu full` charges every GPU all KV heads, the
 //! seed's conservative arithmetic. The output says which mode it used and what the other gives.

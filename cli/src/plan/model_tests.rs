@@ -3,7 +3,7 @@
 use super::*;
 use std::path::PathBuf;
 
-/// The served model (DESIGN.md "The served model").
+/// The served model, SmolLM2-135M-Instruct Q4_1, where `tandem model fetch` puts it.
 const SMOLLM2_GGUF: &str = "/root/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
 /// A scratch directory unique to this process and test, removed on drop.
@@ -180,7 +180,7 @@ fn served_smollm2_gguf_has_30_layers_3_kv_heads_head_dim_64() {
     let path = Path::new(SMOLLM2_GGUF);
     assert!(
         path.is_file(),
-        "{SMOLLM2_GGUF} missing: see DESIGN.md \"The served model\" to fetch it"
+        "{SMOLLM2_GGUF} missing: fetch it with `tandem model fetch` (see README.md)"
     );
     let info = read_model(path).unwrap();
     assert_eq!(

@@ -1,6 +1,6 @@
 //! Membership: who is in the cluster, in which role, and whether it takes new work.
 //!
-//! [`Discovery`] is the seam (STYLE.md §6): [`EtcdDiscovery`] for real clusters,
+//! [`Discovery`] is the seam: [`EtcdDiscovery`] for real clusters,
 //! [`MemoryDiscovery`] for tests and `tandem up --coordination embedded`. Both give the same
 //! semantics:
 //!
@@ -44,7 +44,7 @@ use crate::node::{NodeInfo, NodeView, Role};
 pub use etcd::{EtcdConfig, EtcdDiscovery};
 pub use memory::MemoryDiscovery;
 
-/// The name DESIGN.md and the issue use for the in-process implementation.
+/// Another name for [`MemoryDiscovery`], the in-process implementation.
 pub type StaticDiscovery = MemoryDiscovery;
 
 /// Cluster membership: register this node, list and watch the others.

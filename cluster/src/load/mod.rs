@@ -1,7 +1,7 @@
 //! Load signals: each node says how busy it is, several times a second; routers listen.
 //!
 //! One module owns the signal's schema ([`LoadReport`]), its publisher ([`LoadPublisher`]) and
-//! its consumer view ([`LoadView`]), so adding a field touches one file (STYLE.md §10,
+//! its consumer view ([`LoadView`]), so adding a field touches one file (no
 //! "shotgun surgery"). Transports sit behind the small [`LoadSignals`] trait:
 //! [`NatsLoadSignals`] (core NATS pub/sub, no JetStream) and [`MemoryLoadSignals`].
 //!

@@ -1,5 +1,5 @@
 //! [`Reservation`]: the one owner, on the router's side, of KV blocks reserved on a decode node
-//! for one attempt (DESIGN.md "A request's path" step 6).
+//! for one attempt (docs/ARCHITECTURE.md, "A request's path", steps 7 and 13).
 //!
 //! It holds together what used to be three separate records of the same reservation: the node's
 //! answer (the [`pb::KvTarget`]: id, epoch, blocks, KV address), the node's dispatch count (the

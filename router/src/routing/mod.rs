@@ -1,4 +1,4 @@
-//! Routing policies: which node of a role gets the next request (STYLE.md §6: one small trait,
+//! Routing policies: which node of a role gets the next request (one small trait,
 //! one file per policy, as SGLang's `policies/`).
 //!
 //! | policy | role | signal | file |
