@@ -394,7 +394,8 @@ fn live_families(router: &Router) -> Vec<tm::Family> {
         .with(label("kind", "reprefill"), s.reprefills as f64)
         .with(label("kind", "migration"), s.migrations as f64)
         .with(label("kind", "reserve_refused"), s.reserve_refusals as f64)
-        .with(label("kind", "release"), s.releases as f64),
+        .with(label("kind", "release"), s.releases as f64)
+        .with(label("kind", "reserve_unanswered"), s.reserve_unanswered as f64),
     ];
     if let Some(index) = router.prefix_index() {
         let c = index.counts();

@@ -45,6 +45,10 @@ pub struct RouterStats {
     pub reserve_refusals: AtomicU64,
     /// Release calls sent for reservations no Decode call completed.
     pub releases: AtomicU64,
+    /// Reserve calls that got no answer (timed out, or the connection failed) after they were
+    /// sent: the node may have granted blocks the router cannot name, which stay reserved until
+    /// the node's reservation TTL frees them.
+    pub reserve_unanswered: AtomicU64,
 }
 
 /// A plain copy of [`RouterStats`].
@@ -74,6 +78,8 @@ pub struct StatsSnapshot {
     pub reserve_refusals: u64,
     /// See [`RouterStats::releases`].
     pub releases: u64,
+    /// See [`RouterStats::reserve_unanswered`].
+    pub reserve_unanswered: u64,
 }
 
 /// A plain copy of [`RoleStats`].
@@ -127,6 +133,7 @@ impl RouterStats {
             migrations: get(&self.migrations),
             reserve_refusals: get(&self.reserve_refusals),
             releases: get(&self.releases),
+            reserve_unanswered: get(&self.reserve_unanswered),
         }
     }
 }

@@ -3,7 +3,8 @@
 //! with lease lapses, held links, revoked leases, cut KV links), and the invariants checked
 //! after each.
 //! `TANDEM_SEED=N` runs one seed (a failing seed's message names it); `TANDEM_SIM_SEEDS=N`
-//! changes how many the suite runs.
+//! changes how many the suite runs. One seed logs the router's lines as well
+//! (`RUST_LOG=tandem_router=debug TANDEM_SEED=N`).
 
 mod common;
 mod sim;
@@ -11,7 +12,11 @@ mod sim;
 #[test]
 fn control_plane_invariants_hold_under_seeded_faults() {
     let seeds: Vec<u64> = match std::env::var("TANDEM_SEED") {
-        Ok(s) => vec![s.parse().expect("TANDEM_SEED is a number")],
+        Ok(s) => {
+            // One seed: the router's logs too (`RUST_LOG=tandem_router=debug` for more).
+            common::init_tracing();
+            vec![s.parse().expect("TANDEM_SEED is a number")]
+        }
         Err(_) => {
             let n: u64 = std::env::var("TANDEM_SIM_SEEDS")
                 .ok()
@@ -22,6 +27,7 @@ fn control_plane_invariants_hold_under_seeded_faults() {
     };
     let model = common::model();
     let (mut failures, mut ok, mut failed, mut recoveries, mut expired) = (Vec::new(), 0, 0, 0, 0);
+    let (mut reservations, mut sent, mut received, mut cancelled, mut fault_free) = (0, 0, 0, 0, 0);
     let mut kinds = std::collections::BTreeMap::<&str, usize>::new();
     let mut errors = std::collections::BTreeMap::<String, usize>::new();
     for &seed in &seeds {
@@ -45,6 +51,11 @@ fn control_plane_invariants_hold_under_seeded_faults() {
         failed += report.failed;
         recoveries += report.recoveries;
         expired += report.expired;
+        reservations += report.reservations;
+        sent += report.releases_sent;
+        received += report.releases_received;
+        cancelled += report.cancelled;
+        fault_free += usize::from(report.faults.is_empty());
         if !report.violations.is_empty() {
             failures.push(format!(
                 "seed {seed} (rerun: TANDEM_SEED={seed}): faults {:?}\n    {}",
@@ -54,7 +65,7 @@ fn control_plane_invariants_hold_under_seeded_faults() {
         }
     }
     eprintln!(
-        "{} seeds: {ok} requests answered, {failed} failed with a clear error, {recoveries} router recoveries, {expired} reservations expired; faults {kinds:?}",
+        "{} seeds ({fault_free} without faults): {ok} requests answered, {failed} failed with a clear error, {cancelled} cancelled by their client, {recoveries} router recoveries; {reservations} reservations, {sent} Releases sent by the router and {received} received, {expired} expired; faults {kinds:?}",
         seeds.len()
     );
     for (e, n) in &errors {
@@ -66,5 +77,12 @@ fn control_plane_invariants_hold_under_seeded_faults() {
         assert!(recoveries > 0, "no seed made the router retry, re-prefill or migrate");
         assert_eq!(kinds.len(), 5, "{kinds:?}");
         assert!(ok > failed * 10, "{ok} answered, {failed} failed");
+        // Each expiry is excused seed by seed (a fault on its nodes); they must also stay rare.
+        assert!(
+            expired * 50 <= reservations,
+            "{expired} of {reservations} reservations expired (more than 2%)"
+        );
+        assert!(received <= sent, "{received} Releases received, {sent} sent");
+        assert!(fault_free > 0 && cancelled > 0, "{fault_free} fault-free seeds, {cancelled} cancels");
     }
 }

@@ -247,7 +247,7 @@ impl<'a> AttemptState<'a> {
         let (prefill, cached_prompt_tokens) = match prefill_node {
             Some(dispatch) => {
                 let prefill = self
-                    .start_prefill(dispatch, &prompt_ids, &sampling, reservation.target())
+                    .start_prefill(dispatch, &prompt_ids, &sampling, &reservation)
                     .await?;
                 let cached = *self
                     .cached_prompt_tokens
@@ -349,8 +349,9 @@ impl<'a> AttemptState<'a> {
         dispatch: crate::nodes::Dispatch,
         prompt_ids: &[u32],
         sampling: &pb::SamplingParams,
-        target: &pb::KvTarget,
+        reservation: &Reservation,
     ) -> Result<PrefillCall, RouterError> {
+        let target = reservation.target();
         let node_id = dispatch.node().node_id();
         let span = tracing::info_span!(
             "router.prefill",
@@ -377,13 +378,27 @@ impl<'a> AttemptState<'a> {
             priority: self.request.priority.to_proto() as i32,
         };
         let call = tonic::Request::from_parts(call_metadata(&span), Default::default(), request);
-        let result = async {
+        let first_token = async {
             let mut stream = client.prefill(call).await?.into_inner();
             let first = stream.message().await?;
             Ok::<_, tonic::Status>((stream, first))
         }
-        .instrument(span.clone())
-        .await;
+        .instrument(span.clone());
+        // A prefill node that goes silent (hung, cut off) is waited for only while the
+        // reservation lives: past its expiry the KV cannot land, and the attempt gives the
+        // reservation back and tries again elsewhere.
+        let result = match reservation.expires() {
+            Some(expires) => tokio::time::timeout_at(expires, first_token)
+                .await
+                .unwrap_or_else(|_| {
+                    Err(tonic::Status::deadline_exceeded(format!(
+                        "no first token before decode node {}'s reservation {} expired",
+                        reservation.node_id(),
+                        target.reservation_id
+                    )))
+                }),
+            None => first_token.await,
+        };
         let (stream, first) = match result {
             Ok(r) => r,
             Err(status) => {

@@ -20,7 +20,7 @@
 //! runtime (process exit) leaves the blocks to the node's own expiry.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tandem_proto::v1 as pb;
 use tandem_proto::v1::ReleaseRequest;
@@ -40,15 +40,20 @@ pub(super) struct Reservation {
     dispatch: Dispatch,
     rpc_timeout: Duration,
     stats: Arc<RouterStats>,
+    /// When the node frees the blocks unless a Decode call claims them (`None`: the node's
+    /// answer gave no usable expiry).
+    expires: Option<tokio::time::Instant>,
     armed: bool,
 }
 
 impl Reservation {
-    /// Takes ownership of a granted reservation.
+    /// Takes ownership of a granted reservation, which the node frees unclaimed at
+    /// `expires_at_unix_ms` (its clock).
     pub(super) fn new(
         dispatch: Dispatch,
         client: DecodeClient<Channel>,
         target: pb::KvTarget,
+        expires_at_unix_ms: u64,
         rpc_timeout: Duration,
         stats: Arc<RouterStats>,
     ) -> Self {
@@ -59,8 +64,16 @@ impl Reservation {
             dispatch,
             rpc_timeout,
             stats,
+            expires: expires_in(expires_at_unix_ms, SystemTime::now())
+                .map(|left| tokio::time::Instant::now() + left),
             armed: true,
         }
+    }
+
+    /// When the reservation expires unclaimed, on this process's clock: past it, no KV can land
+    /// in it, so an attempt still waiting for its prefill has lost it.
+    pub(super) fn expires(&self) -> Option<tokio::time::Instant> {
+        self.expires
     }
 
     /// The decode node's load when it was chosen (conditional disaggregation weighs its
@@ -88,6 +101,15 @@ impl Reservation {
     pub(super) fn disarm(&mut self) {
         self.armed = false;
     }
+}
+
+/// How long until `expires_at_unix_ms` by the clock reading `now`: `None` when the node sent
+/// none (0) or one that is not in the future, which only a clock far behind the router's gives
+/// (the attempt then waits without the reservation's bound, as it would for an older node).
+fn expires_in(expires_at_unix_ms: u64, now: SystemTime) -> Option<Duration> {
+    let now_ms = now.duration_since(UNIX_EPOCH).ok()?.as_millis() as u64;
+    let left_ms = expires_at_unix_ms.checked_sub(now_ms).filter(|&ms| ms > 0)?;
+    Some(Duration::from_millis(left_ms))
 }
 
 impl Drop for Reservation {
@@ -126,5 +148,19 @@ impl Drop for Reservation {
                 ),
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_expiry_is_read_against_the_routers_clock_and_a_past_or_missing_one_gives_no_bound() {
+        let now = UNIX_EPOCH + Duration::from_millis(1_000_000);
+        assert_eq!(expires_in(1_030_000, now), Some(Duration::from_secs(30)));
+        assert_eq!(expires_in(1_000_000, now), None, "expires now");
+        assert_eq!(expires_in(999_000, now), None, "in the past");
+        assert_eq!(expires_in(0, now), None, "not sent");
     }
 }

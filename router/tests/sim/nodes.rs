@@ -16,10 +16,17 @@
 //! Invariants the nodes check and report as violations (never panic inside the simulation):
 //! - a Reserve or Prefill arrives only while the node holds a live registration, or within
 //!   [`LEASE_GRACE`] of losing it (calls already in flight when it was lost);
-//! - no unclaimed reservation lives past its expiry (the sweep frees it; one found more than a
-//!   sweep late is a violation).
+//! - a Release names a reservation this node made (in this boot or an earlier one).
+//!
+//! The nodes also keep the [`Ledger`]: every reservation a decode node granted, what the router
+//! did with it (claimed it with a Decode call, released it, and how many times) and how its
+//! blocks were freed (released, its stream ended, expired unclaimed, lost in a crash). The
+//! router's duties are judged from it after the load (`sim/mod.rs`), not from the node's own
+//! expiry sweep, which only stands for what a real node does with a reservation nobody claims.
+//! Each boot of a decode node numbers its reservations afresh under a new epoch (the boot
+//! count), so a Release from before a crash can never free a reservation made after it.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -70,22 +77,65 @@ pub fn now() -> Duration {
     turmoil::sim_elapsed().unwrap_or_default()
 }
 
+/// How a decode node freed a reservation's blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Freed {
+    /// The router's Release arrived while it was unclaimed.
+    Released,
+    /// The Decode stream that claimed it streamed every token: the router owes no Release.
+    Finished,
+    /// The Decode stream that claimed it ended early (its KV never came, or its caller went).
+    StreamEnded,
+    /// Nobody claimed or released it before its expiry: the node's sweep freed it.
+    Expired,
+    /// The node crashed with it (the blocks went with the process).
+    Crashed,
+}
+
+/// One reservation's life, as its decode node saw it (kept after it is freed).
+#[derive(Clone, Debug)]
+pub struct Life {
+    /// When the Reserve was granted.
+    pub created: Duration,
+    /// When it expires unless claimed.
+    pub expires: Duration,
+    /// When a Decode call claimed it (the router handed it on to a stream).
+    pub claimed: Option<Duration>,
+    /// When each Release for it arrived.
+    pub releases: Vec<Duration>,
+    /// Prefill nodes that were sent it as their KV target.
+    pub prefills: Vec<String>,
+    /// When and how the node freed its blocks (`None`: still held).
+    pub freed: Option<(Duration, Freed)>,
+}
+
+/// Every reservation of a simulation, by (decode node, epoch, reservation id).
+pub type Ledger = BTreeMap<(String, u64, u64), Life>;
+
 /// What every host of one simulation shares (outside the simulated network: the test's
 /// bookkeeping and the in-process control plane).
 #[derive(Default)]
 pub struct World {
     /// Invariant violations, as found.
     pub violations: Mutex<Vec<String>>,
-    /// Nodes cut off from the control plane (a partition): their registration lapses after
-    /// [`LEASE_TTL`] and comes back once they are joined again.
-    pub cut_off: Mutex<HashMap<String, bool>>,
-    /// Nodes whose lease was revoked (etcd expired it while they still run and are reachable):
-    /// their registration goes at once and comes back when this is cleared.
-    pub revoked: Mutex<HashMap<String, bool>>,
+    /// Nodes cut off from the control plane, with how many partitions cut each (overlapping
+    /// faults compose): their registration lapses after [`LEASE_TTL`] and comes back once no
+    /// partition holds them.
+    pub cut_off: Mutex<HashMap<String, u32>>,
+    /// Nodes whose lease is revoked (etcd expired it while they still run and are reachable),
+    /// with how many revocations hold it: their registration goes at once and comes back when
+    /// the last one ends.
+    pub revoked: Mutex<HashMap<String, u32>>,
     /// When each node last lost its registration (`None`: registered).
     pub unregistered_since: Mutex<HashMap<String, Option<Duration>>>,
     /// Each decode node's reservation table (replaced when the node restarts).
     pub tables: Mutex<HashMap<String, Arc<Mutex<Table>>>>,
+    /// Nodes down now (crashed, not yet restarted).
+    pub crashed: Mutex<HashMap<String, bool>>,
+    /// How many times each decode node has started (its reservations' epoch).
+    pub boots: Mutex<HashMap<String, u64>>,
+    /// Every reservation granted, and what became of it.
+    pub ledger: Mutex<Ledger>,
     /// Reservations freed because they expired unclaimed.
     pub expired: Mutex<u64>,
 }
@@ -109,14 +159,79 @@ impl World {
         }
     }
 
-    /// Blocks reserved or used on `node` now.
+    /// Blocks reserved or used on `node` now (none while it is down: they went with it).
     pub fn held_blocks(&self, node: &str) -> u32 {
+        if self.is_crashed(node) {
+            return 0;
+        }
         self.tables
             .lock()
             .unwrap()
             .get(node)
             .map_or(0, |t| t.lock().unwrap().used)
     }
+
+    fn is_crashed(&self, node: &str) -> bool {
+        self.crashed
+            .lock()
+            .unwrap()
+            .get(node)
+            .copied()
+            .unwrap_or(false)
+    }
+
+    /// `node` goes down at `t` (the driver's clock): every reservation it held is lost with it.
+    pub fn crash(&self, node: &str, t: Duration) {
+        self.crashed.lock().unwrap().insert(node.to_string(), true);
+        for ((n, _, _), life) in self.ledger.lock().unwrap().iter_mut() {
+            if n == node && life.freed.is_none() {
+                life.freed = Some((t, Freed::Crashed));
+            }
+        }
+    }
+
+    /// `node` is up again (its software starts from scratch).
+    pub fn restart(&self, node: &str) {
+        self.crashed.lock().unwrap().insert(node.to_string(), false);
+    }
+
+    /// Releases the decode nodes received (for reservations they granted).
+    pub fn releases_received(&self) -> u64 {
+        self.ledger
+            .lock()
+            .unwrap()
+            .values()
+            .map(|life| life.releases.len() as u64)
+            .sum()
+    }
+
+    /// Updates the life of reservation `id` of `node`'s boot `epoch`; `false` if none such was
+    /// ever made.
+    pub(super) fn with_life(
+        &self,
+        node: &str,
+        epoch: u64,
+        id: u64,
+        f: impl FnOnce(&mut Life),
+    ) -> bool {
+        match self
+            .ledger
+            .lock()
+            .unwrap()
+            .get_mut(&(node.to_string(), epoch, id))
+        {
+            Some(life) => {
+                f(life);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// Whether `count` (a composed fault's depth) holds `node` now.
+fn held_by(map: &Mutex<HashMap<String, u32>>, node: &str) -> bool {
+    map.lock().unwrap().get(node).is_some_and(|&n| n > 0)
 }
 
 pub(super) fn status(code: Code, message: &str, kind: &'static str, retry_safe: bool) -> Status {
@@ -143,21 +258,9 @@ pub(super) async fn hold_registration(
     let mut registration = None;
     let mut cut_since: Option<Duration> = None;
     loop {
-        let cut = world
-            .cut_off
-            .lock()
-            .unwrap()
-            .get(&node)
-            .copied()
-            .unwrap_or(false);
+        let cut = held_by(&world.cut_off, &node);
         cut_since = if cut { cut_since.or(Some(now())) } else { None };
-        let revoked = world
-            .revoked
-            .lock()
-            .unwrap()
-            .get(&node)
-            .copied()
-            .unwrap_or(false);
+        let revoked = held_by(&world.revoked, &node);
         let lapsed = revoked || cut_since.is_some_and(|since| now() >= since + LEASE_TTL);
         match (&registration, lapsed) {
             (None, false) => match discovery.register(info.clone()).await {
@@ -186,10 +289,9 @@ pub(super) async fn hold_registration(
     }
 }
 
-/// One reservation on a decode node.
+/// One reservation on a decode node (its epoch is the node's boot).
 #[derive(Debug)]
 struct Held {
-    epoch: u64,
     blocks: u32,
     expires: Duration,
     kv_ready: bool,
@@ -205,20 +307,10 @@ pub struct Table {
     next_id: u64,
 }
 
-impl Table {
-    fn free(&mut self, id: u64) -> bool {
-        match self.held.remove(&id) {
-            Some(h) => {
-                self.used -= h.blocks;
-                true
-            }
-            None => false,
-        }
-    }
-}
-
 struct DecodeNode {
     name: String,
+    /// This boot's number: the epoch of every reservation it grants.
+    epoch: u64,
     world: Arc<World>,
     table: Arc<Mutex<Table>>,
     kv: Arc<Notify>,
@@ -227,6 +319,18 @@ struct DecodeNode {
 impl DecodeNode {
     fn lock(&self) -> std::sync::MutexGuard<'_, Table> {
         self.table.lock().unwrap()
+    }
+
+    /// Frees reservation `id` of this boot (if the table still holds it) and records how.
+    fn free(&self, t: &mut Table, id: u64, how: Freed) -> bool {
+        let Some(h) = t.held.remove(&id) else {
+            return false;
+        };
+        t.used -= h.blocks;
+        let at = now();
+        self.world
+            .with_life(&self.name, self.epoch, id, |life| life.freed = Some((at, how)));
+        true
     }
 }
 
@@ -264,14 +368,25 @@ impl Decode for DecodeSvc {
         t.next_id += 1;
         let id = t.next_id;
         t.used += blocks;
+        let (created, expires) = (now(), now() + RESERVATION_TTL);
         t.held.insert(
             id,
             Held {
-                epoch: 1,
                 blocks,
-                expires: now() + RESERVATION_TTL,
+                expires,
                 kv_ready: false,
                 claimed: false,
+            },
+        );
+        self.world.ledger.lock().unwrap().insert(
+            (self.name.clone(), self.epoch, id),
+            Life {
+                created,
+                expires,
+                claimed: None,
+                releases: Vec::new(),
+                prefills: Vec::new(),
+                freed: None,
             },
         );
         Ok(Response::new(pb::ReserveResponse {
@@ -279,11 +394,16 @@ impl Decode for DecodeSvc {
                 decode_node_id: self.name.clone(),
                 kv_address: format!("{}:{KV_PORT}", self.name),
                 reservation_id: id,
-                epoch: 1,
+                epoch: self.epoch,
                 block_ids: (0..blocks).collect(),
                 layout_fingerprint: layout().fingerprint(),
             }),
-            expires_at_unix_ms: u64::MAX,
+            // On the real clock, as a node's is: the router reads it against its own clock at
+            // once (microseconds of real time later), so it finds the TTL the simulation runs.
+            expires_at_unix_ms: (std::time::SystemTime::now() + RESERVATION_TTL)
+                .duration_since(std::time::UNIX_EPOCH)
+                .expect("after 1970")
+                .as_millis() as u64,
         }))
     }
 
@@ -292,12 +412,24 @@ impl Decode for DecodeSvc {
         request: Request<pb::ReleaseRequest>,
     ) -> Result<Response<pb::ReleaseResponse>, Status> {
         let r = request.into_inner();
+        let at = now();
+        // Recorded whatever the table says: a Release that arrives after the node freed the
+        // blocks (claimed and streamed, expired, or from before a restart) still counts.
+        let known = self
+            .world
+            .with_life(&self.name, r.epoch, r.reservation_id, |life| {
+                life.releases.push(at)
+            });
+        if !known {
+            self.world.violation(format!(
+                "{}: Release of reservation {} epoch {}, which it never granted",
+                self.name, r.reservation_id, r.epoch
+            ));
+        }
         let mut t = self.lock();
-        let ours = t
-            .held
-            .get(&r.reservation_id)
-            .is_some_and(|h| h.epoch == r.epoch && !h.claimed);
-        let released = ours && t.free(r.reservation_id);
+        let ours = r.epoch == self.epoch
+            && t.held.get(&r.reservation_id).is_some_and(|h| !h.claimed);
+        let released = ours && self.free(&mut t, r.reservation_id, Freed::Released);
         Ok(Response::new(pb::ReleaseResponse { released }))
     }
 
@@ -312,8 +444,11 @@ impl Decode for DecodeSvc {
         let expires = {
             let mut t = self.lock();
             match t.held.get_mut(&id) {
-                Some(h) if h.epoch == r.epoch && !h.claimed => {
+                Some(h) if r.epoch == self.epoch && !h.claimed => {
                     h.claimed = true;
+                    let at = now();
+                    self.world
+                        .with_life(&self.name, self.epoch, id, |life| life.claimed = Some(at));
                     h.expires
                 }
                 _ => {
@@ -337,7 +472,7 @@ impl Decode for DecodeSvc {
                 }
                 let left = expires.saturating_sub(now());
                 if left.is_zero() || tokio::time::timeout(left, notified).await.is_err() {
-                    node.lock().free(id);
+                    node.free(&mut node.lock(), id, Freed::StreamEnded);
                     let _ = tx
                         .send(Err(status(
                             Code::DataLoss,
@@ -366,11 +501,12 @@ impl Decode for DecodeSvc {
                     })),
                 };
                 if tx.send(Ok(batch)).await.is_err() {
-                    node.lock().free(id); // the caller went away
+                    // The caller went away.
+                    node.free(&mut node.lock(), id, Freed::StreamEnded);
                     return;
                 }
             }
-            node.lock().free(id);
+            node.free(&mut node.lock(), id, Freed::Finished);
             let _ = tx
                 .send(Ok(pb::DecodeResponse {
                     event: Some(pb::decode_response::Event::Final(pb::DecodeFinal {
@@ -389,26 +525,21 @@ impl Decode for DecodeSvc {
     }
 }
 
-/// Frees reservations that expired unclaimed, and checks none lived past a sweep late.
+/// Frees reservations that expired unclaimed, as a real decode node's sweep does. Whether the
+/// router should have let them expire is judged from the [`Ledger`] after the load.
 async fn sweep(node: Arc<DecodeNode>) {
     loop {
         tokio::time::sleep(SWEEP).await;
         let t_now = now();
         let mut t = node.lock();
-        let expired: Vec<(u64, Duration)> = t
+        let expired: Vec<u64> = t
             .held
             .iter()
             .filter(|(_, h)| !h.claimed && t_now >= h.expires)
-            .map(|(&id, h)| (id, h.expires))
+            .map(|(&id, _)| id)
             .collect();
-        for (id, expires) in expired {
-            if t_now > expires + SWEEP * 2 {
-                node.world.violation(format!(
-                    "{}: reservation {id} outlived its expiry ({expires:?})",
-                    node.name
-                ));
-            }
-            t.free(id);
+        for id in expired {
+            node.free(&mut t, id, Freed::Expired);
             *node.world.expired.lock().unwrap() += 1;
         }
     }
@@ -431,7 +562,7 @@ async fn kv_link(node: Arc<DecodeNode>) -> std::io::Result<()> {
             let ok = {
                 let mut t = node.lock();
                 match t.held.get_mut(&id) {
-                    Some(h) if h.epoch == epoch && now() < h.expires => {
+                    Some(h) if epoch == node.epoch && now() < h.expires => {
                         h.kv_ready = true;
                         true
                     }
@@ -456,8 +587,16 @@ pub async fn decode_main(
         .lock()
         .unwrap()
         .insert(name.clone(), Arc::clone(&table));
+    world.restart(&name);
+    let epoch = {
+        let mut boots = world.boots.lock().unwrap();
+        let boot = boots.entry(name.clone()).or_default();
+        *boot += 1;
+        *boot
+    };
     let node = Arc::new(DecodeNode {
         name: name.clone(),
+        epoch,
         world: Arc::clone(&world),
         table,
         kv: Arc::new(Notify::new()),

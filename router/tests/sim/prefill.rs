@@ -84,6 +84,19 @@ impl Prefill for PrefillSvc {
                 false,
             )
         })?;
+        let name = self.0.name.clone();
+        let granted = self.0.world.with_life(
+            &target.decode_node_id,
+            target.epoch,
+            target.reservation_id,
+            |life| life.prefills.push(name),
+        );
+        if !granted {
+            self.0.world.violation(format!(
+                "Prefill to {} with reservation {} epoch {} of {}, which that node never granted",
+                self.0.name, target.reservation_id, target.epoch, target.decode_node_id
+            ));
+        }
         let (tx, rx) = mpsc::channel(4);
         tokio::spawn(async move {
             // Compute: 1 ms per 16 prompt tokens.
@@ -122,6 +135,7 @@ pub async fn prefill_main(
     world: Arc<World>,
     discovery: MemoryDiscovery,
 ) -> turmoil::Result {
+    world.restart(&name);
     let node = PrefillSvc(Arc::new(PrefillNode {
         name: name.clone(),
         world: Arc::clone(&world),

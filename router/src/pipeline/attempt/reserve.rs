@@ -2,7 +2,11 @@
 //!
 //! Invariants: each decode node is asked at most once per attempt; nodes whose Decode failed for
 //! this request are avoided while others exist; refusals for lack of blocks are counted and,
-//! when every node refused, reported as `NoCapacity` rather than as the last node's error.
+//! when every node refused, reported as `NoCapacity` rather than as the last node's error; a
+//! grant is never lost to a caller that goes away mid-call (the call runs in its own task, which
+//! turns the grant into a [`Reservation`] that releases itself when nobody takes it).
+
+use std::sync::Arc;
 
 use tandem_cluster::Role;
 use tandem_proto::v1 as pb;
@@ -89,33 +93,52 @@ impl AttemptState<'_> {
                 },
             );
             call.set_timeout(inner.options.rpc_timeout);
-            match client.reserve(call).instrument(span.clone()).await {
-                Ok(reply) => {
-                    let target = reply.into_inner().target;
-                    if let Some(t) = &target {
-                        span.record("tandem.reservation_id", t.reservation_id);
-                    }
-                    let Some(target) = target else {
-                        last_error = Some(RouterError::Protocol {
-                            role: Role::Decode,
-                            node_id,
-                            step: Step::Reserve,
-                            what: "reserve answered without a target",
-                        });
-                        continue;
-                    };
-                    return Ok(Reservation::new(
-                        dispatch,
-                        client,
-                        target,
-                        inner.options.rpc_timeout,
-                        std::sync::Arc::clone(&inner.stats),
-                    ));
+            // The call runs in a task of its own, which makes the node's grant a `Reservation`
+            // as soon as it arrives: a caller that goes away while the call is in flight (its
+            // client cancelled) drops the task's result, not the answer, so the blocks the node
+            // granted are released at once instead of staying reserved until they expire.
+            let (rpc_timeout, stats) = (inner.options.rpc_timeout, Arc::clone(&inner.stats));
+            let call_span = span.clone();
+            let granted = tokio::spawn(async move {
+                let reply = client.reserve(call).instrument(call_span).await?.into_inner();
+                Ok::<_, tonic::Status>(reply.target.map(|target| {
+                    let expires = reply.expires_at_unix_ms;
+                    Reservation::new(dispatch, client, target, expires, rpc_timeout, stats)
+                }))
+            })
+            .await
+            .unwrap_or_else(|e| match e.try_into_panic() {
+                Ok(panic) => std::panic::resume_unwind(panic),
+                Err(_) => Err(tonic::Status::cancelled("the router is shutting down")),
+            });
+            match granted {
+                Ok(Some(reservation)) => {
+                    span.record("tandem.reservation_id", reservation.target().reservation_id);
+                    return Ok(reservation);
+                }
+                Ok(None) => {
+                    last_error = Some(RouterError::Protocol {
+                        role: Role::Decode,
+                        node_id,
+                        step: Step::Reserve,
+                        what: "reserve answered without a target",
+                    });
+                    continue;
                 }
                 Err(status) => {
                     let error = RouterError::node(Role::Decode, &node_id, Step::Reserve, &status);
                     propagation::mark_error(&span, error.kind(), &error);
                     tracing::debug!(request_id = %request.request_id, %error, "reserve refused");
+                    if matches!(
+                        status.code(),
+                        tonic::Code::Cancelled
+                            | tonic::Code::DeadlineExceeded
+                            | tonic::Code::Unavailable
+                            | tonic::Code::Unknown
+                    ) {
+                        // No answer: the node may have granted blocks nobody will name.
+                        bump(&inner.stats.reserve_unanswered);
+                    }
                     if status.code() == tonic::Code::ResourceExhausted {
                         bump(&inner.stats.reserve_refusals);
                         busy += 1;
