@@ -16,7 +16,8 @@ use anyhow::Context;
 use serde::Serialize;
 use tandem_router::routing::DisaggregationMode;
 
-use crate::bench_serve::{BenchServeArgs, Level, disaggregated_level, progress, prompts};
+use crate::bench_serve::args::BenchServeArgs;
+use crate::serving::{Level, disaggregated_level, progress};
 use crate::up::{self, Interrupt, UpArgs};
 
 /// Where the prompts were computed.
@@ -111,7 +112,7 @@ pub fn run(args: &BenchServeArgs, model: &Path, vocab: usize) -> anyhow::Result<
             rt.block_on(disaggregated_level(
                 up_args.grpc,
                 1,
-                prompts(&warm, 0, vocab)[..1].to_vec(),
+                warm.prompts(0, vocab)[..1].to_vec(),
                 4,
             ))?;
             for (li, &len) in args.prompt_lens.iter().enumerate() {
@@ -125,7 +126,7 @@ pub fn run(args: &BenchServeArgs, model: &Path, vocab: usize) -> anyhow::Result<
                     let level = rt.block_on(disaggregated_level(
                         up_args.grpc,
                         c,
-                        prompts(&at_len, seed, vocab),
+                        at_len.prompts(seed, vocab),
                         args.max_tokens as u32,
                     ))?;
                     progress(&format!("round {round} {config} prompt {len}"), &level);

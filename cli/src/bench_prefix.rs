@@ -19,7 +19,7 @@ use tandem_proto::v1::inference_client::InferenceClient;
 use tandem_proto::v1::generate_response;
 use tandem_router::routing::PrefillPolicy;
 
-use crate::bench_serve::drive::fixed_length_request;
+use crate::serving::drive::fixed_length_request;
 use crate::up::{self, UpArgs};
 
 /// `tandem bench-prefix` flags.

@@ -17,127 +17,24 @@
 //! On a 2-core machine both nodes and the router share the cores the colocated engine has to
 //! itself: the comparison shows the cost of disaggregation there, not its benefit at scale.
 
-pub(crate) mod drive;
+pub mod args;
 mod plot;
-mod stats;
 
 use std::path::PathBuf;
 
 use anyhow::Context;
-use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use plotters::style::{BLUE, RED};
 use serde::Serialize;
 use tandem_engine::EngineArgs;
-use tandem_engine::rng::Rng;
 
-pub use stats::{Level, Load, Sample, Slo};
+pub use args::{BenchServeArgs, Mode};
+pub use crate::serving::{Level, Load, Sample, Slo};
+use crate::serving::{KvMoved, disaggregated_level, drive, progress, stats};
 
 use crate::load::engine_from_args;
 use crate::up::{self, UpArgs};
 
-/// Which side(s) to run.
-#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
-pub enum Mode {
-    /// Both, side by side.
-    Both,
-    /// Only the local 1P+1D cluster.
-    Disaggregated,
-    /// Only the in-process engine.
-    Colocated,
-    /// What observability costs: the 1P+1D cluster with telemetry off, traced (every request
-    /// sampled, exported to a local OTLP receiver) and scraped (every process's /metrics read
-    /// once a second), in alternating rounds.
-    Telemetry,
-    /// Conditional disaggregation: the 1P+1D cluster with every prompt computed by the decode
-    /// node, and with every prompt through the prefill node, at each `--prompt-lens`, in
-    /// alternating rounds (where the default `--local-prefill-max-tokens` comes from).
-    Placement,
-}
-
-/// Flags of `tandem bench-serve`.
-#[derive(Args, Debug, Clone)]
-pub struct BenchServeArgs {
-    /// Concurrency levels, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
-    pub concurrency: Vec<usize>,
-    /// Poisson arrival rates to sweep after the concurrency levels, requests/s, comma-separated
-    /// (open loop; none by default).
-    #[arg(long, value_delimiter = ',')]
-    pub rates: Vec<f64>,
-    /// Requests per level.
-    #[arg(long, default_value_t = 16)]
-    pub requests: usize,
-    /// Prompt length in tokens.
-    #[arg(long, default_value_t = 128)]
-    pub prompt_len: usize,
-    /// Output tokens per request.
-    #[arg(long, default_value_t = 64)]
-    pub max_tokens: usize,
-    /// What to run.
-    #[arg(long, value_enum, default_value_t = Mode::Both)]
-    pub mode: Mode,
-    /// JSON instead of a table.
-    #[arg(long)]
-    pub json: bool,
-    /// Goodput's TTFT objective, ms: a request meets the SLO when its TTFT and its mean
-    /// inter-token latency are both within theirs.
-    #[arg(long, default_value_t = Slo::default().ttft_ms)]
-    pub slo_ttft_ms: f64,
-    /// Goodput's inter-token latency objective, ms.
-    #[arg(long, default_value_t = Slo::default().itl_ms)]
-    pub slo_itl_ms: f64,
-    /// Draw the throughput–latency curves into this directory: `bench-serve-concurrency.png`
-    /// and (with `--rates`) `bench-serve-rate.png`.
-    #[arg(long)]
-    pub plot_dir: Option<PathBuf>,
-    /// Model (default: the cached SmolLM2-135M-Instruct).
-    #[arg(long, env = "TANDEM_MODEL")]
-    pub model: Option<std::path::PathBuf>,
-    /// Where both sides run: `cpu`, or `cuda[:N]` (the cluster's nodes and the colocated engine
-    /// on that GPU; the nodes pass KV device to device by CUDA IPC, or with `--no-cuda-ipc`
-    /// stage it through host memory). Checked before anything starts.
-    #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
-    pub device: tandem_engine::Device,
-    /// With `--device cuda`: the two nodes stage KV through host memory (the cross-machine
-    /// path) instead of passing it device to device by CUDA IPC.
-    #[arg(long)]
-    pub no_cuda_ipc: bool,
-    /// Rounds of each configuration with `--mode telemetry` or `placement` (alternating;
-    /// medians reported).
-    #[arg(long, default_value_t = 2)]
-    pub rounds: usize,
-    /// Prompt lengths `--mode placement` sweeps (each computed by the decode node, and by the
-    /// prefill node).
-    #[arg(long, value_delimiter = ',', default_value = "16,64,256")]
-    pub prompt_lens: Vec<usize>,
-}
-
-pub(crate) fn prompts(args: &BenchServeArgs, level: usize, vocab: usize) -> Vec<Vec<u32>> {
-    let mut rng = Rng::new(0xBE7C + level as u64);
-    // Skip the 256 byte tokens where the vocabulary has more (ordinary text tokens).
-    let first = if vocab > 512 { 256 } else { 0 };
-    (0..args.requests)
-        .map(|_| {
-            (0..args.prompt_len)
-                .map(|_| (first + rng.below((vocab - first) as u64) as usize) as u32)
-                .collect()
-        })
-        .collect()
-}
-
-/// One closed-loop level through the cluster at `grpc` (the telemetry and placement benchmarks'
-/// driver): `c` clients, the default SLO.
-pub(crate) async fn disaggregated_level(
-    grpc: std::net::SocketAddr,
-    c: usize,
-    prompts: Vec<Vec<u32>>,
-    max_tokens: u32,
-) -> anyhow::Result<Level> {
-    let load = Load::Concurrency(c);
-    let (samples, wall) = drive::disaggregated(grpc, load, prompts, max_tokens, None).await?;
-    Ok(stats::summarize(load, &samples, wall, &Slo::default()))
-}
 
 #[derive(Serialize)]
 struct Report {
@@ -151,50 +48,6 @@ struct Report {
     kv: Option<KvMoved>,
 }
 
-/// The KV transfer counters of the disaggregated side, summed over its nodes.
-#[derive(Clone, Debug, Default, Serialize)]
-struct KvMoved {
-    /// Payload bytes the prefill node pushed.
-    bytes_sent: u64,
-    /// Of those, bytes copied device to device by CUDA IPC (same GPU).
-    ipc_bytes_sent: u64,
-    /// Transfers the decode node received and verified.
-    transfers_received: u64,
-    /// Outbound transfer time summed over transfers, push start to the receiver's
-    /// confirmation (layers stream while prefill computes the next), seconds.
-    transfer_seconds: f64,
-}
-
-impl KvMoved {
-    /// Reads the counters from every node's `/metrics` (a missing family counts 0).
-    fn scrape(urls: &[(String, String)], rt: &tokio::runtime::Runtime) -> KvMoved {
-        let http = reqwest::Client::new();
-        let mut kv = KvMoved::default();
-        for (_, url) in urls {
-            let get = |family: &'static str, label: &'static str| {
-                rt.block_on(tandem_chaos_tests::scrape_metric(&http, url, family, label))
-                    .unwrap_or(0.0)
-            };
-            kv.bytes_sent += get("tandem_kv_transfer_bytes_total", "direction=\"sent\"") as u64;
-            kv.ipc_bytes_sent += get("tandem_kv_ipc_bytes_total", "direction=\"sent\"") as u64;
-            kv.transfers_received += get("tandem_kv_transfers_total", "result=\"received\"") as u64;
-            kv.transfer_seconds += get("tandem_kv_transfer_duration_seconds_sum", "");
-        }
-        kv
-    }
-
-    /// One line for the table.
-    fn line(&self) -> String {
-        let share = if self.bytes_sent > 0 { 100.0 * self.ipc_bytes_sent as f64 / self.bytes_sent as f64 } else { 0.0 };
-        let per = if self.transfers_received > 0 { 1e3 * self.transfer_seconds / self.transfers_received as f64 } else { 0.0 };
-        format!(
-            "KV moved: {:.1} MB in {} transfers, {share:.0}% by CUDA IPC; mean push (start to confirmation) {per:.2} ms\n",
-            self.bytes_sent as f64 / 1e6,
-            self.transfers_received
-        )
-    }
-}
-
 /// The levels to run, in order: the concurrency sweep, then the rate sweep.
 fn loads(args: &BenchServeArgs) -> Vec<Load> {
     let closed = args.concurrency.iter().map(|&c| Load::Concurrency(c));
@@ -203,7 +56,7 @@ fn loads(args: &BenchServeArgs) -> Vec<Load> {
 
 /// Prompts of the level at `index` of [`loads`] (seeded by its position, so distinct per level).
 fn level_prompts(args: &BenchServeArgs, index: usize, vocab: usize) -> Vec<Vec<u32>> {
-    prompts(args, 1_000 + index, vocab)
+    args.prompts(1_000 + index, vocab)
 }
 
 /// A bar counting every measured request of the run, drawn on stderr only when it is a terminal.
@@ -294,7 +147,7 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<String> {
         let mut cluster =
             up::start(&up_args, &rt, &interrupt).context("starting the local 1P+1D cluster")?;
         // Warm-up: one request through the whole path.
-        rt.block_on(disaggregated_level(up_args.grpc, 1, prompts(args, 0, vocab)[..1].to_vec(), 4))?;
+        rt.block_on(disaggregated_level(up_args.grpc, 1, args.prompts(0, vocab)[..1].to_vec(), 4))?;
         for (i, &load) in loads.iter().enumerate() {
             bar.set_message(format!("disaggregated, {load}"));
             let (samples, wall) = rt.block_on(drive::disaggregated(
@@ -323,7 +176,7 @@ pub fn run(args: &BenchServeArgs) -> anyhow::Result<String> {
         };
         bar.set_message("loading the colocated engine");
         let mut engine = engine_from_args(&eargs)?;
-        let warm = prompts(args, 0, vocab)[..1].to_vec();
+        let warm = args.prompts(0, vocab)[..1].to_vec();
         drive::colocated(&mut engine, Load::Concurrency(1), warm, 4, 1 << 40, None)?;
         for (i, &load) in loads.iter().enumerate() {
             bar.set_message(format!("colocated, {load}"));
@@ -437,16 +290,6 @@ fn table(args: &BenchServeArgs, report: &Report, loads: &[Load]) -> String {
 }
 
 /// One progress line per finished level on stderr (stdout carries only the report).
-pub(crate) fn progress(side: &str, l: &Level) {
-    eprintln!(
-        "bench-serve: {side} {} done: TTFT p50 {:.1} ms, {:.1} output tok/s, SLO met by {:.0}%",
-        l.load(),
-        l.ttft_p50_ms,
-        l.output_tok_s,
-        l.slo_attainment * 100.0
-    );
-}
-
 /// Parses the engine's defaults (clap holds them) for the colocated run.
 #[derive(clap::Parser)]
 struct EngineArgsDefaults {

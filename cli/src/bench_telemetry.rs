@@ -21,7 +21,8 @@ use tandem_telemetry::TraceArgs;
 use tandem_telemetry::testing::OtlpReceiver;
 use tandem_telemetry::trace::OtlpProtocol;
 
-use crate::bench_serve::{BenchServeArgs, Level, disaggregated_level, progress, prompts};
+use crate::bench_serve::args::BenchServeArgs;
+use crate::serving::{Level, disaggregated_level, progress};
 use crate::up::{self, Interrupt, UpArgs};
 
 /// One configuration's figures at one level, medians over rounds.
@@ -151,14 +152,14 @@ pub fn run(args: &BenchServeArgs, model: &Path, vocab: usize) -> anyhow::Result<
             rt.block_on(disaggregated_level(
                 up_args.grpc,
                 1,
-                prompts(args, 0, vocab)[..1].to_vec(),
+                args.prompts(0, vocab)[..1].to_vec(),
                 4,
             ))?;
             for (li, &c) in args.concurrency.iter().enumerate() {
                 let level = rt.block_on(disaggregated_level(
                     up_args.grpc,
                     c,
-                    prompts(args, c, vocab),
+                    args.prompts(c, vocab),
                     args.max_tokens as u32,
                 ))?;
                 progress(&format!("round {round} {config}"), &level);

@@ -7,6 +7,7 @@
 //! | [`plan`] | `tandem plan` — capacity planning (KV bytes, batch and concurrency limits) |
 //! | [`bench_engine`] | `tandem bench-engine` — prefill/decode throughput vs the bandwidth bound |
 //! | [`bench_prefix`] | `tandem bench-prefix` — routing by cache vs policies blind to it, shared-prefix workload |
+//! | [`bench_sim`] | `tandem bench-sim` — `tandem sim` against the real 1P+1D cluster it predicts, at each concurrency |
 //! | [`bench_serve`] | `tandem bench-serve` — TTFT and tokens/s, disaggregated (1P+1D) vs colocated |
 //! | [`fetch`] | `tandem model fetch` — download and verify the default model |
 //! | [`load`] | building an engine from flags |
@@ -20,6 +21,7 @@ pub mod bench_engine;
 pub mod bench_placement;
 pub mod bench_prefix;
 pub mod bench_serve;
+pub mod bench_sim;
 pub mod bench_telemetry;
 pub mod control;
 pub mod drill;
@@ -31,6 +33,7 @@ pub mod plan;
 pub mod planner;
 pub mod ports;
 pub mod scale;
+pub mod serving;
 pub mod sim;
 pub mod up;
 pub mod usage;

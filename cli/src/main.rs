@@ -40,6 +40,10 @@ enum Command {
     /// Serving benchmark: TTFT and tokens/s at a few concurrency levels, a local 1 prefill +
     /// 1 decode cluster beside one colocated engine.
     BenchServe(tandem_cli::bench_serve::BenchServeArgs),
+    /// The simulator checked against reality: a local 1 prefill + 1 decode cluster (every
+    /// prompt through the prefill node) and `tandem sim` of it from the engine's measured steps,
+    /// TTFT and ITL at each concurrency, medians of simulated / real over rounds.
+    BenchSim(tandem_cli::bench_sim::BenchSimArgs),
     /// Routing by cache against policies blind to it: TTFT, throughput and cached prompt
     /// tokens on a shared-prefix workload, each policy on a fresh local cluster.
     BenchPrefix(tandem_cli::bench_prefix::BenchPrefixArgs),
@@ -135,6 +139,7 @@ fn main() -> ExitCode {
         Command::Usage(a) => tandem_cli::usage::usage(a).map(|s| println!("{s}")),
         Command::Cost(a) => tandem_cli::usage::cost(a).map(|s| println!("{s}")),
         Command::BenchServe(a) => tandem_cli::bench_serve::run(a).map(|s| println!("{s}")),
+        Command::BenchSim(a) => tandem_cli::bench_sim::run(a).map(|s| println!("{s}")),
         Command::BenchPrefix(a) => tandem_cli::bench_prefix::run(a).map(|s| println!("{s}")),
         Command::Router(a) => tandem_router::run_blocking(a.clone()).map_err(Into::into),
         Command::BenchEngine(a) => bench_engine::run(a).map(|s| println!("{s}")),

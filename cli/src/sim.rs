@@ -16,6 +16,9 @@ pub enum ArrivalKind {
     /// Poisson whose rate is --burst-high × the mean for --burst-duty of every
     /// --burst-period-secs, and lower the rest of the time (same mean).
     Bursty,
+    /// A closed loop of --clients clients, each sending its next request when its last one
+    /// finished (--rate and --load do not apply).
+    Closed,
 }
 
 /// Output formats.
@@ -48,6 +51,9 @@ pub struct SimArgs {
     /// Arrival process.
     #[arg(long, value_enum, default_value_t = ArrivalKind::Poisson)]
     pub arrivals: ArrivalKind,
+    /// Closed: clients at once.
+    #[arg(long, default_value_t = 1)]
+    pub clients: u32,
     /// Bursty: the burst rate over the mean.
     #[arg(long, default_value_t = 2.0)]
     pub burst_high: f64,
@@ -190,6 +196,10 @@ pub fn config(a: &SimArgs) -> anyhow::Result<SimConfig> {
         },
     };
     anyhow::ensure!(a.load > 0.0 && a.load.is_finite(), "--load must be positive");
+    anyhow::ensure!(
+        !matches!(a.arrivals, ArrivalKind::Closed) || a.rate.is_none(),
+        "--rate does not apply to --arrivals closed (its clients send as fast as they are served)"
+    );
     cfg.validate()?;
     let rate = a.rate.unwrap_or_else(|| a.load * cfg.capacity_rps());
     cfg.arrivals = match a.arrivals {
@@ -200,6 +210,7 @@ pub fn config(a: &SimArgs) -> anyhow::Result<SimConfig> {
             period_s: a.burst_period_secs,
             duty: a.burst_duty,
         },
+        ArrivalKind::Closed => Arrivals::Closed { clients: a.clients },
     };
     cfg.mode = Mode::Disaggregated {
         prefill: a.prefill_instances.unwrap_or_else(|| cfg.balanced_prefill_instances()),

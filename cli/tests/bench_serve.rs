@@ -2,7 +2,7 @@
 //! the colocated engine each serve every request of every level (closed loop and Poisson open
 //! loop), the JSON report says so, and the throughput–latency plots are written.
 
-mod common;
+use crate::common;
 
 use common::model;
 

@@ -13,10 +13,7 @@
 //!   of a decode node removes it within the lease TTL and requests keep succeeding; a node with a
 //!   different KV layout is refused at registration.
 
-mod common;
-mod e2e {
-    pub mod harness;
-}
+use crate::e2e;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

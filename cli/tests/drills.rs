@@ -4,7 +4,7 @@
 //! (the router migrated streams and re-prefilled prompts, streams were cancelled). Bad input and an
 //! interrupted drill leave nothing running.
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 use std::time::{Duration, Instant};

@@ -1,7 +1,7 @@
 //! `tandem generate` end to end on the real model: stdout carries the completion and nothing
 //! else; bad input exits non-zero with a clear message and no panic.
 
-mod common;
+use crate::common;
 
 use common::model;
 

@@ -2,10 +2,7 @@
 //! a KV self-check) and only then serves; `tandem drain` under load takes a node out with no
 //! request lost or cut short, and the node exits 0 having left the cluster.
 
-mod common;
-mod e2e {
-    pub mod harness;
-}
+use crate::e2e;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};

@@ -4,10 +4,7 @@
 //! was serving migrates to another decode node and completes. And the canary takes a frozen
 //! (SIGSTOPped) decode node out of routing until it answers again. Real processes.
 
-mod common;
-mod e2e {
-    pub mod harness;
-}
+use crate::e2e;
 
 use std::time::{Duration, Instant};
 

@@ -10,7 +10,7 @@
 //!   histogram holds the requests' samples, the alert rules pass promtool and are loaded, and
 //!   every metric the Grafana dashboard queries is one the live scrape returns.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;

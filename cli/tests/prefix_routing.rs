@@ -2,10 +2,7 @@
 //! the router indexes them, and requests sharing a long prefix all reuse one node's cache
 //! (`usage.prompt_tokens_details.cached_tokens`), where round-robin would compute it twice.
 
-mod common;
-mod e2e {
-    pub mod harness;
-}
+use crate::e2e;
 
 use std::time::Duration;
 

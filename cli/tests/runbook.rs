@@ -2,7 +2,7 @@
 //! (`tandem up`) serving steady traffic. A failing command fails the test, and so does any
 //! request lost or cut short while the runbook resizes, drains and replaces nodes.
 
-mod common;
+use crate::common;
 
 use std::os::unix::process::CommandExt;
 use std::path::Path;

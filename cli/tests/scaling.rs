@@ -2,7 +2,7 @@
 //! a burst of long prompts grows the prefill pool, its end shrinks it after the cooldown, and
 //! no request is lost either way. Bad sizes and bad SLO files are refused, naming what is wrong.
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 use std::time::{Duration, Instant};

@@ -3,7 +3,7 @@
 //! children's parent-death signal). Each test reads the pids `tandem up` wrote to
 //! `<run-dir>/pids` and checks every one is gone. Real etcd, NATS and nodes; one at a time.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

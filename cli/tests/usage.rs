@@ -4,10 +4,8 @@
 //! counted for both pools and priced at the configured node-hour, non-admin keys see only
 //! their own usage, an unknown key id is a 404, and `tandem usage` / `tandem cost` print it.
 
-mod common;
-mod e2e {
-    pub mod harness;
-}
+use crate::common;
+use crate::e2e;
 
 use std::net::SocketAddr;
 use std::process::Command;

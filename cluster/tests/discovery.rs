@@ -3,7 +3,7 @@
 //!
 //! Each `client()` call stands for a separate process: for etcd it is a new connection.
 
-mod common;
+use crate::common;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

@@ -3,7 +3,7 @@
 //! Each test owns its etcd (lease TTL 2 s). Outages are real: the server is SIGKILLed and
 //! restarted on the same port, with its data (a crash) or without (a lost etcd).
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

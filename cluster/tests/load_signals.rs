@@ -3,7 +3,7 @@
 //!
 //! Each `signals()` call stands for a separate process: for NATS it is a new connection.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

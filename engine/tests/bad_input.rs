@@ -1,7 +1,7 @@
 //! Bad input gets a typed error and changes nothing: over-long prompts, zero max tokens,
 //! unknown model paths, corrupt or truncated GGUF files, out-of-vocabulary token ids.
 
-mod common;
+use crate::common;
 
 use std::io::Write;
 use std::time::Instant;

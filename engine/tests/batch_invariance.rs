@@ -2,7 +2,7 @@
 //! batch of mixed-length requests, with its prefill chunked, after preemption by recompute, or
 //! from prefix-cached blocks. The disaggregated and migrated paths of later issues lean on this.
 
-mod common;
+use crate::common;
 
 use common::*;
 use tandem_engine::{Engine, KvDtype, Request, SchedulerConfig, WeightDtype};

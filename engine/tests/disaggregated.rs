@@ -5,7 +5,7 @@
 //! The staged path (the KV on the model's device, the transport's pool beside it as a host
 //! mirror: how a GPU node serves) runs here on the CPU, with slab copies for the device copies.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Instant;

@@ -6,7 +6,7 @@
 //!
 //! Deterministic: `TANDEM_SEED=N` reproduces a run; `TANDEM_FUZZ_CASES=N` runs longer.
 
-mod common;
+use crate::common;
 
 use std::io::Read;
 

@@ -1,7 +1,7 @@
 //! 8-bit KV: half the data bytes of bf16 (plus 3.9 % of bf16 for its f16 scales) and keeps the greedy answers of the
 //! chat prompts equal to the independent f32 reference for 16 tokens.
 
-mod common;
+use crate::common;
 
 use common::*;
 use tandem_engine::{KvDtype, WeightDtype};

@@ -4,7 +4,7 @@
 //! dequantised and reported), and `--dummy-weights` builds seeded random weights of any shape,
 //! identical for identical seeds.
 
-mod common;
+use crate::common;
 
 use common::*;
 use tandem_engine::{DtypeChoice, Engine, EngineError, KvDtype, Model, ModelSource, WeightDtype, loader};

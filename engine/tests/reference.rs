@@ -2,7 +2,7 @@
 //! (tests/reference/llama_ref.py) that reads the GGUF itself, uses interleaved RoPE on the raw
 //! (permuted) Q/K weights, and shares no code with the engine. Greedy tokens must be equal.
 
-mod common;
+use crate::common;
 
 use common::*;
 use tandem_engine::{KvDtype, WeightDtype};

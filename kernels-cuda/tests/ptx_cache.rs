@@ -1,7 +1,7 @@
 //! The on-disk PTX cache: compile once, then hits; the key separates arch and source; a
 //! corrupt or unreadable entry is recompiled (and a cache that cannot be written is no error).
 
-mod common;
+use crate::common;
 
 use tandem_kernels_cuda::{Arch, CacheOutcome, PtxCache, SOURCES};
 

@@ -9,7 +9,7 @@
 
 use std::process::Command;
 
-mod common;
+use crate::common;
 
 use common::{Rng, sample_cases};
 use tandem_kernels::sample::{SampleSpec, sample};

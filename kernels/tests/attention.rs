@@ -1,7 +1,7 @@
 //! Paged attention against the f64 oracle for every KV dtype, and its bitwise invariances:
 //! batch composition, chunked prefill, thread count and ISA.
 
-mod common;
+use crate::common;
 use common::*;
 use tandem_kernels::{
     AttnSeq, Exec, KernelError, KvCacheMut, KvCacheRef, KvDtype, KvLayout, paged_attention_on,

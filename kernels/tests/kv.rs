@@ -1,6 +1,6 @@
 //! Cache writes: dtype conversion, Int8 scaling and requantization, fresh blocks, typed errors.
 
-mod common;
+use crate::common;
 use common::*;
 use tandem_kernels::{KernelError, KvCacheMut, KvDtype, KvLayout, KvPart, read_kv, write_kv};
 

@@ -1,7 +1,7 @@
 //! `linear` against the f64 oracle, and its bitwise invariances: any batch size, any batch
 //! neighbours, any thread count, any ISA.
 
-mod common;
+use crate::common;
 use common::*;
 use tandem_kernels::{Weight, WeightDtype, linear_on, reference};
 

@@ -1,7 +1,7 @@
 //! RMSNorm, RoPE, SiLU-gating, add and argmax against the oracles, bitwise across ISAs,
 //! thread counts and batch sizes.
 
-mod common;
+use crate::common;
 use common::*;
 use tandem_kernels::{
     RopeTable, add_inplace_on, argmax, reference, rms_norm_on, rope_on, silu_mul_on,

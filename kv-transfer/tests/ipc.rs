@@ -3,8 +3,7 @@
 //! transports, then what is particular to it. The same path over real GPU memory is checked by
 //! `scripts/gpu-check.sh` (two processes on one GPU).
 
-#[macro_use]
-mod common;
+use crate::common;
 
 use std::future::IntoFuture;
 use std::time::Duration;

@@ -2,7 +2,6 @@
 //! delay, a streamed push ends about one layer after compute does (≈ max(compute, transfer)),
 //! not after compute plus a whole transfer.
 
-mod common;
 
 use std::future::IntoFuture;
 use std::sync::Arc;

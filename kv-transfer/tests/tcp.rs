@@ -1,7 +1,6 @@
 //! The fail-closed behaviours over the TCP transport (loopback, one process, port 0).
 
-#[macro_use]
-mod common;
+use crate::common;
 
 scenario_tests!(common::tcp_pair);
 

@@ -3,7 +3,7 @@
 //! that receives them; process death and every fault mode must end in a typed error and leave
 //! nothing held on either side.
 
-mod common;
+use crate::common;
 
 use std::future::IntoFuture;
 use std::path::PathBuf;

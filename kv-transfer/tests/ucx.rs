@@ -3,8 +3,7 @@
 //! heap pools (`ucp_put_nbx`), and tcp (tagged sends, since UCX emulates RMA over tcp).
 #![cfg(feature = "ucx")]
 
-#[macro_use]
-mod common;
+use crate::common;
 
 use common::{small_layout, ucx_pair};
 

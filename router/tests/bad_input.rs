@@ -2,7 +2,7 @@
 //! error body) and gRPC (INVALID_ARGUMENT / NOT_FOUND with the field in the message), and the
 //! router keeps serving afterwards.
 
-mod common;
+use crate::common;
 
 use common::fakes::{start_decode, start_prefill};
 use common::{MemoryCluster, RunningRouter, http, init_tracing, model, options};

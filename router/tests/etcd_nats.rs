@@ -2,7 +2,7 @@
 //! publishing load reports over a real NATS (`cluster::testing`). Needs `etcd` and
 //! `nats-server` installed (the test fails with the install command otherwise).
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

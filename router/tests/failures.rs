@@ -3,7 +3,7 @@
 //! (a corrupt transfer is re-prefilled) and the client still gets the full answer; retries are
 //! bounded and end in a clear error.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering;
 

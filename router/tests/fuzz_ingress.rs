@@ -10,7 +10,7 @@
 //! Deterministic: `TANDEM_SEED=N` reproduces a run (the failing seed and case are printed);
 //! `TANDEM_FUZZ_CASES=N` runs longer. The default (100,000 cases) takes about two seconds.
 
-mod common;
+use crate::common;
 
 use common::{Rng, model};
 use tandem_router::TokenLimits;

@@ -1,7 +1,7 @@
 //! The gRPC ingress against fake nodes: the Generate stream's shape, ListModels, the standard
 //! health service following membership, server reflection, and a cancelled call.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering;
 

@@ -1,7 +1,7 @@
 //! The OpenAI-compatible HTTP ingress against fake nodes: stream and JSON shapes, usage,
 //! models, health, authentication.
 
-mod common;
+use crate::common;
 
 use common::fakes::{cluster_with_one_pair, expected_output, start_decode, start_prefill};
 use common::{MemoryCluster, chat_prompt_len, http, init_tracing, model, options, prompt_tokens};

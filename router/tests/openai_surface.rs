@@ -2,7 +2,7 @@
 //! index, usage counting the prompt once), `logprobs` in both OpenAI shapes, penalties passed
 //! to the nodes, and the bad values of each refused with a 400 naming the field.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! Per-key rate limits held across routers: two routers over the same fake nodes, their
 //! buckets in a real etcd (`cluster::testing`). Needs `etcd` installed.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::sync::Arc;

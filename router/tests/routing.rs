@@ -1,7 +1,7 @@
 //! Routing and admission against fake nodes: the bounded queue, membership changes taking
 //! effect without restart, draining, load-report routing and the in-flight fallback.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};

@@ -6,8 +6,8 @@
 //! changes how many the suite runs. One seed logs the router's lines as well
 //! (`RUST_LOG=tandem_router=debug TANDEM_SEED=N`).
 
-mod common;
-mod sim;
+use crate::common;
+use crate::sim;
 
 #[test]
 fn control_plane_invariants_hold_under_seeded_faults() {

@@ -3,7 +3,7 @@
 //! client and a client trusting another CA get nothing; bad files are refused at startup,
 //! naming the file.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -61,9 +61,17 @@ impl SimConfig {
         if self.duration_s.is_nan() || self.duration_s <= 0.0 {
             return Err(bad("duration-secs", self.duration_s, "must be positive"));
         }
-        let rate = self.arrivals.mean_rate();
-        if !rate.is_finite() || rate <= 0.0 {
-            return Err(bad("rate", self.arrivals.mean_rate(), "must be positive"));
+        match self.arrivals {
+            Arrivals::Closed { clients } if clients == 0 => {
+                return Err(bad("clients", clients, "must be at least 1"));
+            }
+            Arrivals::Closed { .. } => {}
+            _ => {
+                let rate = self.arrivals.mean_rate().unwrap_or(0.0);
+                if !rate.is_finite() || rate <= 0.0 {
+                    return Err(bad("rate", rate, "must be positive"));
+                }
+            }
         }
         if let Arrivals::Bursty { high, duty, period_s, .. } = self.arrivals
             && !(high >= 1.0 && high * duty < 1.0 && duty > 0.0 && period_s > 0.0)
@@ -123,7 +131,8 @@ impl SimConfig {
 /// Both modes on the same workload and GPUs.
 #[derive(Clone, Debug, Serialize)]
 pub struct Comparison {
-    /// The workload's mean rate, requests/s.
+    /// The workload's mean rate, requests/s (a closed loop's: what the disaggregated run
+    /// sustained).
     pub rate_rps: f64,
     /// Prompt and output lengths.
     pub lengths: Lengths,
@@ -152,12 +161,16 @@ pub fn compare(cfg: &SimConfig) -> Result<Comparison, SimError> {
         planner: None,
         ..cfg.clone()
     };
+    let disaggregated = Sim::new(disagg).run();
     Ok(Comparison {
-        rate_rps: cfg.arrivals.mean_rate(),
+        rate_rps: cfg
+            .arrivals
+            .mean_rate()
+            .unwrap_or(disaggregated.arrived as f64 / cfg.duration_s),
         lengths: cfg.lengths,
         ttft_slo_s: cfg.ttft_slo_s,
         tpot_slo_s: cfg.tpot_slo_s,
-        disaggregated: Sim::new(disagg).run(),
+        disaggregated,
         colocated: Sim::new(coloc).run(),
     })
 }

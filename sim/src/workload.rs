@@ -1,5 +1,6 @@
 //! What arrives: request times (Poisson, or bursty: a Poisson process whose rate alternates
-//! between high and low phases) and prompt/output lengths (fixed, or uniform within ±spread).
+//! between high and low phases, or a closed loop of clients that each send their next request
+//! when the last one finished) and prompt/output lengths (fixed, or uniform within ±spread).
 //! Seeded and deterministic (the engine's xoshiro256** [`Rng`]): the same flags give the same
 //! requests.
 
@@ -32,20 +33,29 @@ pub enum Arrivals {
         /// Fraction of the period spent high.
         duty: f64,
     },
+    /// A closed loop: `clients` clients, each sending its next request the moment its last one
+    /// finished (as `tandem bench-serve --concurrency` drives a real cluster). The rate is
+    /// whatever the cluster sustains.
+    Closed {
+        /// Clients at once.
+        clients: u32,
+    },
 }
 
 impl Arrivals {
-    /// The mean rate.
-    pub fn mean_rate(&self) -> f64 {
+    /// The mean rate (`None` for a closed loop: the cluster sets it).
+    pub fn mean_rate(&self) -> Option<f64> {
         match *self {
-            Arrivals::Poisson { rate } | Arrivals::Bursty { rate, .. } => rate,
+            Arrivals::Poisson { rate } | Arrivals::Bursty { rate, .. } => Some(rate),
+            Arrivals::Closed { .. } => None,
         }
     }
 
-    /// The rate at time `t`.
+    /// The rate at time `t` (0 for a closed loop, whose arrivals follow completions).
     pub fn rate_at(&self, t: f64) -> f64 {
         match *self {
             Arrivals::Poisson { rate } => rate,
+            Arrivals::Closed { .. } => 0.0,
             Arrivals::Bursty {
                 rate,
                 high,
@@ -62,17 +72,19 @@ impl Arrivals {
         }
     }
 
-    /// The next arrival after `t` (thinning of the piecewise-constant rate).
-    pub fn next_after(&self, t: f64, rng: &mut Rng) -> f64 {
+    /// The next arrival after `t` (thinning of the piecewise-constant rate); `None` for a
+    /// closed loop, whose next arrival is a completion's.
+    pub fn next_after(&self, t: f64, rng: &mut Rng) -> Option<f64> {
         let max = match *self {
             Arrivals::Poisson { rate } => rate,
             Arrivals::Bursty { rate, high, .. } => rate * high.max(1.0),
+            Arrivals::Closed { .. } => return None,
         };
         let mut t = t;
         loop {
             t += exponential(rng, 1.0 / max);
             if rng.next_f64() * max <= self.rate_at(t) {
-                return t;
+                return Some(t);
             }
         }
     }
@@ -118,7 +130,7 @@ mod tests {
             let mut rng = Rng::new(7);
             let (mut t, mut n, mut in_burst) = (0.0, 0u32, 0u32);
             while t < 3600.0 {
-                t = a.next_after(t, &mut rng);
+                t = a.next_after(t, &mut rng).expect("an open loop");
                 n += 1;
                 if t % 60.0 < 15.0 {
                     in_burst += 1;
@@ -132,5 +144,8 @@ mod tests {
                 _ => assert!((share - 0.75).abs() < 0.02, "{share}"),
             }
         }
+        let closed = Arrivals::Closed { clients: 4 };
+        assert_eq!(closed.next_after(1.0, &mut Rng::new(7)), None, "a completion's, not a clock's");
+        assert_eq!(closed.mean_rate(), None);
     }
 }

@@ -109,3 +109,35 @@ fn settings_the_simulation_cannot_run_are_refused_naming_the_flag() {
     c.arrivals = Arrivals::Bursty { rate: 1.0, high: 5.0, period_s: 60.0, duty: 0.5 };
     assert!(c.validate().unwrap_err().to_string().contains("`burst`"));
 }
+
+#[test]
+fn a_closed_loop_keeps_each_client_to_one_request_at_a_time_and_more_clients_batch_and_wait() {
+    let closed = |clients: u32| {
+        let mut c = cfg(16, 0.0, 1000, 100, 300.0);
+        c.arrivals = Arrivals::Closed { clients };
+        c.validate().unwrap();
+        Sim::new(c).run()
+    };
+    let one = closed(1);
+    let r = cfg(16, 0.0, 1000, 100, 300.0).roofline;
+    // One client: every request alone, so the roofline's prefill and decode step, back to back.
+    let prefill = r.prefill_chunk_s(0.0, 1000.0);
+    let step = r.decode_step_s(1.0, 1050.0);
+    assert!(within(one.ttft_s.p50, prefill, 0.05), "TTFT p50 {} vs prefill {prefill}", one.ttft_s.p50);
+    assert!(within(one.itl_s.p50, step, 0.10), "ITL p50 {} vs step {step}", one.itl_s.p50);
+    // Never more than one in flight: it arrives only when the last one completed.
+    assert!(one.arrived - one.completed <= 1, "{} arrived, {} completed", one.arrived, one.completed);
+    let per_request = prefill + 99.0 * step;
+    let expected = 300.0 / per_request;
+    assert!(within(one.completed as f64, expected, 0.10), "{} completed, ~{expected:.0} expected", one.completed);
+    // Eight clients on one prefill instance: the first eight prompts arrive together and wait
+    // for each other, and the decode batch grows, so latencies rise while throughput does too.
+    let eight = closed(8);
+    assert!(eight.arrived - eight.completed <= 8, "{} arrived, {} completed", eight.arrived, eight.completed);
+    assert!(eight.ttft_s.p99 > one.ttft_s.p99, "{} vs {}", eight.ttft_s.p99, one.ttft_s.p99);
+    assert!(eight.itl_s.p50 >= one.itl_s.p50, "{} vs {}", eight.itl_s.p50, one.itl_s.p50);
+    assert!(eight.completed > 4 * one.completed, "{} vs {}", eight.completed, one.completed);
+    let mut none = cfg(16, 0.0, 1000, 100, 300.0);
+    none.arrivals = Arrivals::Closed { clients: 0 };
+    assert!(none.validate().is_err(), "no clients");
+}

@@ -8,7 +8,7 @@ use std::sync::Once;
 
 use plotters::prelude::*;
 
-use super::stats::Level;
+use crate::serving::Level;
 
 /// One curve: a side's levels of one load kind, in the order they were run.
 pub struct Side<'a> {
@@ -112,7 +112,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::bench_serve::stats::{Load, Sample, Slo, summarize};
+    use crate::serving::{Load, Sample, Slo, summarize};
 
     fn level(c: usize, ttft_ms: u64) -> Level {
         let s = Sample { ttft: Duration::from_millis(ttft_ms), e2e: Duration::from_millis(ttft_ms + 630), tokens: 64 };

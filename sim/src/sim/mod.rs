@@ -244,7 +244,14 @@ impl Sim {
                 }
             }
         }
-        sim.at(0.0, Event::Arrival);
+        // A closed loop starts with every client's first request; an open one with the first.
+        let first = match sim.cfg.arrivals {
+            Arrivals::Closed { clients } => clients,
+            _ => 1,
+        };
+        for _ in 0..first {
+            sim.at(0.0, Event::Arrival);
+        }
         sim.at(sim.cfg.sample_s, Event::Sample);
         if let (Some(p), Mode::Disaggregated { .. }) = (&sim.cfg.planner, sim.cfg.mode) {
             sim.at(p.interval_ms as f64 / 1000.0, Event::PlannerTick);
@@ -348,8 +355,9 @@ impl Sim {
         } else if !self.place(id) {
             self.router_queue.push_back(id);
         }
-        let next = self.cfg.arrivals.next_after(self.now, &mut self.rng);
-        self.at(next, Event::Arrival);
+        if let Some(next) = self.cfg.arrivals.next_after(self.now, &mut self.rng) {
+            self.at(next, Event::Arrival);
+        }
     }
 
     fn load_of(&self, i: usize) -> LoadEstimate {

@@ -183,6 +183,10 @@ impl Sim {
         self.tpot.push(tpot as f32);
         self.completed += 1;
         self.output_tokens += r.output as u64;
+        if let crate::workload::Arrivals::Closed { .. } = self.cfg.arrivals {
+            // The client that waited for this one sends its next request now.
+            self.at(self.now, Event::Arrival);
+        }
         if r.first_token - r.arrived <= self.cfg.ttft_slo_s && tpot <= self.cfg.tpot_slo_s {
             self.good += 1;
         }
