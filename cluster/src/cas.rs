@@ -13,7 +13,7 @@ use etcd_client::{Client, Compare, CompareOp, Txn, TxnOp};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::discovery::etcd::timed;
+use crate::etcd::timed;
 use crate::error::ClusterError;
 
 /// CAS attempts before an update gives up with [`ClusterError::EtcdConflict`].

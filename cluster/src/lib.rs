@@ -25,6 +25,7 @@
 
 pub mod discovery;
 pub mod error;
+mod etcd;
 pub mod keys;
 pub mod load;
 pub mod node;

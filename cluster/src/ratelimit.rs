@@ -511,3 +511,16 @@ mod tests {
         assert_eq!(r.slots.keys().collect::<Vec<_>>(), ["b"]);
     }
 }
+
+/// The store over a membership client's etcd connection (defined here, beside the store, so the
+/// etcd client names no store).
+impl crate::discovery::EtcdDiscovery {
+    /// The per-key rate limits' shared records in this cluster's etcd, over the same client.
+    pub fn rate_limit_store(&self) -> EtcdRateLimitStore {
+        EtcdRateLimitStore::new(
+            self.etcd().client.clone(),
+            self.etcd().keys.clone(),
+            self.etcd().config.request_timeout,
+        )
+    }
+}

@@ -28,7 +28,7 @@ use etcd_client::{Client, Compare, CompareOp, PutOptions, Txn, TxnOp};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
-use crate::discovery::etcd::timed;
+use crate::etcd::timed;
 use crate::error::ClusterError;
 use crate::keys::ClusterKeys;
 use crate::node::Role;
@@ -563,5 +563,29 @@ mod tests {
         let b = b.await.unwrap().unwrap().unwrap();
         assert!(b.is_held());
         assert_eq!(e.leader().await.unwrap().as_deref(), Some("b"));
+    }
+}
+
+/// The store over a membership client's etcd connection (defined here, beside the store, so the
+/// etcd client names no store).
+impl crate::discovery::EtcdDiscovery {
+    /// Desired pool sizes and their limits in this cluster's etcd, over the same client.
+    pub fn scale_store(&self) -> EtcdScaleStore {
+        EtcdScaleStore::new(
+            self.etcd().client.clone(),
+            self.etcd().keys.clone(),
+            self.etcd().config.request_timeout,
+        )
+    }
+
+    /// The planner election in this cluster's etcd: a leader holds it under a lease of `ttl`
+    /// (at least 2 s).
+    pub fn election(&self, ttl: Duration) -> EtcdElection {
+        EtcdElection::new(
+            self.etcd().client.clone(),
+            &self.etcd().keys,
+            ttl,
+            self.etcd().config.request_timeout,
+        )
     }
 }

@@ -23,7 +23,7 @@ use etcd_client::{Client, GetOptions};
 use serde::{Deserialize, Serialize};
 
 use crate::cas::{decode, update_json};
-use crate::discovery::etcd::timed;
+use crate::etcd::timed;
 use crate::error::ClusterError;
 use crate::keys::{ClusterKeys, decode_segment};
 
@@ -170,5 +170,18 @@ mod tests {
         assert_eq!(t.requests, 2);
         assert_eq!(t.output_tokens, 6);
         assert_eq!(s.list().await.unwrap().len(), 1);
+    }
+}
+
+/// The store over a membership client's etcd connection (defined here, beside the store, so the
+/// etcd client names no store).
+impl crate::discovery::EtcdDiscovery {
+    /// The usage ledger in this cluster's etcd, over the same client.
+    pub fn usage_store(&self) -> EtcdUsageStore {
+        EtcdUsageStore::new(
+            self.etcd().client.clone(),
+            self.etcd().keys.clone(),
+            self.etcd().config.request_timeout,
+        )
     }
 }

@@ -30,24 +30,11 @@ use tandem_kv_layout::{KvDtype, KvLayout};
 use crate::backend::cpu::CpuForward;
 use crate::backend::cuda::CudaForward;
 use crate::backend::staging::{self, HostMirror, StageOut, Staging};
-use crate::backend::{Device, KvStore};
+use crate::backend::{Device, ForwardSeq, KvStore, StepLogits};
 use crate::config::ModelConfig;
 use crate::error::EngineError;
 use crate::kv::KvPool;
 use crate::loader::ModelWeights;
-
-/// One sequence's part of a forward batch.
-#[derive(Clone, Copy, Debug)]
-pub struct ForwardSeq<'a> {
-    /// Tokens to run (a prefill chunk, or the single last token for decode).
-    pub tokens: &'a [u32],
-    /// Absolute position of `tokens[0]`; KV for positions `0..first_pos` must already be cached.
-    pub first_pos: usize,
-    /// Physical blocks covering positions `0..first_pos + tokens.len()`, in order.
-    pub block_table: &'a [u32],
-    /// Whether to compute logits for the last token of this chunk.
-    pub want_logits: bool,
-}
 
 enum Backend {
     Cpu(CpuForward),
@@ -285,15 +272,6 @@ impl Model {
             (_, kv) => Err(store_mismatch(here, kv)),
         }
     }
-}
-
-/// What a forward pass returns for its wanted rows, in `seqs` order.
-#[derive(Debug)]
-pub enum StepLogits<'a> {
-    /// The logits, `rows × vocab_size`.
-    Rows(&'a [f32]),
-    /// Each row's token, picked on the device by its spec (only the ids came back).
-    Picked(&'a [u32]),
 }
 
 /// A KV store on another device than the model's.

@@ -227,14 +227,23 @@ impl<C: Send + 'static> EngineHandle<C> {
     }
 
     /// Queues a command from a `Drop` impl: at once if there is room, else from a task (the
-    /// command must not be lost, e.g. a release of blocks). Must run inside a tokio runtime.
+    /// command must not be lost, e.g. a release of blocks). Must run inside a tokio runtime
+    /// (never on the engine thread itself: its drops release directly); without one and with
+    /// the channel full, the command is lost, and that is logged as the bug it is.
     pub fn send_from_drop(&self, cmd: C) {
         if let Err(cmd) = self.try_send(cmd) {
             let tx = self.tx.clone();
-            if let Ok(rt) = Handle::try_current() {
-                rt.spawn(async move {
-                    let _ = tx.send(Envelope::Command(cmd)).await;
-                });
+            match Handle::try_current() {
+                Ok(rt) => {
+                    rt.spawn(async move {
+                        let _ = tx.send(Envelope::Command(cmd)).await;
+                    });
+                }
+                // The engine is gone: what the command would free went with it.
+                Err(_) if tx.is_closed() => {}
+                Err(_) => tracing::error!(
+                    "a command queued from a drop outside any runtime was lost (the engine's channel is full)"
+                ),
             }
         }
     }

@@ -370,3 +370,27 @@ mod tests {
         assert_ne!(a, default_node_id("decode"));
     }
 }
+
+/// The body every node binary shares (`tandem prefill`, `tandem decode` and their own
+/// binaries): logs on stderr and spans over OTLP when an endpoint is set (flushed once the
+/// runtime has shut down), a multi-threaded runtime whose threads are named `thread_name`, and
+/// `run` on it until it returns (its node serves until [`shutdown_signal`]). Errors are startup
+/// failures, reported flat: [`NodeError`]'s messages already carry their sources.
+pub fn run_binary<Fut>(
+    service: &str,
+    thread_name: &str,
+    log: &str,
+    trace: &tandem_telemetry::TraceArgs,
+    run: impl FnOnce() -> Fut,
+) -> anyhow::Result<()>
+where
+    Fut: std::future::Future<Output = Result<(), NodeError>>,
+{
+    let _telemetry =
+        tandem_telemetry::init(service, log, trace).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name(thread_name)
+        .build()?;
+    rt.block_on(run()).map_err(|e| anyhow::anyhow!("{e}"))
+}

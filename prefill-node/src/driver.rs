@@ -238,6 +238,14 @@ struct HeldBlocks {
     engine: EngineHandle<Command>,
 }
 
+impl HeldBlocks {
+    /// Releases the blocks at once, on the engine thread that owns `engine`.
+    fn release_now(self, engine: &mut Engine) {
+        engine.release_held(self.request_id);
+        std::mem::forget(self);
+    }
+}
+
 impl Drop for HeldBlocks {
     fn drop(&mut self) {
         self.engine.send_from_drop(Command::ReleaseHeld {
@@ -389,7 +397,9 @@ impl Driver for PrefillDriver {
                     self.metrics.request(Outcome::Failed);
                     propagation::mark_error(&l.job.span, e.kind().as_str(), &e);
                     let _ = l.job.events.try_send(Err(status::push_status(&e)));
-                    drop(guard);
+                    // On the engine thread: give the blocks back here, not through the
+                    // engine's own (bounded, possibly full) command channel.
+                    guard.release_now(engine);
                 }
                 Ok(push) => {
                     let blocks = l.prompt_blocks as u32;

@@ -365,17 +365,10 @@ pub async fn run(args: PrefillArgs, shutdown: impl Future<Output = ()>) -> Resul
 /// run on a multi-threaded runtime until SIGTERM or Ctrl-C. Errors are startup failures.
 pub fn main_with_args(argv: Vec<OsString>) -> anyhow::Result<()> {
     let args = PrefillArgs::parse_layered(argv).unwrap_or_else(|e| e.exit());
-    // Logs on stderr, spans over OTLP when an endpoint is set; flushed when dropped (after the
-    // runtime has shut down).
-    let _telemetry = tandem_telemetry::init("tandem-prefill", &args.log, &args.node.trace)
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .thread_name("prefill-rt")
-        .build()?;
-    // NodeError's messages already carry their sources: report it flat, not as a chain.
-    rt.block_on(run(args, lifecycle::shutdown_signal()))
-        .map_err(|e| anyhow::anyhow!("{e}"))
+    let (log, trace) = (args.log.clone(), args.node.trace.clone());
+    lifecycle::run_binary("tandem-prefill", "prefill-rt", &log, &trace, || {
+        run(args, lifecycle::shutdown_signal())
+    })
 }
 
 #[cfg(test)]

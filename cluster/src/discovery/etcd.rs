@@ -16,82 +16,24 @@
 //! Every unary request runs under `request_timeout`, so nothing here waits forever on a dead
 //! server. Cost: one etcd range read per (re)start of a watch; then one event per change.
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use etcd_client::{Client, ConnectOptions, EventType, GetOptions, KeyValue, WatchOptions};
+use etcd_client::{EventType, GetOptions, KeyValue, WatchOptions};
 use tokio::sync::watch;
 
 use super::{Backoff, Discovery, Registration, etcd_lease};
+use crate::etcd::{EtcdClient, timed};
+pub use crate::etcd::EtcdConfig;
 use crate::error::ClusterError;
 use crate::keys::ClusterKeys;
 use crate::node::{NodeInfo, NodeView, Role};
 
-/// Interval of HTTP/2 keep-alive pings to etcd (etcd refuses pings more often than every 5 s).
-const GRPC_PING_INTERVAL: Duration = Duration::from_secs(10);
-
-/// How to reach etcd and how to use it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct EtcdConfig {
-    /// etcd client URLs, e.g. `http://127.0.0.1:2379`.
-    pub endpoints: Vec<String>,
-    /// The cluster name (the `{cluster}` level of every key).
-    pub cluster: String,
-    /// Lease TTL of a node record (rounded up to whole seconds; etcd's minimum is about 2 s
-    /// with default server timings). A dead node disappears within about this long.
-    pub lease_ttl: Duration,
-    /// Limit on each unary etcd request.
-    pub request_timeout: Duration,
-    /// Limit on establishing a connection.
-    pub connect_timeout: Duration,
-    /// Longest wait between retries while etcd is unreachable.
-    pub retry_max: Duration,
-}
-
-impl EtcdConfig {
-    /// Defaults: lease TTL 10 s, request timeout 3 s, connect timeout 2 s, retries up to 2 s.
-    pub fn new(endpoints: Vec<String>, cluster: impl Into<String>) -> Self {
-        Self {
-            endpoints,
-            cluster: cluster.into(),
-            lease_ttl: Duration::from_secs(10),
-            request_timeout: Duration::from_secs(3),
-            connect_timeout: Duration::from_secs(2),
-            retry_max: Duration::from_secs(2),
-        }
-    }
-
-    /// Sets [`EtcdConfig::lease_ttl`].
-    pub fn with_lease_ttl(mut self, ttl: Duration) -> Self {
-        self.lease_ttl = ttl;
-        self
-    }
-
-    /// The TTL sent to etcd, in whole seconds (at least 1).
-    pub fn lease_ttl_secs(&self) -> i64 {
-        let ms = self.lease_ttl.as_millis().max(1);
-        ms.div_ceil(1000).min(i64::MAX as u128) as i64
-    }
-
-    /// How often a registration renews its lease: a third of the TTL, so two renewals can be
-    /// lost before the lease expires.
-    pub fn keep_alive_period(&self) -> Duration {
-        (Duration::from_secs(self.lease_ttl_secs() as u64) / 3).max(Duration::from_millis(100))
-    }
-}
-
 /// A [`Discovery`] backed by etcd. Cheap to clone (one shared gRPC channel).
 #[derive(Clone)]
 pub struct EtcdDiscovery {
-    inner: Arc<Inner>,
-}
-
-pub(super) struct Inner {
-    pub client: Client,
-    pub keys: ClusterKeys,
-    pub config: EtcdConfig,
+    inner: Arc<EtcdClient>,
 }
 
 impl std::fmt::Debug for EtcdDiscovery {
@@ -106,25 +48,14 @@ impl EtcdDiscovery {
     /// Builds a client for `config.endpoints`. The connection is made lazily: this succeeds
     /// while etcd is down, and requests fail (retryably) until it is up.
     pub async fn connect(config: EtcdConfig) -> Result<Self, ClusterError> {
-        let keys = ClusterKeys::new(&config.cluster)?;
-        let options = ConnectOptions::new()
-            .with_connect_timeout(config.connect_timeout)
-            // HTTP/2 pings find a silently dead server (a partition sends no reset).
-            // HTTP/2 pings no more often than etcd's default `--grpc-keepalive-min-time` (5 s):
-            // pinging faster makes etcd close the connection ("too many pings"), dropping every
-            // watch every few seconds.
-            .with_keep_alive(GRPC_PING_INTERVAL, config.request_timeout)
-            .with_keep_alive_while_idle(true);
-        let client = Client::connect(&config.endpoints, Some(options))
-            .await
-            .map_err(|e| ClusterError::etcd("connect", e))?;
         Ok(Self {
-            inner: Arc::new(Inner {
-                client,
-                keys,
-                config,
-            }),
+            inner: Arc::new(EtcdClient::connect(config).await?),
         })
+    }
+
+    /// The etcd client underneath (the stores that share it: scale, rate limits, usage).
+    pub(crate) fn etcd(&self) -> &EtcdClient {
+        &self.inner
     }
 
     /// The configuration this client was built with.
@@ -137,43 +68,6 @@ impl EtcdDiscovery {
         &self.inner.keys
     }
 
-    /// Desired pool sizes and their limits in this cluster's etcd, over the same client.
-    pub fn scale_store(&self) -> crate::scale::EtcdScaleStore {
-        crate::scale::EtcdScaleStore::new(
-            self.inner.client.clone(),
-            self.inner.keys.clone(),
-            self.inner.config.request_timeout,
-        )
-    }
-
-    /// The planner election in this cluster's etcd: a leader holds it under a lease of `ttl`
-    /// (at least 2 s).
-    pub fn election(&self, ttl: Duration) -> crate::scale::EtcdElection {
-        crate::scale::EtcdElection::new(
-            self.inner.client.clone(),
-            &self.inner.keys,
-            ttl,
-            self.inner.config.request_timeout,
-        )
-    }
-
-    /// The per-key rate limits' shared records in this cluster's etcd, over the same client.
-    pub fn rate_limit_store(&self) -> crate::ratelimit::EtcdRateLimitStore {
-        crate::ratelimit::EtcdRateLimitStore::new(
-            self.inner.client.clone(),
-            self.inner.keys.clone(),
-            self.inner.config.request_timeout,
-        )
-    }
-
-    /// The usage ledger in this cluster's etcd, over the same client.
-    pub fn usage_store(&self) -> crate::usage::EtcdUsageStore {
-        crate::usage::EtcdUsageStore::new(
-            self.inner.client.clone(),
-            self.inner.keys.clone(),
-            self.inner.config.request_timeout,
-        )
-    }
 }
 
 #[async_trait]
@@ -243,7 +137,7 @@ impl Discovery for EtcdDiscovery {
 }
 
 /// Resolves once `key` exists (now, or after a watch sees it put).
-async fn wait_for_key(inner: &Inner, key: &str) -> Result<(), ClusterError> {
+async fn wait_for_key(inner: &EtcdClient, key: &str) -> Result<(), ClusterError> {
     let mut kv = inner.client.kv_client();
     let got = timed("drain get", inner.config.request_timeout, kv.get(key, None)).await?;
     if !got.kvs().is_empty() {
@@ -276,19 +170,6 @@ async fn wait_for_key(inner: &Inner, key: &str) -> Result<(), ClusterError> {
     ))
 }
 
-/// Runs one etcd request under a time limit, naming the operation in any error.
-pub(crate) async fn timed<T>(
-    op: &'static str,
-    limit: Duration,
-    request: impl Future<Output = Result<T, etcd_client::Error>>,
-) -> Result<T, ClusterError> {
-    match tokio::time::timeout(limit, request).await {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(ClusterError::etcd(op, e)),
-        Err(_) => Err(ClusterError::EtcdTimeout { op, after: limit }),
-    }
-}
-
 /// Decodes one node record and checks it against its key.
 fn decode_node(keys: &ClusterKeys, role: Role, kv: &KeyValue) -> Result<NodeInfo, ClusterError> {
     let key = String::from_utf8_lossy(kv.key());
@@ -311,7 +192,7 @@ fn decode_node(keys: &ClusterKeys, role: Role, kv: &KeyValue) -> Result<NodeInfo
 
 /// Lists one role; returns the view and the revision it was read at. Records that do not
 /// decode are skipped with a warning (one bad writer must not hide the other nodes).
-async fn list_role(inner: &Inner, role: Role) -> Result<(NodeView, i64), ClusterError> {
+async fn list_role(inner: &EtcdClient, role: Role) -> Result<(NodeView, i64), ClusterError> {
     let mut kv = inner.client.kv_client();
     let prefix = inner.keys.role_prefix(role);
     let response = timed(
@@ -334,7 +215,7 @@ async fn list_role(inner: &Inner, role: Role) -> Result<(NodeView, i64), Cluster
 }
 
 /// The watch task: keeps `tx` current until every receiver is dropped.
-async fn follow(inner: Arc<Inner>, role: Role, tx: watch::Sender<NodeView>, mut revision: i64) {
+async fn follow(inner: Arc<EtcdClient>, role: Role, tx: watch::Sender<NodeView>, mut revision: i64) {
     let cluster = inner.keys.cluster().to_string();
     let mut backoff = Backoff::new(Duration::from_millis(100), inner.config.retry_max);
     loop {
@@ -388,7 +269,7 @@ fn replace_if_different(current: &mut NodeView, new: NodeView) -> bool {
 
 /// Applies watch events from `revision + 1` on until the stream breaks; returns why it broke.
 async fn stream_events(
-    inner: &Inner,
+    inner: &EtcdClient,
     role: Role,
     tx: &watch::Sender<NodeView>,
     revision: i64,

@@ -37,7 +37,7 @@ use etcd_client::{
 };
 use tokio::time::MissedTickBehavior;
 
-use super::etcd::{Inner, timed};
+use crate::etcd::{EtcdClient, timed};
 use super::{Command, Registration, RegistrationState, RegistrationTask};
 use crate::error::ClusterError;
 use crate::node::{ClusterLayout, NodeInfo};
@@ -47,7 +47,7 @@ const MAX_TXN_ATTEMPTS: u32 = 8;
 
 /// Validates, writes the record, and starts the keep-alive task.
 pub(super) async fn register(
-    inner: Arc<Inner>,
+    inner: Arc<EtcdClient>,
     info: NodeInfo,
 ) -> Result<Registration, ClusterError> {
     info.validate()?;
@@ -78,7 +78,7 @@ fn encode<T: serde::Serialize>(value: &T, at: &str) -> Result<Vec<u8>, ClusterEr
 
 /// Grants a lease and writes the record under it; returns the lease id. The lease is revoked
 /// again if the record could not be written.
-async fn register_once(inner: &Inner, info: &NodeInfo) -> Result<i64, ClusterError> {
+async fn register_once(inner: &EtcdClient, info: &NodeInfo) -> Result<i64, ClusterError> {
     let mut client = inner.client.clone();
     let limit = inner.config.request_timeout;
     let lease = timed(
@@ -96,7 +96,7 @@ async fn register_once(inner: &Inner, info: &NodeInfo) -> Result<i64, ClusterErr
     written.map(|()| lease)
 }
 
-async fn write_record(inner: &Inner, info: &NodeInfo, lease: i64) -> Result<(), ClusterError> {
+async fn write_record(inner: &EtcdClient, info: &NodeInfo, lease: i64) -> Result<(), ClusterError> {
     let mut client = inner.client.clone();
     let limit = inner.config.request_timeout;
     let cluster = inner.keys.cluster();
@@ -193,7 +193,7 @@ async fn write_record(inner: &Inner, info: &NodeInfo, lease: i64) -> Result<(), 
 }
 
 /// Rewrites the record (e.g. a new `draining` flag) under the current lease.
-async fn rewrite(inner: &Inner, info: &NodeInfo, lease: i64) -> Result<(), ClusterError> {
+async fn rewrite(inner: &EtcdClient, info: &NodeInfo, lease: i64) -> Result<(), ClusterError> {
     let node_key = inner.keys.node_key(info.role, &info.node_id)?;
     let value = encode(info, &node_key)?;
     let mut client = inner.client.clone();
@@ -217,7 +217,7 @@ async fn rewrite(inner: &Inner, info: &NodeInfo, lease: i64) -> Result<(), Clust
 }
 
 /// Deletes the record (only if it is still ours) and revokes the lease.
-async fn unregister(inner: &Inner, info: &NodeInfo, lease: i64) -> Result<(), ClusterError> {
+async fn unregister(inner: &EtcdClient, info: &NodeInfo, lease: i64) -> Result<(), ClusterError> {
     let node_key = inner.keys.node_key(info.role, &info.node_id)?;
     let mut client = inner.client.clone();
     let limit = inner.config.request_timeout;
@@ -241,7 +241,7 @@ enum Renewal {
 
 /// Renews `lease` once over the (re)opened keep-alive stream.
 async fn renew(
-    inner: &Inner,
+    inner: &EtcdClient,
     keeper: &mut Option<(LeaseKeeper, LeaseKeepAliveStream)>,
     lease: i64,
     limit: Duration,
@@ -288,7 +288,7 @@ async fn renew(
 }
 
 /// The registration task. See the module docs.
-async fn hold(inner: Arc<Inner>, mut info: NodeInfo, mut lease: i64, mut task: RegistrationTask) {
+async fn hold(inner: Arc<EtcdClient>, mut info: NodeInfo, mut lease: i64, mut task: RegistrationTask) {
     let cluster = inner.keys.cluster().to_string();
     let period = inner.config.keep_alive_period();
     let limit = inner.config.request_timeout.min(period);

@@ -12,7 +12,7 @@ use crate::config::ModelConfig;
 use crate::error::EngineError;
 use crate::kv::KvPool;
 use crate::loader::ModelWeights;
-use crate::model::ForwardSeq;
+use super::ForwardSeq;
 
 use super::staging::StageOut;
 

@@ -17,6 +17,10 @@
 //! - A backend only ever sees a KV store of its own kind ([`Model::new_kv`](crate::Model::new_kv)
 //!   builds the store; a mismatch is an error, not a silent copy).
 //!
+//! The seam's own types live here, so that the model ([`crate::model`]) uses the backends and no
+//! backend reaches back into it: [`ForwardSeq`] (what a pass computes) and [`StepLogits`] (what
+//! it returns).
+//!
 //! Disaggregated serving on CUDA stages KV through the transport's host memory ([`staging`]):
 //! the engine keeps the transport's pool as a [`HostMirror`] of the device cache and copies
 //! between them, layer by layer on the push side.
@@ -36,7 +40,28 @@ use tandem_kv_layout::KvLayout;
 use crate::config::ModelConfig;
 use crate::error::EngineError;
 use crate::kv::KvPool;
-use crate::model::ForwardSeq;
+
+/// One sequence's part of a forward batch.
+#[derive(Clone, Copy, Debug)]
+pub struct ForwardSeq<'a> {
+    /// Tokens to run (a prefill chunk, or the single last token for decode).
+    pub tokens: &'a [u32],
+    /// Absolute position of `tokens[0]`; KV for positions `0..first_pos` must already be cached.
+    pub first_pos: usize,
+    /// Physical blocks covering positions `0..first_pos + tokens.len()`, in order.
+    pub block_table: &'a [u32],
+    /// Whether to compute logits for the last token of this chunk.
+    pub want_logits: bool,
+}
+
+/// What a forward pass returns for its wanted rows, in `seqs` order.
+#[derive(Debug)]
+pub enum StepLogits<'a> {
+    /// The logits, `rows × vocab_size`.
+    Rows(&'a [f32]),
+    /// Each row's token, picked on the device by its spec (only the ids came back).
+    Picked(&'a [u32]),
+}
 
 /// Where the forward pass runs (`--device`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

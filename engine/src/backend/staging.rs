@@ -30,7 +30,7 @@ use tandem_kernels_cuda::PinnedHost;
 use tandem_kv_layout::KvLayout;
 
 use crate::kv::KvPool;
-use crate::model::ForwardSeq;
+use super::ForwardSeq;
 
 /// Which way KV moves between a device-resident cache and its host mirror.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -16,7 +16,7 @@ use std::time::Instant;
 use super::{ChunkView, Completion, Engine, FinishReason, LayerDone, Request, StepOutput, Usage};
 use crate::backend::Device;
 use crate::error::EngineError;
-use crate::model::{ForwardSeq, StepLogits};
+use crate::backend::{ForwardSeq, StepLogits};
 use crate::sampler::TokenLogprob;
 use tandem_kernels::sample::SampleSpec;
 

@@ -239,7 +239,7 @@ fn capture(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::ForwardSeq;
+    use crate::backend::ForwardSeq;
 
     #[test]
     fn a_step_pads_to_its_bucket_with_rows_that_write_and_read_nothing() {

@@ -55,7 +55,7 @@ use crate::config::ModelConfig;
 use crate::error::EngineError;
 use crate::kv::KvPool;
 use crate::loader::ModelWeights;
-use crate::model::{ForwardSeq, StepLogits};
+use crate::backend::{ForwardSeq, StepLogits};
 
 /// A KV pool in one GPU's memory.
 pub struct CudaKv {
