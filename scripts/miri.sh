@@ -10,5 +10,7 @@ rustup toolchain install nightly --profile minimal --component miri,rust-src
 cargo +nightly miri setup
 # Strict provenance: every pointer the views make comes from the pool's base pointer.
 export MIRIFLAGS="${MIRIFLAGS:--Zmiri-strict-provenance}"
-cargo +nightly miri test -p tandem-kernels --lib --test kv "$@"
+cargo +nightly miri test -p tandem-kernels --lib "$@"
+# The integration tests are one binary (tests/main.rs); its kv module is tests/kv.rs.
+cargo +nightly miri test -p tandem-kernels --test it -- "${@:-kv::}"
 cargo +nightly miri test -p tandem-engine --lib kv::pool

@@ -20,5 +20,39 @@ print(found[0] if found else sys.exit("test.sh: libnvrtc.so.13 not in %s (script
 ')"
 export LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export TANDEM_MODEL="$(cargo run -q -p tandem-cli -- model path)"
-cargo test --workspace --no-fail-fast "$@"
+status=0
+if cargo nextest --version >/dev/null 2>&1; then
+  # cargo-nextest: every test in its own process and the binaries side by side
+  # (.config/nextest.toml: how many at once, the tests that start clusters at most two at a
+  # time). It runs libtest binaries only, so decode-node's scenarios (harness = false: one
+  # shared cluster) run beside it, and the doctests after it.
+  if (($#)); then
+    cargo nextest run --workspace "$@" || status=$?
+  else
+    # Built with the workspace's features (as nextest builds), then run from its package's
+    # directory, as cargo runs a test.
+    scenarios_bin="$(cargo test --workspace --test disaggregated --no-run --message-format=json |
+      "$TANDEM_PYTHON" -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "disaggregated":
+        print(m["executable"])
+')"
+    [[ -x "$scenarios_bin" ]] || { echo "test.sh: decode-node's scenario binary was not built" >&2; exit 1; }
+    scenarios_log="$(mktemp)"
+    (cd decode-node && "$scenarios_bin") >"$scenarios_log" 2>&1 &
+    scenarios=$!
+    cargo nextest run --workspace || status=$?
+    wait "$scenarios" || status=$?
+    echo "--- decode-node scenarios (tests/disaggregated.rs) ---" >&2
+    cat "$scenarios_log" >&2
+    rm -f "$scenarios_log"
+    cargo test --workspace --doc || status=$?
+  fi
+else
+  echo "test.sh: cargo-nextest not found: cargo test runs the test binaries one after another (slower)" >&2
+  cargo test --workspace --no-fail-fast "$@" || status=$?
+fi
 echo "test.sh: done in $(( $(date +%s) - start ))s" >&2
+exit "$status"

@@ -18,21 +18,9 @@ fn tandem() -> Command {
 }
 
 /// Every drill `tandem drill --list` names except `partition` and `etcd-disk-full` (root).
-const UNPRIVILEGED: [&str; 13] = [
-    "decode-kill",
-    "prefill-kill",
-    "decode-stop",
-    "etcd-kill",
-    "etcd-stop",
-    "nats-restart",
-    "router-restart",
-    "disconnect-storm",
-    "kv-corrupt",
-    "kv-drop",
-    "kv-cut",
-    "kv-delay",
-    "kv-slow",
-];
+fn unprivileged() -> impl Iterator<Item = &'static str> {
+    PROCESS_DRILLS.iter().chain(&PATH_DRILLS).copied()
+}
 
 fn alive(pid: i32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
@@ -40,15 +28,14 @@ fn alive(pid: i32) -> bool {
     })
 }
 
-#[test]
-fn short_drills_meet_the_target_and_show_the_fault_hit() {
+/// Runs `drills` in short form, one fresh cluster each, and checks every row against the
+/// target (nothing lost, garbled or leaked, nothing left running, recovery within a lease TTL).
+fn short_drills(tag: &str, drills: &[&str]) -> Vec<serde_json::Value> {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let dir = std::env::temp_dir().join(format!("tandem-drills-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("tandem-drills-{tag}-{}", std::process::id()));
     let out = tandem()
-        // Every drill but the two that need root (the next test): the kv-* drills too, as the
-        // test build of `tandem` has fault injection (a dev-dependency feature).
         .arg("drill")
-        .args(UNPRIVILEGED)
+        .args(drills)
         .args(["--short", "--format", "json", "--run-dir"])
         .arg(&dir)
         .output()
@@ -56,8 +43,7 @@ fn short_drills_meet_the_target_and_show_the_fault_hit() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{}\n{stderr}", String::from_utf8_lossy(&out.stdout));
     let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(rows.len(), UNPRIVILEGED.len(), "{rows:#?}");
-    let row = |name: &str| rows.iter().find(|r| r["drill"] == name).unwrap_or_else(|| panic!("{name}: {rows:#?}"));
+    assert_eq!(rows.len(), drills.len(), "{rows:#?}");
     for r in &rows {
         let n = |f: &str| r[f].as_u64().unwrap_or_else(|| panic!("{f} in {r}"));
         assert!(n("sent") >= 8, "{r}");
@@ -66,23 +52,50 @@ fn short_drills_meet_the_target_and_show_the_fault_hit() {
         assert!(r["recovery_s"].as_f64().unwrap() <= 10.0, "{r}");
         assert_eq!(r["target_met"], true, "{r}");
     }
-    // The faults hit: streams on the killed decode node were migrated by the router, prompts on
-    // the killed prefill node were prefilled again, the storm cancelled streams; etcd's outage
-    // cost no client anything.
-    assert!(row("decode-kill")["router_recoveries"].as_u64().unwrap() >= 1, "{rows:#?}");
-    assert!(row("prefill-kill")["router_recoveries"].as_u64().unwrap() >= 1, "{rows:#?}");
-    assert_eq!(row("etcd-kill")["retried"].as_u64().unwrap(), 0, "{rows:#?}");
-    // Corrupted, dropped and cut pushes were refused or ended by the decode node and
-    // re-prefilled by the router; delayed and slowed ones were waited for.
-    for kv in ["kv-corrupt", "kv-drop", "kv-cut"] {
-        assert!(row(kv)["router_recoveries"].as_u64().unwrap() >= 1, "{kv}: {rows:#?}");
-    }
-    assert!(row("disconnect-storm")["cancelled"].as_u64().unwrap() >= 2, "{rows:#?}");
-    // The hung decode node's streams were moved off it; clients retried across the router's
-    // restart and got the same answers.
-    assert!(row("decode-stop")["router_recoveries"].as_u64().unwrap() >= 1, "{rows:#?}");
-    assert!(row("router-restart")["retried"].as_u64().unwrap() >= 1, "{rows:#?}");
     let _ = std::fs::remove_dir_all(&dir);
+    rows
+}
+
+fn row<'a>(rows: &'a [serde_json::Value], name: &str) -> &'a serde_json::Value {
+    rows.iter().find(|r| r["drill"] == name).unwrap_or_else(|| panic!("{name}: {rows:#?}"))
+}
+
+fn count(rows: &[serde_json::Value], drill: &str, field: &str) -> u64 {
+    row(rows, drill)[field].as_u64().unwrap_or_else(|| panic!("{drill} {field}: {rows:#?}"))
+}
+
+/// The drills run in two tests (processes, routers, clients; the control plane and the KV
+/// path), so a runner with room can run them side by side; together they are every unprivileged drill.
+const PROCESS_DRILLS: [&str; 6] =
+    ["decode-kill", "prefill-kill", "decode-stop", "router-restart", "disconnect-storm", "nats-restart"];
+/// See [`PROCESS_DRILLS`].
+const PATH_DRILLS: [&str; 7] = ["etcd-kill", "etcd-stop", "kv-corrupt", "kv-drop", "kv-cut", "kv-delay", "kv-slow"];
+
+#[test]
+fn process_and_client_drills_meet_the_target_and_show_the_fault_hit() {
+    let rows = short_drills("proc", &PROCESS_DRILLS);
+    // Streams on the killed or hung decode node were migrated by the router, prompts on the
+    // killed prefill node prefilled again; clients retried across the router's restart and got
+    // the same answers; the storm cancelled streams.
+    assert!(count(&rows, "decode-kill", "router_recoveries") >= 1, "{rows:#?}");
+    assert!(count(&rows, "prefill-kill", "router_recoveries") >= 1, "{rows:#?}");
+    assert!(count(&rows, "decode-stop", "router_recoveries") >= 1, "{rows:#?}");
+    assert!(count(&rows, "router-restart", "retried") >= 1, "{rows:#?}");
+    assert!(count(&rows, "disconnect-storm", "cancelled") >= 2, "{rows:#?}");
+}
+
+#[test]
+fn control_plane_and_kv_path_drills_meet_the_target_and_show_the_fault_hit() {
+    // The kv-* drills need fault injection, which the test build of `tandem` has (a
+    // dev-dependency feature).
+    let rows = short_drills("path", &PATH_DRILLS);
+    // etcd's outage cost no client anything; corrupted, dropped and cut pushes were refused or
+    // ended by the decode node and re-prefilled by the router; delayed and slowed ones were
+    // waited for.
+    assert_eq!(count(&rows, "etcd-kill", "retried"), 0, "{rows:#?}");
+    for kv in ["kv-corrupt", "kv-drop", "kv-cut"] {
+        assert!(count(&rows, kv, "router_recoveries") >= 1, "{kv}: {rows:#?}");
+    }
 }
 
 #[test]
@@ -103,8 +116,13 @@ fn an_unknown_drill_lists_the_known_ones_and_starts_nothing() {
     let listed = String::from_utf8_lossy(&out.stdout).into_owned();
     assert_eq!(listed.lines().count(), 15, "{listed}");
     // The suite runs every drill: the unprivileged ones and the two root ones.
-    for name in UNPRIVILEGED.iter().chain(&["partition", "etcd-disk-full"]) {
-        assert!(listed.lines().any(|l| l.split_whitespace().next() == Some(*name)), "{name} not in:\n{listed}");
+    let suite: Vec<&str> = unprivileged().chain(["partition", "etcd-disk-full"]).collect();
+    let names: Vec<&str> = listed.lines().filter_map(|l| l.split_whitespace().next()).collect();
+    for name in &names {
+        assert!(suite.contains(name), "drill {name} is not in the suite's short drills");
+    }
+    for name in &suite {
+        assert!(names.contains(name), "{name} not in:\n{listed}");
     }
 }
 

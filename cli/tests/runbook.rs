@@ -1,6 +1,8 @@
-//! deploy/runbooks/pool-scaling.md, run: every `sh` block, in order, against a local cluster
-//! (`tandem up`) serving steady traffic. A failing command fails the test, and so does any
-//! request lost or cut short while the runbook resizes, drains and replaces nodes.
+//! deploy/runbooks/pool-scaling.md, run: every `sh` block, in order, against a local
+//! autoscaling cluster (`tandem up --autoscale`) serving steady traffic. A failing command fails
+//! the test, and so does any request lost or cut short while the runbook resizes, drains and
+//! replaces nodes, or a planner handover that the planners' metrics do not show (the new one
+//! waits, the old one stops, the new one leads and acts). The runbook binds no fixed port.
 
 use crate::common;
 
@@ -41,9 +43,36 @@ fn every_command_of_the_pool_scaling_runbook_works_on_a_serving_cluster_and_lose
     assert!(blocks.len() >= 6, "the runbook's sh blocks: {blocks:#?}");
 
     let (grpc, http) = (free_addr(), free_addr());
-    let mut up = Up::start_with(&grpc, &http, &["--no-sample"]);
+    // An autoscaling cluster, so the runbook's planner handover meets a planner that acts. Its
+    // SLOs are loose and its cooldowns long: it holds the sizes the runbook sets rather than
+    // answering this 2-core machine's latencies.
+    let slo = std::env::temp_dir().join(format!("tandem-runbook-slo-{}.toml", std::process::id()));
+    std::fs::write(
+        &slo,
+        "ttft_p90_slo_ms = 600000\nitl_p90_slo_ms = 600000\n\
+         [prefill]\nmax = 4\nscale_down_cooldown_secs = 3600\n\
+         [decode]\nmax = 4\nscale_down_cooldown_secs = 3600\n",
+    )
+    .unwrap();
+    let slo_arg = slo.to_str().unwrap();
+    let mut up = Up::start_with(&grpc, &http, &["--no-sample", "--autoscale", "--slo-file", slo_arg]);
     up.wait_for_line("Ctrl-C or SIGTERM stops the cluster", Duration::from_secs(240));
     let (etcd, nats) = (up.printed("etcd"), up.printed("NATS"));
+    // The old planner leads before the runbook starts its successor.
+    let old_planner = up.printed("planner");
+    let leads = |url: &str, want: &str| {
+        let t0 = Instant::now();
+        loop {
+            let out = Command::new("curl").args(["-sf", url]).output().unwrap();
+            let text = String::from_utf8_lossy(&out.stdout).into_owned();
+            if text.lines().any(|l| l == format!("tandem_planner_leader {want}")) {
+                return;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(60), "{url}: not tandem_planner_leader {want}:\n{text}");
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    };
+    leads(&old_planner, "1");
     let load_started = Instant::now();
     let load = Load::start(
         http.parse().unwrap(),
@@ -67,6 +96,7 @@ fn every_command_of_the_pool_scaling_runbook_works_on_a_serving_cluster_and_lose
             .env("TANDEM_NATS_URL", &nats)
             .env("TANDEM_CLUSTER", "local")
             .env("TANDEM_HTTP", &http)
+            .env("TANDEM_RUN_DIR", &up.run_dir)
             .env("TMPDIR", &tmp)
             .env_remove("RUST_LOG")
             .process_group(0);
@@ -124,7 +154,24 @@ fn every_command_of_the_pool_scaling_runbook_works_on_a_serving_cluster_and_lose
         );
     }
     assert!(!log.contains("will be replaced"), "a node died: {log}");
-    assert!(transcript.contains("tandem_planner_leader 1"), "the new planner leads:\n{transcript}");
+    // The handover, by the planners' own metrics: the new planner waited while the old one
+    // acted, took over by the election once it was stopped, and ran rounds as the leader.
+    let waited = transcript.find("tandem_planner_leader 0").expect("the new planner waited");
+    let led = transcript.rfind("tandem_planner_leader 1").expect("the new planner leads");
+    assert!(waited < led, "{transcript}");
+    let rounds: u64 = transcript
+        .lines()
+        .filter_map(|l| l.strip_prefix("tandem_planner_rounds_total "))
+        .filter_map(|n| n.trim().parse().ok())
+        .next_back()
+        .expect("the new planner's rounds");
+    assert!(rounds >= 1, "{transcript}");
+    let old_pid = up.pids().into_iter().find(|(n, _)| n == "planner").map(|(_, p)| p).unwrap();
+    // SAFETY: kill(2) with signal 0 only asks whether the process exists.
+    let old_alive = unsafe { libc::kill(old_pid, 0) } == 0
+        && !std::fs::read_to_string(format!("/proc/{old_pid}/stat")).is_ok_and(|s| s.contains(") Z "));
+    assert!(!old_alive, "the old planner (pid {old_pid}) still runs");
+    let _ = std::fs::remove_file(&slo);
     assert!(transcript.contains("pool     desired  serving"), "{transcript}");
     eprintln!("runbook: {ok} requests completed, none lost");
     up.signal(libc::SIGTERM);

@@ -74,8 +74,8 @@ fn prefill_here_decode_there_equals_colocated_greedy_and_seeded() {
     let mut prefill = engine(WeightDtype::F32, config(KvDtype::F16, 128));
     let mut decode = engine(WeightDtype::F32, config(KvDtype::F16, 256));
     for (i, p) in prompts.iter().enumerate() {
-        let seeded = SamplingParams { temperature: 0.8, top_p: 0.95, seed: Some(i as u64), ignore_eos: true, ..SamplingParams::greedy(48) };
-        for (k, params) in [SamplingParams { ignore_eos: true, ..SamplingParams::greedy(48) }, seeded].into_iter().enumerate() {
+        let seeded = SamplingParams { temperature: 0.8, top_p: 0.95, seed: Some(i as u64), ignore_eos: true, ..SamplingParams::greedy(24) };
+        for (k, params) in [SamplingParams { ignore_eos: true, ..SamplingParams::greedy(24) }, seeded].into_iter().enumerate() {
             let id = (i * 10 + k) as u64;
             let req = Request { id, prompt: p.clone(), params, priority: Priority::Interactive };
             let want = run(&mut colocated, vec![req.clone()]).remove(0).tokens;
