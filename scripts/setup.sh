@@ -4,6 +4,8 @@
 #
 #   scripts/setup.sh            # everything
 #   TANDEM_SKIP_APT=1 ...       # skip the Debian packages (e.g. no root, already installed)
+#   TANDEM_SETUP_PHOENIX=1 ...  # also Arize Phoenix, the tracing UI (deploy/trace-ui/), for the
+#                               # trace test and scripts/trace-ui.sh
 #   TANDEM_PROFILE=dev ...      # build `tandem` (for the model fetch) in the dev profile, as the
 #                               # tests do (scripts/test.sh), instead of a second, release build
 set -euo pipefail
@@ -35,6 +37,18 @@ if ! "$venv/bin/python" -c 'import numpy, gguf, tokenizers' 2>/dev/null \
   echo "setup: installing tests/reference/requirements.txt" >&2
   "$venv/bin/python" -m pip install -q --disable-pip-version-check -r tests/reference/requirements.txt >&2
   cp tests/reference/requirements.txt "$venv/.requirements"
+fi
+
+# --- Arize Phoenix, the tracing UI the trace test and scripts/trace-ui.sh send spans to -------
+# Its own venv (about 850 MiB, so only for those who ask: TANDEM_SETUP_PHOENIX=1, as test.sh and
+# trace-ui.sh do): its pinned dependencies are not the reference's.
+phoenix="$root/.tandem/phoenix"
+if [[ "${TANDEM_SETUP_PHOENIX:-0}" == 1 ]] && { [[ ! -x "$phoenix/bin/phoenix" ]] \
+   || ! cmp -s deploy/trace-ui/requirements.txt "$phoenix/.requirements" 2>/dev/null; }; then
+  echo "setup: installing deploy/trace-ui/requirements.txt (Arize Phoenix) into $phoenix" >&2
+  [[ -x "$phoenix/bin/python" ]] || python3 -m venv "$phoenix"
+  "$phoenix/bin/python" -m pip install -q --disable-pip-version-check -r deploy/trace-ui/requirements.txt >&2
+  cp deploy/trace-ui/requirements.txt "$phoenix/.requirements"
 fi
 
 # --- NVRTC for kernels-cuda's tests ---------------------------------------------------------------

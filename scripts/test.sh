@@ -8,8 +8,9 @@ cd "$root"
 start=$(date +%s)
 # The dev profile is optimised (Cargo.toml), and it is the one `cargo test` builds: one build, not two.
 export TANDEM_PROFILE=dev
-scripts/setup.sh
+TANDEM_SETUP_PHOENIX=1 scripts/setup.sh
 export TANDEM_PYTHON="$root/.tandem/venv/bin/python"
+export TANDEM_PHOENIX="$root/.tandem/phoenix/bin/phoenix"
 # NVRTC from the wheel setup.sh installed (kernels-cuda compiles its kernels in the tests; cudarc
 # finds libnvrtc.so.13 only through the dynamic loader's path).
 nvrtc_lib="$("$TANDEM_PYTHON" -c '

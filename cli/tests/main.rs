@@ -19,5 +19,6 @@ mod prefix_routing;
 mod runbook;
 mod scaling;
 mod sim_vs_real;
+mod trace_ui;
 mod up_hygiene;
 mod usage;

@@ -26,7 +26,9 @@ use tracing_subscriber::util::SubscriberInitExt;
 pub use config::{OtlpProtocol, SamplerSetting, TraceArgs};
 
 use crate::error::TelemetryError;
-use pipeline::{KeepFailedProcessor, OwnRuntimeError, OwnRuntimeExporter, RecordUnsampled};
+use pipeline::{
+    KeepFailedProcessor, OwnRuntimeError, OwnRuntimeExporter, RecordUnsampled, ServiceAttribute,
+};
 
 /// Keeps the trace pipeline alive; dropping it flushes what is queued (bounded by the export
 /// timeout) and stops the exporter.
@@ -114,7 +116,7 @@ pub fn provider(
                 OwnRuntimeError::Runtime(io) => TelemetryError::Runtime(io),
                 OwnRuntimeError::Build(b) => exporter_error(b.to_string()),
             })?;
-            KeepFailedProcessor::new(pipeline::batch(exporter))
+            ServiceAttribute::new(KeepFailedProcessor::new(pipeline::batch(exporter)))
         }
         OtlpProtocol::HttpProtobuf => {
             let url = if endpoint.trim_end_matches('/').ends_with("/v1/traces") {
@@ -133,7 +135,7 @@ pub fn provider(
                 OwnRuntimeError::Runtime(io) => TelemetryError::Runtime(io),
                 OwnRuntimeError::Build(b) => exporter_error(b.to_string()),
             })?;
-            KeepFailedProcessor::new(pipeline::batch(exporter))
+            ServiceAttribute::new(KeepFailedProcessor::new(pipeline::batch(exporter)))
         }
     };
     Ok(Some(

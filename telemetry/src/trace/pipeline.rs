@@ -22,6 +22,10 @@
 //!   processor's bounded queue ([`MAX_QUEUE_SPANS`]); the export runs on the processor's own
 //!   thread with a timeout. A collector that is down costs dropped spans, counted and logged at
 //!   most once per [`FAILURE_LOG_INTERVAL`].
+//! - **Every span names its process.** [`ServiceAttribute`] copies the resource's
+//!   `service.name` onto each span as [`SERVICE_ATTRIBUTE`]: tracing UIs that keep span
+//!   attributes only (Arize Phoenix stores the resource's project name and drops the rest)
+//!   still show which service a span came from.
 //! - The OTLP exporters need a tokio reactor, and the batch processor's thread has none: the
 //!   exporter owns a one-thread runtime and runs each export on it.
 
@@ -51,6 +55,10 @@ pub const MAX_QUEUE_SPANS: usize = 4096;
 pub const EXPORT_TIMEOUT: Duration = Duration::from_secs(5);
 /// At most one log line per this interval about failing exports.
 pub const FAILURE_LOG_INTERVAL: Duration = Duration::from_secs(30);
+
+/// The span attribute naming the service that recorded the span (a copy of the resource's
+/// `service.name`).
+pub const SERVICE_ATTRIBUTE: &str = "tandem.service";
 
 /// Export counters of this process (`tandem_trace_*` metrics).
 pub static EXPORTED_SPANS: AtomicU64 = AtomicU64::new(0);
@@ -293,6 +301,48 @@ impl<E: SpanExporter> SpanExporter for OwnRuntimeExporter<E> {
     }
 }
 
+/// Sets [`SERVICE_ATTRIBUTE`] on every span from the `service.name` of the resource the
+/// provider hands over (`set_resource`, before any span starts), then passes the span on.
+#[derive(Debug)]
+pub struct ServiceAttribute<P> {
+    inner: P,
+    service: Option<opentelemetry::Value>,
+}
+
+impl<P: SpanProcessor> ServiceAttribute<P> {
+    /// Wraps `inner`.
+    pub fn new(inner: P) -> Self {
+        ServiceAttribute { inner, service: None }
+    }
+}
+
+impl<P: SpanProcessor> SpanProcessor for ServiceAttribute<P> {
+    fn on_start(&self, span: &mut Span, cx: &Context) {
+        if let Some(service) = &self.service {
+            use opentelemetry::trace::Span as _;
+            span.set_attribute(KeyValue::new(SERVICE_ATTRIBUTE, service.clone()));
+        }
+        self.inner.on_start(span, cx);
+    }
+
+    fn on_end(&self, span: SpanData) {
+        self.inner.on_end(span);
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        self.inner.force_flush()
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.inner.shutdown_with_timeout(timeout)
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        self.service = resource.get(&opentelemetry::Key::from_static_str("service.name"));
+        self.inner.set_resource(resource);
+    }
+}
+
 /// Returns the batch processor for `exporter` with a bounded queue.
 pub fn batch<E: SpanExporter + 'static>(exporter: E) -> BatchSpanProcessor {
     let config = opentelemetry_sdk::trace::BatchConfigBuilder::default()
@@ -337,6 +387,27 @@ mod tests {
             .with_span_processor(KeepFailedProcessor::new(c.clone()))
             .build();
         (p, c)
+    }
+
+    #[test]
+    fn every_span_carries_the_resource_service_name() {
+        let c = Collect::default();
+        let p = SdkTracerProvider::builder()
+            .with_span_processor(ServiceAttribute::new(c.clone()))
+            .with_resource(Resource::builder_empty().with_service_name("tandem-test").build())
+            .build();
+        let tracer = p.tracer("t");
+        tracer.in_span("outer", |_| tracer.in_span("inner", |_| {}));
+        let spans = c.0.lock().unwrap();
+        assert_eq!(spans.len(), 2);
+        for s in spans.iter() {
+            let service = s.attributes.iter().find(|kv| kv.key.as_str() == SERVICE_ATTRIBUTE);
+            assert_eq!(
+                service.map(|kv| kv.value.as_str().into_owned()).as_deref(),
+                Some("tandem-test"),
+                "{s:?}"
+            );
+        }
     }
 
     fn names(c: &Collect) -> Vec<String> {
