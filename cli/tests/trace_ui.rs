@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use common::client::request;
 use common::up::{SERIAL, Up, free_addr};
+use crate::observability::HOPS;
 
 /// A `phoenix serve` of its own: loopback ports, a working directory (its SQLite database)
 /// removed with it, no usage telemetry. Killed on drop.
@@ -103,21 +104,6 @@ impl Drop for Phoenix {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
-
-/// The hops of one disaggregated request: (span, parent span, service that records it).
-const HOPS: [(&str, &str, &str); 11] = [
-    ("router.attempt", "router.request", "tandem-router"),
-    ("router.reserve", "router.attempt", "tandem-router"),
-    ("router.prefill", "router.attempt", "tandem-router"),
-    ("router.decode", "router.attempt", "tandem-router"),
-    ("decode.reserve", "router.reserve", "tandem-decode"),
-    ("prefill.request", "router.prefill", "tandem-prefill"),
-    ("prefill.forward", "prefill.request", "tandem-prefill"),
-    ("kv.push", "prefill.request", "tandem-prefill"),
-    ("decode.request", "router.decode", "tandem-decode"),
-    ("kv.receive", "decode.request", "tandem-decode"),
-    ("decode.stream", "decode.request", "tandem-decode"),
-];
 
 #[test]
 fn phoenix_shows_a_request_trace_from_router_through_prefill_kv_push_and_decode() {
