@@ -64,8 +64,13 @@ if cargo nextest --version >/dev/null 2>&1; then
     wait "$scenarios" || status=$?
     echo "--- decode-node scenarios (tests/disaggregated.rs) ---" >&2
     cat "$scenarios_log" >&2
-    rm -f "$scenarios_log"
     cargo test --workspace --doc || status=$?
+    # Last, so that CI's excerpt (the head and the tail of this output) shows it: why each
+    # failed test failed, a few lines each.
+    if ((status)); then
+      "$TANDEM_PYTHON" scripts/failures.py target/nextest/default/junit.xml "$scenarios_log" >&2 || true
+    fi
+    rm -f "$scenarios_log"
   fi
 else
   echo "test.sh: cargo-nextest not found: cargo test runs the test binaries one after another (slower)" >&2
