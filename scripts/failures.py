@@ -30,12 +30,12 @@ def main() -> int:
     failed = 0
     print("=== failed tests: why (summary) ===")
     try:
-        suites = ET.parse(sys.argv[1]).getroot()
+        cases = list(ET.parse(sys.argv[1]).getroot().iter("testcase"))
     except (OSError, ET.ParseError) as e:
         print(f"(no nextest report: {e})")
-        suites = []
-    for case in suites.iter("testcase"):
-        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        cases = []
+    for case in cases:
+        bad = next(iter(case.findall("failure") + case.findall("error")), None)
         if bad is None:
             continue
         failed += 1

@@ -60,6 +60,7 @@ if cargo nextest --version >/dev/null 2>&1; then
     scenarios_log="$(mktemp)"
     (cd decode-node && "$scenarios_bin") >"$scenarios_log" 2>&1 &
     scenarios=$!
+    rm -f target/nextest/default/junit.xml # a report from an earlier run is not this run's
     cargo nextest run --workspace || status=$?
     wait "$scenarios" || status=$?
     echo "--- decode-node scenarios (tests/disaggregated.rs) ---" >&2

@@ -4,7 +4,7 @@
 
 use std::process::Stdio;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tandem_cluster::{Discovery, EtcdConfig, EtcdDiscovery, Role};
 use tandem_proto::v1 as pb;
@@ -179,7 +179,6 @@ pub async fn a_decode_node_process_serves_over_tcp_expires_reservations_and_drai
         }
     }
     assert!(tokens >= 64);
-    let t0 = Instant::now();
     let status = tokio::time::timeout(Duration::from_secs(30), p.child.wait())
         .await
         .expect("exits after the drain")
@@ -190,8 +189,7 @@ pub async fn a_decode_node_process_serves_over_tcp_expires_reservations_and_drai
     let listed = etcd.list(Role::Decode).await.unwrap();
     assert!(
         !listed.contains_key("decode-proc"),
-        "deregistered before exit, not left to the lease ({:?} after exit): {listed:?}",
-        t0.elapsed()
+        "deregistered before exit, not left to the lease: {listed:?}"
     );
     c.wait_quiescent("after the process scenario").await;
 }
