@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use crate::datapath::{BoxFuture, Completion, DataPath, Keep, Offer, PeerDataPath, slab_pairs};
-use crate::device::{DevicePeer, DeviceKv};
+use crate::device::{DeviceKv, DevicePeer};
 use crate::error::{Phase, TransferError};
 use crate::fault::ChunkFaults;
 use crate::metrics::TransferMetrics;
@@ -71,7 +71,11 @@ impl DataPath for IpcPath {
         }
         let len = registration.pool().len_bytes();
         if len != self.device.len_bytes() {
-            tracing::warn!(host_pool = len, device_pool = self.device.len_bytes(), "the registered pool is not the device pool's mirror: no CUDA IPC offer");
+            tracing::warn!(
+                host_pool = len,
+                device_pool = self.device.len_bytes(),
+                "the registered pool is not the device pool's mirror: no CUDA IPC offer"
+            );
             self.metrics.ipc_declined();
             return None;
         }
@@ -79,7 +83,11 @@ impl DataPath for IpcPath {
             self.metrics.ipc_declined();
             return None;
         };
-        Some(DataOffer::CudaIpc(IpcRemote { device_uuid: uuid.to_vec(), handle, len_bytes: len as u64 }))
+        Some(DataOffer::CudaIpc(IpcRemote {
+            device_uuid: uuid.to_vec(),
+            handle,
+            len_bytes: len as u64,
+        }))
     }
 
     fn device_uuid(&self) -> Vec<u8> {
@@ -122,7 +130,11 @@ impl DataPath for IpcPath {
             let opened = tokio::task::spawn_blocking(move || device.open_peer(&handle, len))
                 .await
                 .map_err(|_| TransferError::Shutdown)??;
-            tracing::info!(peer, bytes = len, "CUDA IPC: the peer's KV pool is open on this GPU");
+            tracing::info!(
+                peer,
+                bytes = len,
+                "CUDA IPC: the peer's KV pool is open on this GPU"
+            );
             Ok(Box::new(IpcPeer {
                 peer: peer.to_string(),
                 remote: Arc::from(opened),
@@ -211,9 +223,11 @@ impl PeerDataPath for IpcPeer {
             let remote = Arc::clone(&self.remote);
             // Awaited to the end, never dropped midway: nothing is still copying once this
             // returns.
-            let sums = tokio::task::spawn_blocking(move || remote.copy_and_hash(&slabs, slab_bytes, flip_at))
-                .await
-                .map_err(|_| TransferError::Shutdown)??;
+            let sums = tokio::task::spawn_blocking(move || {
+                remote.copy_and_hash(&slabs, slab_bytes, flip_at)
+            })
+            .await
+            .map_err(|_| TransferError::Shutdown)??;
             self.metrics.ipc_sent(bytes as u64);
             Ok(sums)
         })

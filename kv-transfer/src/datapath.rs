@@ -332,7 +332,12 @@ mod tests {
             assert_eq!(e.kind(), FailureKind::Protocol);
         }
         // A path that may fall back (CUDA IPC to another GPU) takes "no offer" as the stream.
-        assert!(open(Some(&falls_back), "peer", &without, false).await.unwrap().is_none());
+        assert!(
+            open(Some(&falls_back), "peer", &without, false)
+                .await
+                .unwrap()
+                .is_none()
+        );
         let mismatch = TransferError::LayoutMismatch {
             local: 1,
             remote: 2,
@@ -352,8 +357,14 @@ pub(crate) fn slab_pairs(
     slab_bytes: usize,
     remote_len: u64,
 ) -> Result<Vec<(usize, usize)>, TransferError> {
-    if ranges.iter().any(|&(_, d, len)| (d + len) as u64 > remote_len) {
-        return Err(TransferError::invalid("dst_blocks", "range beyond the receiver's pool"));
+    if ranges
+        .iter()
+        .any(|&(_, d, len)| (d + len) as u64 > remote_len)
+    {
+        return Err(TransferError::invalid(
+            "dst_blocks",
+            "range beyond the receiver's pool",
+        ));
     }
     Ok(ranges
         .iter()

@@ -40,7 +40,11 @@ pub trait DeviceKv: Send + Sync + 'static {
     fn hash_slabs(&self, offsets: &[usize], slab_bytes: usize) -> Result<Vec<u64>, TransferError>;
 
     /// Opens a peer's exported pool (`len_bytes` long) to copy into.
-    fn open_peer(&self, handle: &[u8], len_bytes: usize) -> Result<Box<dyn DevicePeer>, TransferError>;
+    fn open_peer(
+        &self,
+        handle: &[u8],
+        len_bytes: usize,
+    ) -> Result<Box<dyn DevicePeer>, TransferError>;
 }
 
 /// A peer's pool opened here.
@@ -93,10 +97,15 @@ impl DeviceKv for CudaDeviceKv {
             .map_err(|e| device_error("hash landed slabs", e))
     }
 
-    fn open_peer(&self, handle: &[u8], len_bytes: usize) -> Result<Box<dyn DevicePeer>, TransferError> {
-        let handle: &[u8; tandem_kernels_cuda::ipc::IPC_HANDLE_BYTES] = handle
-            .try_into()
-            .map_err(|_| TransferError::protocol("ipc_handle", format!("{} bytes, not 64", handle.len())))?;
+    fn open_peer(
+        &self,
+        handle: &[u8],
+        len_bytes: usize,
+    ) -> Result<Box<dyn DevicePeer>, TransferError> {
+        let handle: &[u8; tandem_kernels_cuda::ipc::IPC_HANDLE_BYTES] =
+            handle.try_into().map_err(|_| {
+                TransferError::protocol("ipc_handle", format!("{} bytes, not 64", handle.len()))
+            })?;
         let peer = self
             .0
             .open_peer(handle, len_bytes)
@@ -160,7 +169,10 @@ impl HostDeviceKv {
 
 fn check(op: &'static str, off: usize, len: usize, limit: usize) -> Result<(), TransferError> {
     if off.checked_add(len).is_none_or(|end| end > limit) {
-        return Err(device_error(op, format!("bytes {off}..+{len} outside a pool of {limit}")));
+        return Err(device_error(
+            op,
+            format!("bytes {off}..+{len} outside a pool of {limit}"),
+        ));
     }
     Ok(())
 }
@@ -206,7 +218,11 @@ impl DeviceKv for HostDeviceKv {
             .collect()
     }
 
-    fn open_peer(&self, handle: &[u8], len_bytes: usize) -> Result<Box<dyn DevicePeer>, TransferError> {
+    fn open_peer(
+        &self,
+        handle: &[u8],
+        len_bytes: usize,
+    ) -> Result<Box<dyn DevicePeer>, TransferError> {
         let dst = host_table()
             .lock()
             .expect("poisoned")
@@ -214,11 +230,17 @@ impl DeviceKv for HostDeviceKv {
             .cloned()
             .ok_or_else(|| device_error("open_peer", "no pool exported under that handle"))?;
         if Arc::ptr_eq(&dst, &self.mem) {
-            return Err(device_error("open_peer", "a pool cannot open its own handle"));
+            return Err(device_error(
+                "open_peer",
+                "a pool cannot open its own handle",
+            ));
         }
         let have = dst.lock().expect("poisoned").len();
         if have != len_bytes {
-            return Err(device_error("open_peer", format!("pool of {have} bytes, offer said {len_bytes}")));
+            return Err(device_error(
+                "open_peer",
+                format!("pool of {have} bytes, offer said {len_bytes}"),
+            ));
         }
         Ok(Box::new(HostPeer {
             src: Arc::clone(&self.mem),

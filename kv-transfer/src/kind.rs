@@ -123,7 +123,10 @@ impl NetTransport {
 
     /// Attaches a device pool for the CUDA IPC data path (see
     /// [`TcpKvTransport::attach_device`]); refused on UCX, which has its own data path.
-    pub fn attach_device(&self, device: Arc<dyn crate::device::DeviceKv>) -> Result<(), TransferError> {
+    pub fn attach_device(
+        &self,
+        device: Arc<dyn crate::device::DeviceKv>,
+    ) -> Result<(), TransferError> {
         match self {
             NetTransport::Tcp(t) => t.attach_device(device),
             #[cfg(feature = "ucx")]

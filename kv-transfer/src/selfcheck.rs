@@ -42,7 +42,11 @@ pub async fn self_check(
 ) -> Result<SelfCheckReport, TransferError> {
     let config = TransferConfig::default();
     let sender = NetTransport::new(kind, config.clone(), UcxConfig::default())?;
-    let receiver = Arc::new(NetTransport::new(kind, config.clone(), UcxConfig::default())?);
+    let receiver = Arc::new(NetTransport::new(
+        kind,
+        config.clone(),
+        UcxConfig::default(),
+    )?);
     let mut src_pool = KvPool::new(layout, BLOCKS as usize)?;
     let ids: Vec<u32> = (0..BLOCKS).collect();
     pattern::fill_blocks(&mut src_pool, SEED, &ids)?;

@@ -1,7 +1,8 @@
-//! Layer-wise streaming hides the transfer under compute: with a simulated per-layer compute
-//! delay, a streamed push ends about one layer after compute does (≈ max(compute, transfer)),
-//! not after compute plus a whole transfer.
-
+//! Layer-wise streaming hides the transfer under compute: a streamed push sends each layer as
+//! soon as it is computed, so the receiver has verified layer 0 while the last layer is still
+//! being computed. The test asserts that order (it withholds the last layer until the receiver
+//! has verified at least one layer's bytes, and fails if that never happens), not a ratio of
+//! times: timings on a shared machine are printed for the reader, never asserted.
 
 use std::future::IntoFuture;
 use std::sync::Arc;
@@ -50,11 +51,13 @@ async fn overlap(kind: TransportKind, tls: Option<&str>) {
     tokio::spawn(async move { r.serve(listener, reg, sd).await.unwrap() });
     let blocks: Vec<u32> = (0..BLOCKS as u32).collect();
     let mut id = 0;
+    let layer_bytes = (BLOCKS * layout().slab_bytes()) as u64;
     let mut run = |per_layer: Option<Duration>| {
         id += 1;
         let (id, registry, blocks, peer) = (id, registry.clone(), blocks.clone(), peer.clone());
         let (sender, src) = (&sender, &src);
         async move {
+            let received = || registry.registration().metrics().snapshot().bytes_received;
             let inbound = registry
                 .expect(Reservation {
                     reservation_id: id,
@@ -67,13 +70,27 @@ async fn overlap(kind: TransportKind, tls: Option<&str>) {
             if per_layer.is_some() {
                 req = req.streamed();
             }
+            let received_before = received();
             let t0 = Instant::now();
             let out = sender.push(src, req, CancellationToken::new()).unwrap();
             if let Some(c) = per_layer {
-                for l in 1..=layout().num_layers as u32 {
+                let last = layout().num_layers as u32;
+                for l in 1..last {
                     tokio::time::sleep_until((t0 + c * l).into()).await;
                     out.layers_ready(l);
                 }
+                tokio::time::sleep_until((t0 + c * last).into()).await;
+                // The order under test: layer 0 reaches the receiver, verified, before the last
+                // layer is computed. A push that waited for every layer would never get here.
+                let verified = async {
+                    while received() - received_before < layer_bytes {
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                    }
+                };
+                tokio::time::timeout(Duration::from_secs(30), verified)
+                    .await
+                    .expect("no layer verified at the receiver while the last layer was withheld");
+                out.layers_ready(last);
             }
             let (sent, got) = tokio::join!(out.into_future(), inbound.into_future());
             sent.unwrap();
@@ -102,10 +119,6 @@ async fn overlap(kind: TransportKind, tls: Option<&str>) {
     assert!(
         streamed >= compute,
         "cannot finish before the last layer is computed"
-    );
-    assert!(
-        streamed.as_secs_f64() < 0.8 * sum.as_secs_f64(),
-        "streamed {streamed:?} is not well below compute + transfer = {sum:?}"
     );
     shutdown.cancel();
 }

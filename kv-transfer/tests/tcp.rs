@@ -32,7 +32,10 @@ async fn a_push_that_stops_landing_ends_at_the_receivers_stall_timeout() {
         .deadline(Duration::from_secs(10))
         .fault(Fault::DropChunk { index: 1 });
     let t0 = Instant::now();
-    let out = pair.sender.push(&pair.src, req, CancellationToken::new()).unwrap();
+    let out = pair
+        .sender
+        .push(&pair.src, req, CancellationToken::new())
+        .unwrap();
     let (sent, got) = tokio::join!(out.into_future(), inbound.into_future());
     let took = t0.elapsed();
     let got = got.unwrap_err();
@@ -41,8 +44,14 @@ async fn a_push_that_stops_landing_ends_at_the_receivers_stall_timeout() {
         "{got}"
     );
     let sent = sent.unwrap_err();
-    assert!(sent.retry_safe(), "the sender may push again elsewhere: {sent}");
-    assert!(took < Duration::from_secs(5), "ended after {took:?}, not at the stall timeout");
+    assert!(
+        sent.retry_safe(),
+        "the sender may push again elsewhere: {sent}"
+    );
+    assert!(
+        took < Duration::from_secs(5),
+        "ended after {took:?}, not at the stall timeout"
+    );
     pair.assert_released().await;
 }
 
@@ -67,7 +76,17 @@ async fn an_unclaimed_reservation_is_ended_by_its_ttl_not_the_stall_timeout() {
         })
         .unwrap();
     let got = inbound.await.unwrap_err();
-    assert!(matches!(got, TransferError::ReservationExpired { reservation_id: 22 }), "{got}");
-    assert!(t0.elapsed() >= Duration::from_millis(600), "{:?}", t0.elapsed());
+    assert!(
+        matches!(
+            got,
+            TransferError::ReservationExpired { reservation_id: 22 }
+        ),
+        "{got}"
+    );
+    assert!(
+        t0.elapsed() >= Duration::from_millis(600),
+        "{:?}",
+        t0.elapsed()
+    );
     pair.assert_released().await;
 }

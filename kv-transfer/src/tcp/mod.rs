@@ -136,7 +136,10 @@ impl TcpKvTransport {
     /// Connections to or from a peer on another GPU (or with no GPU) keep block bytes in the
     /// stream. Call it before serving or pushing: connections already open keep their path.
     /// Refused when the transport already has a data path.
-    pub fn attach_device(&self, device: Arc<dyn crate::device::DeviceKv>) -> Result<(), TransferError> {
+    pub fn attach_device(
+        &self,
+        device: Arc<dyn crate::device::DeviceKv>,
+    ) -> Result<(), TransferError> {
         let path = crate::cuda_ipc::IpcPath::new(device, Arc::clone(&self.shared.metrics));
         self.shared
             .data_path

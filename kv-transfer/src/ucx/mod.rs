@@ -273,7 +273,11 @@ impl UcxKvTransport {
             data_mode: ucx.data_mode,
             shm_allowed: shm_allowed(tls.as_deref()),
         });
-        if shared.data_path.set(Arc::clone(&net) as Arc<dyn DataPath>).is_err() {
+        if shared
+            .data_path
+            .set(Arc::clone(&net) as Arc<dyn DataPath>)
+            .is_err()
+        {
             unreachable!("a new transport has no data path yet");
         }
         Ok(Self {

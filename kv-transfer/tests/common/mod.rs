@@ -119,8 +119,7 @@ impl Pair {
     /// Slabs of `dst` that do not hold `src`'s pattern.
     pub fn mismatched(&self, src: &[u32], dst: &[u32]) -> usize {
         // SAFETY: called after the reservation resolved.
-        unsafe { pattern::mismatched_slabs(&self.landed(), SEED, src, dst) }
-            .unwrap()
+        unsafe { pattern::mismatched_slabs(&self.landed(), SEED, src, dst) }.unwrap()
     }
 
     /// Waits until neither side holds anything (registrations aside), or panics.
@@ -244,7 +243,12 @@ async fn serve_tcp(
 /// device pools ([`HostDeviceKv`]) "on" GPUs `src_gpu` and `dst_gpu`: the sender's device pool
 /// holds the source pattern; bytes land in the receiver's device pool when the GPUs are the
 /// same, in its registered host pool (the stream) when they differ.
-pub async fn ipc_pair_on(src_layout: KvLayout, dst_layout: KvLayout, src_gpu: u8, dst_gpu: u8) -> Pair {
+pub async fn ipc_pair_on(
+    src_layout: KvLayout,
+    dst_layout: KvLayout,
+    src_gpu: u8,
+    dst_gpu: u8,
+) -> Pair {
     ipc_pair_with(src_layout, dst_layout, src_gpu, dst_gpu, 0).await
 }
 
@@ -254,14 +258,22 @@ pub async fn ipc_pair_mismatched_mirror(layout: KvLayout, extra_bytes: usize) ->
     ipc_pair_with(layout, layout, 4, 4, extra_bytes).await
 }
 
-async fn ipc_pair_with(src_layout: KvLayout, dst_layout: KvLayout, src_gpu: u8, dst_gpu: u8, extra_bytes: usize) -> Pair {
+async fn ipc_pair_with(
+    src_layout: KvLayout,
+    dst_layout: KvLayout,
+    src_gpu: u8,
+    dst_gpu: u8,
+    extra_bytes: usize,
+) -> Pair {
     let ipc = src_gpu == dst_gpu && extra_bytes == 0;
     let sender = TcpKvTransport::new(small_chunks()).unwrap();
     let receiver = Arc::new(TcpKvTransport::new(small_chunks()).unwrap());
     let source = source_pool(src_layout, BLOCKS);
     let src_device = Arc::new(HostDeviceKv::new([src_gpu; 16], source.len_bytes()));
     // SAFETY: nothing else touches the fresh source pool.
-    src_device.write(0, unsafe { std::slice::from_raw_parts(source.as_ptr(), source.len_bytes()) });
+    src_device.write(0, unsafe {
+        std::slice::from_raw_parts(source.as_ptr(), source.len_bytes())
+    });
     sender.attach_device(src_device).unwrap();
     // On one GPU the bytes must come from the device pool: the host mirror is left zero, so a
     // path that read it would fail every content check.
@@ -272,8 +284,13 @@ async fn ipc_pair_with(src_layout: KvLayout, dst_layout: KvLayout, src_gpu: u8, 
     };
     let src = sender.register(mirror).unwrap();
     let dst_pool = Arc::new(KvPool::new(dst_layout, BLOCKS).unwrap());
-    let dst_device = Arc::new(HostDeviceKv::new([dst_gpu; 16], dst_pool.len_bytes() + extra_bytes));
-    receiver.attach_device(Arc::clone(&dst_device) as Arc<dyn tandem_kv_transfer::device::DeviceKv>).unwrap();
+    let dst_device = Arc::new(HostDeviceKv::new(
+        [dst_gpu; 16],
+        dst_pool.len_bytes() + extra_bytes,
+    ));
+    receiver
+        .attach_device(Arc::clone(&dst_device) as Arc<dyn tandem_kv_transfer::device::DeviceKv>)
+        .unwrap();
     let dst = receiver.register(dst_pool).unwrap();
     let landing = ipc.then_some(dst_device);
     serve_tcp(sender, receiver, src, dst, None, landing).await
