@@ -28,9 +28,9 @@ use crate::step_budget::StepBudget;
 use tandem_node::engine_thread::{Driver, share_step_time};
 use tandem_node::metrics::Outcome;
 use tandem_node::{InFlightGuard, NodeMetrics, convert, status};
-use tandem_telemetry::trace::propagation;
 use tandem_proto::v1::decode_response::Event;
 use tandem_proto::v1::{DecodeFinal, DecodeProgress, DecodeResponse, TokenBatch};
+use tandem_telemetry::trace::propagation;
 use tokio::sync::mpsc::{self, error::TrySendError};
 use tokio::sync::oneshot;
 use tonic::Status;
@@ -191,8 +191,16 @@ impl Stream {
     /// Tells the client the request is alive (a full stream already proves it; a closed one is
     /// noticed by the next flush).
     fn send_progress(&mut self, prompt_tokens_computed: usize, now: Instant) {
-        let progress = DecodeProgress { prompt_tokens_computed: prompt_tokens_computed as u32 };
-        if self.events.try_send(Ok(DecodeResponse { event: Some(Event::Progress(progress)) })).is_ok() {
+        let progress = DecodeProgress {
+            prompt_tokens_computed: prompt_tokens_computed as u32,
+        };
+        if self
+            .events
+            .try_send(Ok(DecodeResponse {
+                event: Some(Event::Progress(progress)),
+            }))
+            .is_ok()
+        {
             self.last_sent = now;
         }
     }
@@ -222,7 +230,9 @@ impl DecodeDriver {
 
     /// Feeds the last step to the budget and hands the engine the cap it gives now.
     fn resize_budget(&mut self, engine: &mut Engine, elapsed: std::time::Duration) {
-        let Some(budget) = self.budget.as_mut() else { return };
+        let Some(budget) = self.budget.as_mut() else {
+            return;
+        };
         let (mut prompt, mut decode) = (0, 0);
         for &(_, n) in engine.last_step_tokens() {
             if n > 1 { prompt += n } else { decode += n }
@@ -298,10 +308,19 @@ impl DecodeDriver {
             engine.kv_landed_on_device(reservation_id);
         }
         let first = if prefill_here {
-            engine.add_local(request, reservation_id, now).map(|()| None)
+            engine
+                .add_local(request, reservation_id, now)
+                .map(|()| None)
         } else {
             engine
-                .add_prefilled(request, reservation_id, first_token, first_logprob, cached_prompt_tokens, now)
+                .add_prefilled(
+                    request,
+                    reservation_id,
+                    first_token,
+                    first_logprob,
+                    cached_prompt_tokens,
+                    now,
+                )
                 .map(Some)
         };
         let first = match first {
@@ -337,7 +356,8 @@ impl DecodeDriver {
         match first {
             Some(first) => {
                 self.metrics.first_token(received_at.elapsed());
-                self.metrics.prompt(prompt_tokens, cached_prompt_tokens as u64);
+                self.metrics
+                    .prompt(prompt_tokens, cached_prompt_tokens as u64);
                 s.push(&first);
                 self.streams.insert(id, s);
                 self.flush(engine, id);
@@ -391,7 +411,8 @@ impl Driver for DecodeDriver {
                 Some(s) => {
                     if let Some(received_at) = s.awaiting_first.take() {
                         self.metrics.first_token(received_at.elapsed());
-                        self.metrics.prompt(o.usage.prompt_tokens as u64, o.usage.cached_tokens as u64);
+                        self.metrics
+                            .prompt(o.usage.prompt_tokens as u64, o.usage.cached_tokens as u64);
                     }
                     s.push(o)
                 }

@@ -36,10 +36,10 @@ use tandem_kv_transfer::{InboundRegistry, TransferConfig};
 use tandem_node::engine_thread::{self, EngineHandle, EngineSnapshot};
 use tandem_node::env_names::*;
 use tandem_node::lifecycle::{self, ShutdownPlan};
-use tandem_node::{Failure, NodeMetrics};
 use tandem_node::{
     Coordination, KvAddress, Lifecycle, NodeArgs, NodeError, membership, model, server, transport,
 };
+use tandem_node::{Failure, NodeMetrics};
 use tandem_proto::v1::decode_server::DecodeServer;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -154,7 +154,10 @@ impl DecodeNode {
         let cuda_ipc = listen.kv_cuda_ipc;
         let alloc = Arc::clone(&net);
         let budget = (args.max_step_ms > 0).then(|| {
-            StepBudget::new(Duration::from_millis(args.max_step_ms), args.node.engine.max_tokens_per_step)
+            StepBudget::new(
+                Duration::from_millis(args.max_step_ms),
+                args.node.engine.max_tokens_per_step,
+            )
         });
         let driver = DecodeDriver::new(metrics.clone(), budget);
         let (engine, (layout, num_blocks, registration)) = engine_thread::spawn_with(
@@ -166,7 +169,8 @@ impl DecodeNode {
                 cache_events: None,
             },
             move |_ctx| {
-                let (engine, registration) = model::build_engine(&engine_args, &*alloc, tandem_engine::Staging::Receive)?;
+                let (engine, registration) =
+                    model::build_engine(&engine_args, &*alloc, tandem_engine::Staging::Receive)?;
                 if cuda_ipc {
                     model::attach_cuda_ipc(&engine, &alloc)?;
                 }
@@ -177,8 +181,8 @@ impl DecodeNode {
         )
         .await?;
         metrics.watch_engine(engine.snapshot());
-        let stall = (args.kv_stall_timeout_ms > 0)
-            .then(|| Duration::from_millis(args.kv_stall_timeout_ms));
+        let stall =
+            (args.kv_stall_timeout_ms > 0).then(|| Duration::from_millis(args.kv_stall_timeout_ms));
         let registry = InboundRegistry::with_stall_timeout(
             registration,
             TransferConfig::default().fence_timeout,
@@ -231,15 +235,15 @@ impl DecodeNode {
                 return Err(e);
             }
         };
-        let (metrics_server, metrics_url) = match tandem_node::metrics::serve(listen, &metrics).await
-        {
-            Ok(m) => m,
-            Err(e) => {
-                background.cancel();
-                engine.shutdown().await;
-                return Err(e);
-            }
-        };
+        let (metrics_server, metrics_url) =
+            match tandem_node::metrics::serve(listen, &metrics).await {
+                Ok(m) => m,
+                Err(e) => {
+                    background.cancel();
+                    engine.shutdown().await;
+                    return Err(e);
+                }
+            };
         let grpc_url = format!(
             "{}://{}",
             tandem_node::tls::scheme(listen),
@@ -378,7 +382,10 @@ mod tests {
                 .unwrap();
         assert_eq!(a.reservation_ttl_ms, 30_000);
         assert_eq!(a.kv_stall_timeout_ms, 5_000);
-        assert_eq!(a.node.listen.kv_addr, "127.0.0.1:7000".parse::<SocketAddr>().unwrap());
+        assert_eq!(
+            a.node.listen.kv_addr,
+            "127.0.0.1:7000".parse::<SocketAddr>().unwrap()
+        );
         assert_eq!(a.node.engine.kv_blocks, Some(64));
     }
 

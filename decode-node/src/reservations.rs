@@ -15,6 +15,11 @@
 //!   engine (after `add_prefilled`). Whoever removes it from the table owns its release.
 //! - Every reservation holds an in-flight unit until it is released or handed on, so a drain
 //!   waits for reservations the router is still filling.
+//! - Cancellation-safe: a Reserve or Release call whose caller goes away (its RPC cancelled: a
+//!   router timed out on a frozen node) never strands blocks in the engine. Between asking the
+//!   engine and entering the table an `Unentered` guard owns the engine's reservation (its
+//!   drop queues the release behind the Reserve command, which the engine may not have run yet);
+//!   a release runs in its own task, so the fence and the engine's release finish regardless.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -114,7 +119,11 @@ impl Reservations {
     ) -> Result<Reserved, Status> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let tokens = prompt_tokens + max_new_tokens;
-        let blocks = self
+        let mut unentered = Unentered {
+            reservation_id: id,
+            engine: Some(self.engine.clone()),
+        };
+        let blocks = match self
             .engine
             .request(|reply| Command::Reserve {
                 reservation_id: id,
@@ -122,8 +131,17 @@ impl Reservations {
                 reply,
             })
             .await
-            .map_err(|_| status::unavailable("the decode engine has stopped"))?
-            .map_err(|e| status::engine_status(&e))?;
+        {
+            Ok(Ok(blocks)) => blocks,
+            Ok(Err(e)) => {
+                unentered.disarm(); // the engine holds nothing for it
+                return Err(status::engine_status(&e));
+            }
+            Err(_) => {
+                unentered.disarm();
+                return Err(status::unavailable("the decode engine has stopped"));
+            }
+        };
         let prompt_blocks = blocks[..prompt_tokens.div_ceil(self.block_size)].to_vec();
         let expect = Reservation {
             reservation_id: id,
@@ -134,10 +152,7 @@ impl Reservations {
         let inbound = match self.registry.expect(expect) {
             Ok(i) => i,
             Err(e) => {
-                let _ = self
-                    .engine
-                    .send(Command::ReleaseReservation { reservation_id: id })
-                    .await;
+                unentered.release_now();
                 return Err(status::status(
                     Code::Internal,
                     format!("KV receiver refused the reservation: {e}"),
@@ -159,6 +174,7 @@ impl Reservations {
             in_flight,
         };
         self.lock().insert(id, pending);
+        unentered.disarm(); // the table owns it now
         let this = self.clone();
         tokio::spawn(async move {
             tokio::time::sleep(this.ttl).await;
@@ -222,7 +238,13 @@ impl Reservations {
         };
         match p {
             Some(p) => {
-                self.release_fenced(reservation_id, p).await;
+                // Its own task: a caller that goes away mid-fence must not skip the release.
+                let this = self.clone();
+                let released =
+                    tokio::spawn(async move { this.release_fenced(reservation_id, p).await });
+                if let Err(e) = released.await {
+                    tracing::error!(reservation = reservation_id, error = %e, "release task failed");
+                }
                 true
             }
             None => false,
@@ -239,6 +261,42 @@ impl Reservations {
             .send(Command::ReleaseReservation { reservation_id })
             .await;
         drop(p.in_flight);
+    }
+}
+
+/// The engine's reservation while `reserve` has asked for it and not yet entered it in the
+/// table. Dropped armed (the call was cancelled, or the receiver refused it), it queues the
+/// release behind the Reserve command, so the engine frees the blocks whether or not it had
+/// run the Reserve yet (a release of an id it never reserved is a no-op; ids are never reused).
+struct Unentered {
+    reservation_id: u64,
+    engine: Option<EngineHandle<Command>>,
+}
+
+impl Unentered {
+    fn disarm(&mut self) {
+        self.engine = None;
+    }
+
+    /// Gives the reservation back now (the error path; no log: the caller reports the error).
+    fn release_now(&mut self) {
+        if let Some(engine) = self.engine.take() {
+            engine.send_from_drop(Command::ReleaseReservation {
+                reservation_id: self.reservation_id,
+            });
+        }
+    }
+}
+
+impl Drop for Unentered {
+    fn drop(&mut self) {
+        if self.engine.is_some() {
+            tracing::info!(
+                reservation = self.reservation_id,
+                "a Reserve call was cancelled before its reservation was entered; blocks given back"
+            );
+            self.release_now();
+        }
     }
 }
 

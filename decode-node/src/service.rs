@@ -15,21 +15,21 @@
 //! the reservation's TTL bounds it. (kv-transfer's `InboundTransfer` can only be cancelled by
 //! value, so a wait in progress cannot be fenced early from here.)
 
-use tandem_node::engine_thread::EngineHandle;
 use std::time::Instant;
+use tandem_node::engine_thread::EngineHandle;
 
 use tandem_node::metrics::Outcome;
 use tandem_node::{KvAddress, Lifecycle, NodeMetrics, convert, status};
-use tandem_telemetry::trace::propagation::{self, RemoteParent};
-use tracing::Instrument;
 use tandem_proto::v1::decode_server::Decode;
 use tandem_proto::v1::{
     DecodeRequest, DecodeResponse, KvTarget, ReleaseRequest, ReleaseResponse, ReserveRequest,
     ReserveResponse,
 };
+use tandem_telemetry::trace::propagation::{self, RemoteParent};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use crate::driver::{Command, Start};
 use crate::reservations::{Claimed, Pending, Reservations};
@@ -148,10 +148,7 @@ impl Decode for DecodeService {
 }
 
 impl DecodeService {
-    async fn reserve_inner(
-        &self,
-        r: ReserveRequest,
-    ) -> Result<Response<ReserveResponse>, Status> {
+    async fn reserve_inner(&self, r: ReserveRequest) -> Result<Response<ReserveResponse>, Status> {
         let in_flight = self.lifecycle.admit()?;
         if r.prompt_tokens == 0 {
             return Err(status::invalid("prompt_tokens", "must be at least 1"));
@@ -242,7 +239,12 @@ impl DecodeService {
         };
         if start.prefill_here {
             self.metrics.prefill_here();
-            tokio::spawn(fence_then_prefill_here(self.engine.clone(), pending, claimed, start));
+            tokio::spawn(fence_then_prefill_here(
+                self.engine.clone(),
+                pending,
+                claimed,
+                start,
+            ));
         } else {
             tokio::spawn(await_kv_then_decode(
                 self.engine.clone(),

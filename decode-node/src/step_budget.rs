@@ -67,7 +67,11 @@ impl StepBudget {
         }
         // With no decode-alone estimate yet (or a batch that just grew), the whole step counts
         // against the prompt tokens: a smaller cap, the safe side.
-        let alone = if decode_tokens > 0 { self.decode_alone_ms.unwrap_or(0.0) } else { 0.0 };
+        let alone = if decode_tokens > 0 {
+            self.decode_alone_ms.unwrap_or(0.0)
+        } else {
+            0.0
+        };
         let per_token = ((ms - alone) / prompt_tokens as f64).max(1e-6);
         self.per_prompt_token_ms = Some(ewma(self.per_prompt_token_ms, per_token));
     }
@@ -81,7 +85,10 @@ impl StepBudget {
                 (room / k).max(0.0).min(usize::MAX as f64) as usize
             }
         };
-        fit.clamp(MIN_PREFILL_TOKENS_PER_STEP.min(self.max_tokens_per_step), self.max_tokens_per_step)
+        fit.clamp(
+            MIN_PREFILL_TOKENS_PER_STEP.min(self.max_tokens_per_step),
+            self.max_tokens_per_step,
+        )
     }
 }
 

@@ -56,6 +56,7 @@ fn main() {
         release_returns_a_reservation_once_and_bad_decode_calls_name_the_field,
         a_decode_node_asked_to_prefill_here_computes_the_prompt_itself_exactly,
         a_prompt_computed_on_the_decode_node_reports_progress_until_its_first_token,
+        reserve_calls_cancelled_while_the_engine_is_busy_strand_no_blocks,
         processes::a_decode_node_process_serves_over_tcp_expires_reservations_and_drains_on_sigterm,
         processes::a_node_whose_layout_the_cluster_refuses_exits_non_zero_saying_so,
     ];
@@ -517,8 +518,14 @@ async fn a_decode_node_asked_to_prefill_here_computes_the_prompt_itself_exactly(
                 }
                 Some(pb::decode_response::Event::Final(f)) => usage = f.usage,
                 Some(pb::decode_response::Event::Progress(p)) => {
-                    assert!(got.is_empty(), "{id}: progress comes only before the first token");
-                    assert!(p.prompt_tokens_computed as usize <= prompt.len(), "{id}: {p:?}");
+                    assert!(
+                        got.is_empty(),
+                        "{id}: progress comes only before the first token"
+                    );
+                    assert!(
+                        p.prompt_tokens_computed as usize <= prompt.len(),
+                        "{id}: {p:?}"
+                    );
                 }
                 None => panic!("{id}: an empty event"),
             }
@@ -526,22 +533,28 @@ async fn a_decode_node_asked_to_prefill_here_computes_the_prompt_itself_exactly(
         assert_eq!(&got, tokens, "{id}: computed on the decode node");
         assert_eq!(&got_text, text, "{id}: text");
         let u = usage.expect("a final message with usage");
-        assert_eq!((u.prompt_tokens as usize, u.completion_tokens), (prompt.len(), MAX_TOKENS), "{id}");
+        assert_eq!(
+            (u.prompt_tokens as usize, u.completion_tokens),
+            (prompt.len(), MAX_TOKENS),
+            "{id}"
+        );
     }
     assert_eq!(
         c.prefill.snapshot().borrow().steps,
         prefill_steps,
         "the prefill node took no part"
     );
-    c.wait_quiescent("after prefilling on the decode node").await;
+    c.wait_quiescent("after prefilling on the decode node")
+        .await;
 }
-
 
 /// A long prompt computed on the decode node (several seconds here) is reported on: a
 /// `DecodeProgress` between steps once a second has passed, until the first token, its
 /// computed count growing and never past the prompt, so the router's stall clock sees a busy
 /// node, not a hung one.
-async fn a_prompt_computed_on_the_decode_node_reports_progress_until_its_first_token(c: Arc<Cluster>) {
+async fn a_prompt_computed_on_the_decode_node_reports_progress_until_its_first_token(
+    c: Arc<Cluster>,
+) {
     let prompt: Vec<u32> = (0..1200u32).map(|i| 100 + i * 37 % 40_000).collect();
     let mut decode = c.router().await.decode;
     let target = decode
@@ -590,6 +603,113 @@ async fn a_prompt_computed_on_the_decode_node_reports_progress_until_its_first_t
     // steps: the prompt runs in chunks sized to the node's `--max-step-ms`).
     assert!(!progress.is_empty(), "no progress in {first_at:?}");
     assert!(progress.windows(2).all(|w| w[0] <= w[1]), "{progress:?}");
-    assert!(progress.iter().all(|&n| n as usize <= prompt.len()), "{progress:?}");
-    c.wait_quiescent("after a long prompt on the decode node").await;
+    assert!(
+        progress.iter().all(|&n| n as usize <= prompt.len()),
+        "{progress:?}"
+    );
+    c.wait_quiescent("after a long prompt on the decode node")
+        .await;
+}
+
+/// Reserve calls whose caller gives up while the engine is busy (the router timing out on a
+/// frozen or loaded node) strand nothing: the engine may run the Reserve after the call is
+/// gone, and the node gives those blocks back at once. A long prompt on the decode node keeps
+/// its engine in multi-millisecond steps while calls with timeouts of 1–24 ms are made.
+async fn reserve_calls_cancelled_while_the_engine_is_busy_strand_no_blocks(c: Arc<Cluster>) {
+    let prompt: Vec<u32> = (0..1200u32).map(|i| 100 + i * 37 % 40_000).collect();
+    let mut decode = c.router().await.decode;
+    let target = decode
+        .reserve(pb::ReserveRequest {
+            request_id: "busy".into(),
+            prompt_tokens: prompt.len() as u32,
+            max_new_tokens: 2,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .target
+        .unwrap();
+    let mut stream = decode
+        .decode(pb::DecodeRequest {
+            request_id: "busy".into(),
+            reservation_id: target.reservation_id,
+            epoch: target.epoch,
+            prompt_token_ids: prompt,
+            sampling: Some(greedy(2)),
+            prefill_here: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let busy = tokio::spawn(async move {
+        let mut tokens = 0;
+        while let Some(m) = stream.message().await.unwrap() {
+            if let Some(pb::decode_response::Event::Tokens(b)) = m.event {
+                tokens += b.token_ids.len();
+            }
+        }
+        tokens
+    });
+    let (mut cancelled, mut answered) = (0, Vec::new());
+    for i in 0..24u64 {
+        let call = decode.reserve(pb::ReserveRequest {
+            request_id: format!("impatient-{i}"),
+            prompt_tokens: 20,
+            max_new_tokens: 4,
+        });
+        match tokio::time::timeout(Duration::from_millis(1 + i), call).await {
+            Err(_) => cancelled += 1,
+            Ok(r) => answered.push(r.unwrap().into_inner().target.unwrap()),
+        }
+    }
+    assert_eq!(busy.await.unwrap(), 2, "the long prompt's answer");
+    assert!(
+        cancelled >= 8,
+        "only {cancelled} of 24 calls were cancelled: the engine was not busy, nothing was tested"
+    );
+    for t in answered {
+        let released = decode
+            .release(pb::ReleaseRequest {
+                reservation_id: t.reservation_id,
+                epoch: t.epoch,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .released;
+        assert!(released, "an answered reservation is held until released");
+    }
+    // A call cancelled after the node answered leaves its reservation in the table, unknown to
+    // the caller: it expires at the TTL (30 s here). Nothing may be held outside the table.
+    let blocks_each = 2; // 24 tokens, 16 per block
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let in_table = loop {
+        let in_table = c.decode.unclaimed_reservations();
+        let held = c.decode.snapshot().borrow().reserved_or_held_blocks;
+        if held == blocks_each * in_table {
+            break in_table;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{held} blocks held but {in_table} reservations in the table: blocks stranded by {cancelled} cancelled calls"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    // Give those back as a client that knew their ids would (ids are sequential per node), so
+    // the scenarios after this one start from an empty node.
+    let mut swept = 0;
+    for id in target.reservation_id + 1..=target.reservation_id + 24 {
+        let r = pb::ReleaseRequest {
+            reservation_id: id,
+            epoch: target.epoch,
+        };
+        swept += decode.release(r).await.unwrap().into_inner().released as usize;
+    }
+    assert_eq!(
+        swept, in_table,
+        "the table's reservations were this scenario's"
+    );
+    c.wait_quiescent(&format!("after {cancelled} cancelled Reserve calls"))
+        .await;
 }
