@@ -49,7 +49,9 @@ fn sum(x: &[f32]) -> f32 {
             for i in (0..part).step_by(16) {
                 for (k, ak) in a.iter_mut().enumerate() {
                     // SAFETY: k * part + i + 16 <= 8 * part <= x.len().
-                    *ak = _mm512_add_ps(*ak, unsafe { _mm512_loadu_ps(x.as_ptr().add(k * part + i)) });
+                    *ak = _mm512_add_ps(*ak, unsafe {
+                        _mm512_loadu_ps(x.as_ptr().add(k * part + i))
+                    });
                 }
             }
             a.iter().map(|v| _mm512_reduce_add_ps(*v)).sum()
@@ -87,7 +89,12 @@ fn bench(c: &mut Criterion) {
         .measurement_time(Duration::from_millis(1200))
         .sample_size(10);
     memread(&mut g);
-    for dtype in [WeightDtype::F32, WeightDtype::F16, WeightDtype::Q8_0, WeightDtype::Q4_1] {
+    for dtype in [
+        WeightDtype::F32,
+        WeightDtype::F16,
+        WeightDtype::Q8_0,
+        WeightDtype::Q4_1,
+    ] {
         for (name, cols, rows) in SHAPES {
             let data = seeded(rows * cols, 7);
             let w = Weight::from_f32(rows, cols, data, dtype).unwrap();

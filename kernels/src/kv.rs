@@ -57,7 +57,13 @@ unsafe impl Sync for KvCacheRef<'_> {}
 impl<'a> KvCacheRef<'a> {
     /// A view of `bytes`, borrowed whole (an owned pool, tests).
     pub fn new(layout: &'a KvLayout, num_blocks: usize, bytes: &'a [u8]) -> Self {
-        KvCacheRef { layout, num_blocks, base: bytes.as_ptr(), len: bytes.len(), _bytes: PhantomData }
+        KvCacheRef {
+            layout,
+            num_blocks,
+            base: bytes.as_ptr(),
+            len: bytes.len(),
+            _bytes: PhantomData,
+        }
     }
 
     /// A view of the pool at `base`.
@@ -67,8 +73,19 @@ impl<'a> KvCacheRef<'a> {
     /// this view (the blocks of the sequences it is given) is written by no one while the view
     /// lives. Other blocks may change (a transport writing reserved blocks): no reference to
     /// them is ever made.
-    pub unsafe fn from_raw_parts(layout: &'a KvLayout, num_blocks: usize, base: *const u8, len: usize) -> Self {
-        KvCacheRef { layout, num_blocks, base, len, _bytes: PhantomData }
+    pub unsafe fn from_raw_parts(
+        layout: &'a KvLayout,
+        num_blocks: usize,
+        base: *const u8,
+        len: usize,
+    ) -> Self {
+        KvCacheRef {
+            layout,
+            num_blocks,
+            base,
+            len,
+            _bytes: PhantomData,
+        }
     }
 
     /// The pool's size in bytes.
@@ -105,7 +122,13 @@ unsafe impl Sync for KvCacheMut<'_> {}
 impl<'a> KvCacheMut<'a> {
     /// A view of `bytes`, borrowed whole and exclusively (an owned pool, tests).
     pub fn new(layout: &'a KvLayout, num_blocks: usize, bytes: &'a mut [u8]) -> Self {
-        KvCacheMut { layout, num_blocks, base: bytes.as_mut_ptr(), len: bytes.len(), _bytes: PhantomData }
+        KvCacheMut {
+            layout,
+            num_blocks,
+            base: bytes.as_mut_ptr(),
+            len: bytes.len(),
+            _bytes: PhantomData,
+        }
     }
 
     /// A writable view of the pool at `base`.
@@ -114,8 +137,19 @@ impl<'a> KvCacheMut<'a> {
     /// `base` is valid for reads and writes of `len` bytes for `'a`, and every slab a kernel
     /// reads or writes through this view (the blocks of the slots it is given) is accessed by
     /// no one else while the view lives.
-    pub unsafe fn from_raw_parts(layout: &'a KvLayout, num_blocks: usize, base: *mut u8, len: usize) -> Self {
-        KvCacheMut { layout, num_blocks, base, len, _bytes: PhantomData }
+    pub unsafe fn from_raw_parts(
+        layout: &'a KvLayout,
+        num_blocks: usize,
+        base: *mut u8,
+        len: usize,
+    ) -> Self {
+        KvCacheMut {
+            layout,
+            num_blocks,
+            base,
+            len,
+            _bytes: PhantomData,
+        }
     }
 
     /// The pool's size in bytes.
@@ -140,14 +174,23 @@ impl<'a> KvCacheMut<'a> {
 }
 
 /// `(offset, len)` of slab `(layer, block)`; panics if it is not inside a pool of `len` bytes.
-fn slab_range(l: &KvLayout, num_blocks: usize, len: usize, layer: usize, block: usize) -> (usize, usize) {
+fn slab_range(
+    l: &KvLayout,
+    num_blocks: usize,
+    len: usize,
+    layer: usize,
+    block: usize,
+) -> (usize, usize) {
     assert!(
         layer < l.num_layers && block < num_blocks,
         "KV slab ({layer}, {block}) outside a pool of {} layers × {num_blocks} blocks",
         l.num_layers
     );
     let (at, n) = (l.slab_offset(num_blocks, layer, block), l.slab_bytes());
-    assert!(at + n <= len, "KV slab ({layer}, {block}) ends past the pool's {len} bytes");
+    assert!(
+        at + n <= len,
+        "KV slab ({layer}, {block}) ends past the pool's {len} bytes"
+    );
     (at, n)
 }
 

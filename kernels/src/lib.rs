@@ -56,7 +56,7 @@ pub use error::KernelError;
 pub use kv::{KvCacheMut, KvCacheRef, KvPart, read_kv, write_kv};
 pub use linear::{linear, linear_on};
 pub use norm::{rms_norm, rms_norm_on};
-pub use pool::{WorkerPool, global_pool};
+pub use pool::{PoolStats, Sharing, WorkerPool, global_pool};
 pub use rope::{RopeTable, rope, rope_on};
 pub use simd::{Isa, active_isa, set_active_isa};
 pub use weight::{PANEL_ROWS, Weight, WeightDtype};
@@ -67,6 +67,9 @@ pub mod env {
     pub const TANDEM_KERNELS: &str = "TANDEM_KERNELS";
     /// Threads in the global worker pool (caller included); default: available cores.
     pub const TANDEM_THREADS: &str = "TANDEM_THREADS";
+    /// How the global pool shares jobs: `adaptive` (default: the caller runs alone while the
+    /// workers' help does not pay, e.g. a worker's core is taken) or `always`.
+    pub const TANDEM_POOL_SHARING: &str = "TANDEM_POOL_SHARING";
 }
 
 /// Where and how a kernel runs: a worker pool and an instruction set.

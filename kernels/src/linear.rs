@@ -81,7 +81,9 @@ unsafe fn linear_panels(
     if w.dtype().is_quantized() {
         return match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { crate::simd::avx512_quant::linear_panels(x, m, w, out, p0, p1) },
+            Isa::Avx512 => unsafe {
+                crate::simd::avx512_quant::linear_panels(x, m, w, out, p0, p1)
+            },
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => unsafe { crate::simd::avx2_quant::linear_panels(x, m, w, out, p0, p1) },
             _ => unsafe { portable::linear_panels_quant(x, m, w, out, p0, p1) },

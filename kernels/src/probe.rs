@@ -14,7 +14,8 @@ pub fn read_bandwidth_gbs(pool: &WorkerPool, bytes: usize, passes: usize) -> f64
     let n = (bytes / 4) & !63;
     // Non-zero contents so the pages are really backed (a zeroed allocation may map one page).
     let buf: Vec<f32> = (0..n).map(|i| (i & 1023) as f32).collect();
-    let sums: Vec<std::sync::atomic::AtomicU32> = (0..pool.threads()).map(|_| Default::default()).collect();
+    let sums: Vec<std::sync::atomic::AtomicU32> =
+        (0..pool.threads()).map(|_| Default::default()).collect();
     let mut best = 0f64;
     for _ in 0..passes.max(1) {
         let t0 = std::time::Instant::now();
@@ -32,7 +33,8 @@ pub fn read_bandwidth_gbs(pool: &WorkerPool, bytes: usize, passes: usize) -> f64
                 }
             }
             let s: f32 = acc.iter().flatten().sum();
-            sums[r.start % sums.len()].fetch_add(s.to_bits() & 1, std::sync::atomic::Ordering::Relaxed);
+            sums[r.start % sums.len()]
+                .fetch_add(s.to_bits() & 1, std::sync::atomic::Ordering::Relaxed);
         });
         best = best.max((n * 4) as f64 / t0.elapsed().as_secs_f64() / 1e9);
     }

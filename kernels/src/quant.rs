@@ -213,7 +213,9 @@ pub(crate) fn quantize_rows(
                     out.extend(x.iter().map(|v| (v * id).round() as i8 as u8));
                 }
                 WeightDtype::Q4_0 => {
-                    let max = x.iter().fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
+                    let max = x
+                        .iter()
+                        .fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
                     let d = max / -8.0;
                     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
                     out.extend_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
@@ -345,7 +347,11 @@ mod tests {
             .collect();
         // Q4_0 maps the value of largest magnitude to -8 steps, so the other end clamps at +7:
         // up to a whole step (16 steps over the range, hence 8 here) off.
-        for (dtype, steps) in [(WeightDtype::Q8_0, 254.0), (WeightDtype::Q4_1, 15.0), (WeightDtype::Q4_0, 8.0)] {
+        for (dtype, steps) in [
+            (WeightDtype::Q8_0, 254.0),
+            (WeightDtype::Q4_1, 15.0),
+            (WeightDtype::Q4_0, 8.0),
+        ] {
             let w = Weight::from_f32(rows, cols, data.clone(), dtype).unwrap();
             for r in 0..rows {
                 for b in 0..cols / QK {

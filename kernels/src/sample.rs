@@ -111,7 +111,11 @@ fn weight_inline(d: f64, shift: u32) -> u64 {
 /// `f32::total_cmp`'s order as an unsigned key (larger key = larger value).
 fn order_key(v: f32) -> u32 {
     let b = v.to_bits();
-    if b & 0x8000_0000 != 0 { !b } else { b | 0x8000_0000 }
+    if b & 0x8000_0000 != 0 {
+        !b
+    } else {
+        b | 0x8000_0000
+    }
 }
 
 /// `⌈W · P / 2^32⌉` with `P = ⌈top_p · 2^32⌉`: the weight the top-p prefix must reach.
@@ -134,7 +138,10 @@ pub fn sample(logits: &[f32], spec: &SampleSpec) -> usize {
     let Some(cand) = candidates(logits, spec) else {
         return crate::argmax(logits);
     };
-    let max = cand.iter().map(|&i| logits[i as usize]).fold(f32::NEG_INFINITY, f32::max) as f64;
+    let max = cand
+        .iter()
+        .map(|&i| logits[i as usize])
+        .fold(f32::NEG_INFINITY, f32::max) as f64;
     let inv_t = 1.0 / spec.temperature as f64;
     let mut items = weigh(logits, &cand, max, inv_t, weight_shift(logits.len()));
     let total: u64 = items.iter().map(|&(_, w)| w).sum();
@@ -158,13 +165,19 @@ fn candidates(logits: &[f32], spec: &SampleSpec) -> Option<Vec<u32>> {
     if spec.is_greedy() {
         return None;
     }
-    let mut cand: Vec<u32> = (0..logits.len() as u32).filter(|&i| logits[i as usize].is_finite()).collect();
+    let mut cand: Vec<u32> = (0..logits.len() as u32)
+        .filter(|&i| logits[i as usize].is_finite())
+        .collect();
     if cand.is_empty() {
         return None;
     }
     let k = spec.top_k as usize;
     if k > 0 && k < cand.len() {
-        cand.select_nth_unstable_by(k - 1, |a, b| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b)));
+        cand.select_nth_unstable_by(k - 1, |a, b| {
+            logits[*b as usize]
+                .total_cmp(&logits[*a as usize])
+                .then(a.cmp(b))
+        });
         cand.truncate(k);
     }
     Some(cand)
@@ -190,10 +203,18 @@ fn weigh(logits: &[f32], cand: &[u32], max: f64, inv_t: f64, shift: u32) -> Vec<
     #[cfg(target_arch = "x86_64")]
     {
         #[target_feature(enable = "fma,sse4.1")]
-        fn with_fma(logits: &[f32], cand: &[u32], max: f64, inv_t: f64, shift: u32) -> Vec<(u64, u64)> {
+        fn with_fma(
+            logits: &[f32],
+            cand: &[u32],
+            max: f64,
+            inv_t: f64,
+            shift: u32,
+        ) -> Vec<(u64, u64)> {
             body(logits, cand, max, inv_t, shift)
         }
-        if std::arch::is_x86_feature_detected!("fma") && std::arch::is_x86_feature_detected!("sse4.1") {
+        if std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("sse4.1")
+        {
             // SAFETY: the CPU has FMA and SSE4.1 (checked just above).
             return unsafe { with_fma(logits, cand, max, inv_t, shift) };
         }
@@ -257,9 +278,14 @@ fn sample_sorted(logits: &[f32], spec: &SampleSpec) -> usize {
         return crate::argmax(logits);
     };
     let first = |a: &u32, b: &u32| -> Ordering {
-        logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b))
+        logits[*b as usize]
+            .total_cmp(&logits[*a as usize])
+            .then(a.cmp(b))
     };
-    let max = cand.iter().map(|&i| logits[i as usize]).fold(f32::NEG_INFINITY, f32::max) as f64;
+    let max = cand
+        .iter()
+        .map(|&i| logits[i as usize])
+        .fold(f32::NEG_INFINITY, f32::max) as f64;
     let inv_t = 1.0 / spec.temperature as f64;
     let shift = weight_shift(logits.len());
     let mut weighted: Vec<(u32, u64)> = cand
@@ -301,7 +327,12 @@ mod tests {
     use super::*;
 
     fn spec(temperature: f32, top_k: u32, top_p: f32, u: f64) -> SampleSpec {
-        SampleSpec { temperature, top_k, top_p, draw: (u * (1u64 << DRAW_BITS) as f64) as u64 }
+        SampleSpec {
+            temperature,
+            top_k,
+            top_p,
+            draw: (u * (1u64 << DRAW_BITS) as f64) as u64,
+        }
     }
 
     #[test]
@@ -312,7 +343,10 @@ mod tests {
         for d in [-1e-9f64, -0.1, -0.5, -1.0, -2.5, -7.0, -13.3, -20.0, -31.0] {
             let exact = d.exp() * (1u64 << shift) as f64;
             let got = weight(d, shift) as f64;
-            assert!((got - exact).abs() <= 1.0 + exact * 1e-14, "d {d}: {got} vs {exact}");
+            assert!(
+                (got - exact).abs() <= 1.0 + exact * 1e-14,
+                "d {d}: {got} vs {exact}"
+            );
         }
         assert_eq!(weight(-40.0, shift), 0);
         assert_eq!(weight(f64::NAN, shift), 0);
@@ -324,7 +358,15 @@ mod tests {
 
     #[test]
     fn the_order_key_is_total_cmp() {
-        let vals = [f32::NEG_INFINITY, -3.5, -0.0, 0.0, 1e-30, 2.0, f32::INFINITY];
+        let vals = [
+            f32::NEG_INFINITY,
+            -3.5,
+            -0.0,
+            0.0,
+            1e-30,
+            2.0,
+            f32::INFINITY,
+        ];
         for w in vals.windows(2) {
             assert!(order_key(w[0]) < order_key(w[1]), "{w:?}");
         }
@@ -367,7 +409,13 @@ mod tests {
         for u in [0.0, 0.4, 0.6, 0.999] {
             assert!(matches!(sample(&l, &spec(1.0, 0, 1.0, u)), 2 | 4));
         }
-        assert_eq!(sample(&[f32::NAN, f32::NEG_INFINITY, f32::INFINITY], &spec(1.0, 0, 1.0, 0.5)), 2);
+        assert_eq!(
+            sample(
+                &[f32::NAN, f32::NEG_INFINITY, f32::INFINITY],
+                &spec(1.0, 0, 1.0, 0.5)
+            ),
+            2
+        );
         assert_eq!(sample(&[f32::NAN, f32::NAN], &spec(1.0, 0, 1.0, 0.5)), 0);
     }
 
@@ -403,7 +451,11 @@ mod tests {
                 top_p: [1.0f32, 0.9, 0.3, 1e-3][(case / 3) % 4],
                 draw: next() >> 11,
             };
-            assert_eq!(sample(&row, &spec), sample_sorted(&row, &spec), "case {case}: {spec:?}");
+            assert_eq!(
+                sample(&row, &spec),
+                sample_sorted(&row, &spec),
+                "case {case}: {spec:?}"
+            );
         }
     }
 
@@ -420,7 +472,10 @@ mod tests {
         }
         for (i, &c) in counts.iter().enumerate() {
             let p = ((l[i] as f64 - 2.0) / t).exp() / z;
-            assert!((c as f64 / n as f64 - p).abs() < 1e-3, "token {i}: {c} of {n}, p {p}");
+            assert!(
+                (c as f64 / n as f64 - p).abs() < 1e-3,
+                "token {i}: {c} of {n}, p {p}"
+            );
         }
     }
 }

@@ -73,7 +73,10 @@ impl WeightDtype {
 
     /// Block-quantized (decoded in registers by the `linear` kernels, columns in blocks of 32).
     pub const fn is_quantized(self) -> bool {
-        matches!(self, WeightDtype::Q8_0 | WeightDtype::Q4_1 | WeightDtype::Q4_0)
+        matches!(
+            self,
+            WeightDtype::Q8_0 | WeightDtype::Q4_1 | WeightDtype::Q4_0
+        )
     }
 
     /// A stable lowercase name, used in flags, metrics labels and logs.
@@ -229,7 +232,9 @@ impl Weight {
                     }
                     WeightDtype::Bf16 => bytes[at..at + 2]
                         .copy_from_slice(&bf16::from_f32(v).to_bits().to_le_bytes()),
-                    WeightDtype::Q8_0 | WeightDtype::Q4_1 | WeightDtype::Q4_0 => unreachable!("quantized above"),
+                    WeightDtype::Q8_0 | WeightDtype::Q4_1 | WeightDtype::Q4_0 => {
+                        unreachable!("quantized above")
+                    }
                 }
             }
         }

@@ -132,7 +132,9 @@ fn quantized_weights_give_the_bits_of_their_dequantized_f32_weight() {
     for &(rows, cols) in &[(1, 32), (33, 64), (70, 96), (200, 576)] {
         for dtype in [WeightDtype::Q8_0, WeightDtype::Q4_1, WeightDtype::Q4_0] {
             let q = Weight::from_f32(rows, cols, rng.vec(rows * cols, 0.5), dtype).unwrap();
-            let deq: Vec<f32> = (0..rows * cols).map(|i| q.get(i / cols, i % cols)).collect();
+            let deq: Vec<f32> = (0..rows * cols)
+                .map(|i| q.get(i / cols, i % cols))
+                .collect();
             let f = Weight::from_f32(rows, cols, deq, WeightDtype::F32).unwrap();
             for m in [1usize, 2, 3, 4, 7, 13, 64, 70] {
                 let x = rng.vec(m * cols, 1.0);
@@ -141,7 +143,11 @@ fn quantized_weights_give_the_bits_of_their_dequantized_f32_weight() {
                 for exec in all_execs() {
                     let mut got = vec![f32::NAN; m * rows];
                     linear_on(&exec, &x, m, &q, &mut got);
-                    let what = format!("{rows}x{cols} {dtype} m={m} {} {}t", exec.isa(), exec.pool().threads());
+                    let what = format!(
+                        "{rows}x{cols} {dtype} m={m} {} {}t",
+                        exec.isa(),
+                        exec.pool().threads()
+                    );
                     assert_bits_eq(&got, &want, &what);
                 }
             }
@@ -152,9 +158,17 @@ fn quantized_weights_give_the_bits_of_their_dequantized_f32_weight() {
 #[test]
 fn quantized_weights_take_the_files_bytes() {
     let (rows, cols) = (96, 576);
-    for (dtype, bits) in [(WeightDtype::Q8_0, 8.5), (WeightDtype::Q4_1, 5.0), (WeightDtype::Q4_0, 4.5)] {
+    for (dtype, bits) in [
+        (WeightDtype::Q8_0, 8.5),
+        (WeightDtype::Q4_1, 5.0),
+        (WeightDtype::Q4_0, 4.5),
+    ] {
         let w = Weight::from_f32(rows, cols, vec![0.25; rows * cols], dtype).unwrap();
-        assert_eq!(w.size_bytes() as f64, (rows * cols) as f64 * bits / 8.0, "{dtype}");
+        assert_eq!(
+            w.size_bytes() as f64,
+            (rows * cols) as f64 * bits / 8.0,
+            "{dtype}"
+        );
         assert_eq!(dtype.bits_per_weight(), bits);
     }
 }

@@ -2,8 +2,8 @@
 //! set compiles and links once instead of once per file. One file's tests:
 //! `cargo test -p tandem-kernels --test it -- FILE::`.
 
-mod common;
 mod attention;
+mod common;
 mod kv;
 mod linear;
 mod rowops;

@@ -75,7 +75,10 @@ fn tile<'c>(
         };
         &slab[s..s + 2 * n]
     });
-    (&slab[at..at + rows.bs * l.head_dim * l.dtype.elem_bytes()], scales)
+    (
+        &slab[at..at + rows.bs * l.head_dim * l.dtype.elem_bytes()],
+        scales,
+    )
 }
 
 /// Walks blocks `b0..b1`, prefetching the `part` tile `PREFETCH_BLOCKS` ahead of each.

@@ -77,7 +77,10 @@ unsafe fn decode<const Q: u8>(
                     _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q[v]), d[v]), m[v])
                 } else {
                     // Q4_0: `(q - 8) * d`, the subtraction exact in integers
-                    _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q[v], _mm256_set1_epi32(8))), d[v])
+                    _mm256_mul_ps(
+                        _mm256_cvtepi32_ps(_mm256_sub_epi32(q[v], _mm256_set1_epi32(8))),
+                        d[v],
+                    )
                 };
             }
             w
@@ -173,9 +176,15 @@ pub(crate) unsafe fn linear_panels(
             unsafe {
                 let pw = packed.add(p * pbytes);
                 match q {
-                    Q8_0 => gemv_panel::<Q8_0>(x.as_ptr(), cols, pw, rbytes, out, rows, p * PANEL_ROWS),
-                    Q4_1 => gemv_panel::<Q4_1>(x.as_ptr(), cols, pw, rbytes, out, rows, p * PANEL_ROWS),
-                    _ => gemv_panel::<Q4_0>(x.as_ptr(), cols, pw, rbytes, out, rows, p * PANEL_ROWS),
+                    Q8_0 => {
+                        gemv_panel::<Q8_0>(x.as_ptr(), cols, pw, rbytes, out, rows, p * PANEL_ROWS)
+                    }
+                    Q4_1 => {
+                        gemv_panel::<Q4_1>(x.as_ptr(), cols, pw, rbytes, out, rows, p * PANEL_ROWS)
+                    }
+                    _ => {
+                        gemv_panel::<Q4_0>(x.as_ptr(), cols, pw, rbytes, out, rows, p * PANEL_ROWS)
+                    }
                 };
             }
         }

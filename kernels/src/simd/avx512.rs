@@ -393,7 +393,8 @@ unsafe fn v_pass<const DT: u8, const G: usize, const NC: usize>(
                     }
                 }
                 for g in 0..G {
-                    let w = _mm512_set1_ps(tiles.weight(i, t, *e[g].get_unchecked(i * tiles.n + t)));
+                    let w =
+                        _mm512_set1_ps(tiles.weight(i, t, *e[g].get_unchecked(i * tiles.n + t)));
                     for c in 0..NC {
                         a[g][c] = _mm512_fmadd_ps(w, v[c], a[g][c]);
                     }

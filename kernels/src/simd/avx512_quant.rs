@@ -59,7 +59,12 @@ unsafe fn block_params<const Q: u8>(rec: *const u8) -> ([__m512; 2], [__m512; 2]
 /// Column `k` of record `rec` (32 rows) as 2 vectors of exact f32 weights.
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn decode<const Q: u8>(rec: *const u8, k: usize, d: &[__m512; 2], m: &[__m512; 2]) -> [__m512; 2] {
+unsafe fn decode<const Q: u8>(
+    rec: *const u8,
+    k: usize,
+    d: &[__m512; 2],
+    m: &[__m512; 2],
+) -> [__m512; 2] {
     unsafe {
         if Q == Q8_0 {
             let qp = rec.add(quants_offset(kind::dtype(Q)) + k * PANEL_ROWS);
@@ -152,7 +157,14 @@ unsafe fn gemv<const Q: u8, const NP: usize>(
 /// Decodes `g` panels at `pw` (`pbytes` apart) into f32 panels at `dst` (`cols * 32` floats
 /// each, layout `dst[k * 32 + lane]`).
 #[target_feature(enable = "avx512f")]
-unsafe fn decode_panels<const Q: u8>(pw: *const u8, g: usize, pbytes: usize, cols: usize, rec_bytes: usize, dst: *mut f32) {
+unsafe fn decode_panels<const Q: u8>(
+    pw: *const u8,
+    g: usize,
+    pbytes: usize,
+    cols: usize,
+    rec_bytes: usize,
+    dst: *mut f32,
+) {
     unsafe {
         for p in 0..g {
             let (src, o) = (pw.add(p * pbytes), dst.add(p * cols * PANEL_ROWS));
@@ -174,7 +186,11 @@ unsafe fn decode_panels<const Q: u8>(pw: *const u8, g: usize, pbytes: usize, col
 #[target_feature(enable = "avx512f")]
 unsafe fn gemv_panels<const Q: u8>(x: &[f32], w: &Weight, out: *mut f32, p0: usize, p1: usize) {
     let (cols, rows) = (w.cols(), w.rows());
-    let (packed, pbytes, rbytes) = (w.packed().as_ptr(), w.panel_bytes(), record_bytes(w.dtype()));
+    let (packed, pbytes, rbytes) = (
+        w.packed().as_ptr(),
+        w.panel_bytes(),
+        record_bytes(w.dtype()),
+    );
     let mut p = p0;
     while p < p1 {
         // SAFETY: panels `p..p + n` exist (`n <= p1 - p`); the caller's contract covers `out`.
@@ -198,7 +214,14 @@ unsafe fn gemv_panels<const Q: u8>(x: &[f32], w: &Weight, out: *mut f32, p0: usi
 /// The CPU supports AVX-512F; `w` is quantized; `x` holds `m * cols` floats; `out` is valid
 /// for writes of `m * rows` floats and no other thread writes these panels' features.
 #[target_feature(enable = "avx512f")]
-pub(crate) unsafe fn linear_panels(x: &[f32], m: usize, w: &Weight, out: *mut f32, p0: usize, p1: usize) {
+pub(crate) unsafe fn linear_panels(
+    x: &[f32],
+    m: usize,
+    w: &Weight,
+    out: *mut f32,
+    p0: usize,
+    p1: usize,
+) {
     let q = kind::of(w.dtype());
     if m == 1 {
         // SAFETY: as this function's contract.
@@ -212,7 +235,11 @@ pub(crate) unsafe fn linear_panels(x: &[f32], m: usize, w: &Weight, out: *mut f3
         return;
     }
     let (cols, rows) = (w.cols(), w.rows());
-    let (packed, pbytes, rbytes) = (w.packed().as_ptr(), w.panel_bytes(), record_bytes(w.dtype()));
+    let (packed, pbytes, rbytes) = (
+        w.packed().as_ptr(),
+        w.panel_bytes(),
+        record_bytes(w.dtype()),
+    );
     let f32_panel_bytes = cols * PANEL_ROWS * 4;
     DECODED.with(|cell| {
         let mut buf = cell.borrow_mut();
@@ -232,7 +259,18 @@ pub(crate) unsafe fn linear_panels(x: &[f32], m: usize, w: &Weight, out: *mut f3
                     Q4_1 => decode_panels::<Q4_1>(pw, g, pbytes, cols, rbytes, dst),
                     _ => decode_panels::<Q4_0>(pw, g, pbytes, cols, rbytes, dst),
                 };
-                sweep(x, m, cols, rows, out, dst.cast_const().cast(), f32_panel_bytes, DT_F32, g0, g);
+                sweep(
+                    x,
+                    m,
+                    cols,
+                    rows,
+                    out,
+                    dst.cast_const().cast(),
+                    f32_panel_bytes,
+                    DT_F32,
+                    g0,
+                    g,
+                );
             }
             g0 += g;
         }

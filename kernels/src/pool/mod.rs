@@ -2,7 +2,7 @@
 //!
 //! ```text
 //!   caller ──publish job──► job slot (AtomicPtr) ──► generation += 1
-//!     │                                                   │ workers spin on it (~SPIN_ITERS),
+//!     │                                                   │ workers spin on it (SPIN_BEFORE_PARK),
 //!     │ claims tasks too                                  │ then park on a condvar
 //!     ▼                                                   ▼
 //!   next.fetch_add(1) ◄──────── each thread claims task indices until none are left
@@ -14,6 +14,13 @@
 //! Decode issues ~20,000 parallel ops a second, so a dispatch must cost about a microsecond:
 //! threads are created once, the caller participates, and idle workers spin on an atomic
 //! generation counter before parking (a condvar wake per op would cost tens of microseconds).
+//! The spin is bounded by time, not by iterations: an idle pool costs no CPU 100 µs after its
+//! last job, whatever the CPU's `pause` costs.
+//!
+//! A shared job waits for its slowest task, so a worker that lost its core (another process
+//! runs there) makes the job slower than the caller alone: [`helping`] times each shared job
+//! against a caller-alone estimate and runs stretches of jobs on the caller alone while sharing
+//! does not pay (`TANDEM_POOL_SHARING=always` turns that off).
 //!
 //! Invariants:
 //! - Which thread runs a task never affects results: kernels split work by *outputs*, each task
@@ -29,9 +36,16 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
-/// Spin iterations (each a `spin_loop` hint, ~10-40 ns) before an idle worker parks.
-const SPIN_ITERS: u32 = 20_000;
+pub mod helping;
+use helping::Helping;
+pub use helping::{PoolStats, Sharing};
+
+/// How long an idle worker spins on the generation counter before it parks.
+const SPIN_BEFORE_PARK: Duration = Duration::from_micros(100);
+/// Spins between two reads of the clock while a worker waits.
+const SPINS_PER_CLOCK_READ: u32 = 64;
 /// Spin iterations a caller waits for workers before it starts yielding its core.
 const WAIT_SPINS_BEFORE_YIELD: u32 = 2_000;
 
@@ -44,13 +58,15 @@ struct Job<'a> {
 }
 
 impl Job<'_> {
-    /// Claims and runs tasks until none are left.
-    fn work(&self) {
+    /// Claims and runs tasks until none are left; returns how many this thread ran.
+    fn work(&self) -> usize {
+        let mut ran = 0;
         loop {
             let i = self.next.fetch_add(1, SeqCst);
             if i >= self.n_tasks {
-                return;
+                return ran;
             }
+            ran += 1;
             if catch_unwind(AssertUnwindSafe(|| (self.f)(i))).is_err() {
                 self.panicked.store(true, SeqCst);
             }
@@ -78,7 +94,8 @@ thread_local! {
 pub struct WorkerPool {
     threads: usize,
     shared: Arc<Shared>,
-    publish: Mutex<()>,
+    /// Held by the caller whose job is published; guards the sharing policy.
+    publish: Mutex<Helping>,
     workers: Vec<JoinHandle<()>>,
 }
 
@@ -91,8 +108,14 @@ impl std::fmt::Debug for WorkerPool {
 }
 
 impl WorkerPool {
-    /// A pool of `threads` threads in all: `threads - 1` workers plus whichever thread calls `run`.
+    /// A pool of `threads` threads in all: `threads - 1` workers plus whichever thread calls
+    /// `run`; jobs are shared adaptively ([`Sharing::Adaptive`]).
     pub fn new(threads: usize) -> Result<WorkerPool, KernelError> {
+        WorkerPool::with_sharing(threads, Sharing::Adaptive)
+    }
+
+    /// A pool of `threads` threads that shares jobs as `sharing` says.
+    pub fn with_sharing(threads: usize, sharing: Sharing) -> Result<WorkerPool, KernelError> {
         if threads == 0 {
             return Err(KernelError::ZeroThreads);
         }
@@ -108,7 +131,7 @@ impl WorkerPool {
         let mut pool = WorkerPool {
             threads,
             shared,
-            publish: Mutex::new(()),
+            publish: Mutex::new(Helping::new(sharing)),
             workers: Vec::new(),
         };
         for index in 1..threads {
@@ -130,6 +153,14 @@ impl WorkerPool {
         self.threads
     }
 
+    /// How many jobs were shared, and how many ran on the caller alone.
+    pub fn stats(&self) -> PoolStats {
+        self.publish
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .stats()
+    }
+
     /// Runs `f(0), f(1), .., f(n_tasks - 1)`, spread over the pool; returns when all are done.
     /// Tasks may run in any order on any thread. Re-raises a task's panic.
     pub fn run(&self, n_tasks: usize, f: &(dyn Fn(usize) + Sync)) {
@@ -142,10 +173,15 @@ impl WorkerPool {
         } else {
             self.publish.try_lock().ok()
         };
-        let Some(_guard) = guard else {
+        let Some(mut helping) = guard else {
             (0..n_tasks).for_each(f);
             return;
         };
+        if helping.run_alone() {
+            (0..n_tasks).for_each(f);
+            return;
+        }
+        let t0 = Instant::now();
         let job = Job {
             f,
             n_tasks,
@@ -164,11 +200,16 @@ impl WorkerPool {
             sh.wake.notify_all();
         }
         IN_JOB.with(|c| c.set(true));
-        job.work();
+        let caller_t0 = Instant::now();
+        let caller_tasks = job.work();
+        let caller_busy = caller_t0.elapsed();
         IN_JOB.with(|c| c.set(false));
         wait_until(|| job.done.load(SeqCst) >= n_tasks);
+        let shared_ns = t0.elapsed().as_nanos() as u64;
         sh.job.store(std::ptr::null_mut(), SeqCst);
         wait_until(|| sh.active.load(SeqCst) == 0);
+        let solo = helping::solo_estimate_ns(caller_busy.as_nanos() as u64, caller_tasks, n_tasks);
+        helping.record_shared(shared_ns, solo);
         if job.panicked.load(SeqCst) {
             panic!("a kernel task panicked on a worker thread");
         }
@@ -211,11 +252,11 @@ fn worker_loop(sh: &Shared) {
     IN_JOB.with(|c| c.set(true));
     let mut seen = 0u64;
     loop {
-        // Wait for a new generation: spin, then park.
-        let mut spins = 0u32;
+        // Wait for a new generation: spin (for SPIN_BEFORE_PARK), then park.
+        let (mut spins, started) = (0u32, Instant::now());
         while sh.generation.load(SeqCst) == seen && !sh.shutdown.load(SeqCst) {
-            if spins < SPIN_ITERS {
-                spins += 1;
+            spins = spins.wrapping_add(1);
+            if spins % SPINS_PER_CLOCK_READ != 0 || started.elapsed() < SPIN_BEFORE_PARK {
                 std::hint::spin_loop();
             } else {
                 let mut l = sh.lock.lock().unwrap_or_else(|p| p.into_inner());
@@ -256,7 +297,9 @@ impl Drop for WorkerPool {
 }
 
 /// The process-wide pool the plain kernel entry points use: `TANDEM_THREADS` threads, else
-/// the number of available cores. Created on first use.
+/// the number of available cores; shared as `TANDEM_POOL_SHARING` says (`always` or
+/// `adaptive`, the default; another value is named in a warning and the default used). Created
+/// on first use.
 pub fn global_pool() -> &'static WorkerPool {
     static POOL: OnceLock<WorkerPool> = OnceLock::new();
     POOL.get_or_init(|| {
@@ -265,7 +308,17 @@ pub fn global_pool() -> &'static WorkerPool {
             .and_then(|v| v.trim().parse::<usize>().ok())
             .filter(|&n| n > 0)
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-        WorkerPool::new(n)
+        let sharing = match std::env::var(crate::env::TANDEM_POOL_SHARING) {
+            Err(_) => Sharing::Adaptive,
+            Ok(v) => Sharing::parse(&v).unwrap_or_else(|| {
+                eprintln!(
+                    "warning: {}={v:?} is neither `always` nor `adaptive`; using adaptive",
+                    crate::env::TANDEM_POOL_SHARING
+                );
+                Sharing::Adaptive
+            }),
+        };
+        WorkerPool::with_sharing(n, sharing)
             .or_else(|_| WorkerPool::new(1))
             .expect("a one-thread pool spawns no thread and cannot fail")
     })
@@ -339,6 +392,44 @@ mod tests {
                 panic!("boom");
             }
         });
+    }
+
+    /// A worker that stalls in every task it takes (its core taken) makes sharing slower than
+    /// the caller alone: the adaptive pool then runs jobs on the caller alone, with the same
+    /// results; an `always` pool keeps sharing.
+    #[test]
+    fn a_pool_whose_worker_stalls_runs_jobs_on_the_caller_alone_with_the_same_results() {
+        for sharing in [Sharing::Adaptive, Sharing::Always] {
+            let pool = WorkerPool::with_sharing(2, sharing).unwrap();
+            let out: Vec<AtomicU32> = (0..4).map(|_| AtomicU32::new(0)).collect();
+            for job in 0..300u32 {
+                pool.run(4, &|i| {
+                    let on_worker = std::thread::current()
+                        .name()
+                        .is_some_and(|n| n.starts_with("tandem-kernel"));
+                    // 20 µs of work, so a woken worker claims tasks too; on the worker, 1 ms.
+                    let t = std::time::Instant::now();
+                    while t.elapsed() < std::time::Duration::from_micros(20) {
+                        std::hint::spin_loop();
+                    }
+                    if on_worker {
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                    }
+                    out[i].store(job * 10 + i as u32, SeqCst);
+                });
+                for (i, o) in out.iter().enumerate() {
+                    assert_eq!(o.load(SeqCst), job * 10 + i as u32, "{sharing:?} job {job}");
+                }
+            }
+            let s = pool.stats();
+            assert_eq!(s.shared_jobs + s.solo_jobs, 300, "{sharing:?}: {s:?}");
+            match sharing {
+                Sharing::Adaptive => {
+                    assert!(s.solo_stretches >= 1 && s.solo_jobs >= 200, "{s:?}")
+                }
+                Sharing::Always => assert_eq!(s.solo_jobs, 0, "{s:?}"),
+            }
+        }
     }
 
     #[test]
