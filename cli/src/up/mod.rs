@@ -142,6 +142,12 @@ pub struct UpArgs {
     /// Trace export for every process started (`--otlp-endpoint URL` is handed to each).
     #[command(flatten)]
     pub trace: tandem_telemetry::TraceArgs,
+    /// Threads of each node's compute kernels (the caller included). Default: the cores this
+    /// process may use (its CPU affinity and cgroup quota). With a client or another service on
+    /// the same small machine, leave a core for it (`--threads $(( $(nproc) - 1 ))`); the
+    /// kernels also run a job on one thread when the others keep losing their cores.
+    #[arg(long, env = "TANDEM_THREADS", value_parser = clap::value_parser!(u32).range(1..))]
+    pub threads: Option<u32>,
     /// Extra flags given to every prefill and decode node (after `--`), e.g. `-- --kv-cache-gb 0.5`.
     #[arg(last = true)]
     pub node_args: Vec<String>,
@@ -249,7 +255,19 @@ pub fn start(
     let etcd_url = format!("http://{host}:{etcd_port}");
     let nats_url = format!("nats://{host}:{nats_port}");
     let mut procs = Procs::new(&run_dir)?;
-    procs.set_env(args.env.clone());
+    let mut env = args.env.clone();
+    let threads = match args.threads {
+        Some(n) => {
+            env.push((tandem_kernels::env::TANDEM_THREADS.to_string(), n.to_string()));
+            format!("{n} (--threads)")
+        }
+        None => format!(
+            "{} (the cores this process may use)",
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        ),
+    };
+    eprintln!("tandem up: each node's kernels run on {threads} threads");
+    procs.set_env(env);
     let mut cluster = Cluster {
         procs,
         run_dir: run_dir.clone(),
