@@ -23,7 +23,9 @@ use tandem_cluster::{
 use tandem_kv_transfer::Fault;
 use tandem_node::status;
 use tandem_proto::v1 as pb;
+use tandem_proto::v1::decode_client::DecodeClient;
 use tonic::Code;
+use tonic::transport::Channel;
 
 type Scenario = fn(Arc<Cluster>) -> Pin<Box<dyn Future<Output = ()> + Send>>;
 
@@ -548,18 +550,25 @@ async fn a_decode_node_asked_to_prefill_here_computes_the_prompt_itself_exactly(
         .await;
 }
 
-/// A long prompt computed on the decode node (several seconds here) is reported on: a
-/// `DecodeProgress` between steps once a second has passed, until the first token, its
-/// computed count growing and never past the prompt, so the router's stall clock sees a busy
-/// node, not a hung one.
-async fn a_prompt_computed_on_the_decode_node_reports_progress_until_its_first_token(
-    c: Arc<Cluster>,
-) {
-    let prompt: Vec<u32> = (0..1200u32).map(|i| 100 + i * 37 % 40_000).collect();
-    let mut decode = c.router().await.decode;
+/// 1,200 prompt tokens: several seconds of multi-millisecond steps when the decode node
+/// computes them. Each `variant` is another prompt (no prefix shared with the others, so a
+/// scenario after another does not find its KV cached).
+fn long_prompt(variant: u32) -> Vec<u32> {
+    (0..1200u32)
+        .map(|i| 100 + variant * 7 + i * 37 % 40_000)
+        .collect()
+}
+
+/// Reserves for `prompt` and 2 output tokens, and asks the decode node to compute the prompt
+/// itself (`prefill_here`): the reservation and the answer's stream.
+async fn compute_on_the_decode_node(
+    decode: &mut DecodeClient<Channel>,
+    id: &str,
+    prompt: &[u32],
+) -> (pb::KvTarget, tonic::Streaming<pb::DecodeResponse>) {
     let target = decode
         .reserve(pb::ReserveRequest {
-            request_id: "long-here".into(),
+            request_id: id.into(),
             prompt_tokens: prompt.len() as u32,
             max_new_tokens: 2,
         })
@@ -568,12 +577,12 @@ async fn a_prompt_computed_on_the_decode_node_reports_progress_until_its_first_t
         .into_inner()
         .target
         .unwrap();
-    let mut stream = decode
+    let stream = decode
         .decode(pb::DecodeRequest {
-            request_id: "long-here".into(),
+            request_id: id.into(),
             reservation_id: target.reservation_id,
             epoch: target.epoch,
-            prompt_token_ids: prompt.clone(),
+            prompt_token_ids: prompt.to_vec(),
             sampling: Some(greedy(2)),
             prefill_here: true,
             ..Default::default()
@@ -581,6 +590,19 @@ async fn a_prompt_computed_on_the_decode_node_reports_progress_until_its_first_t
         .await
         .unwrap()
         .into_inner();
+    (target, stream)
+}
+
+/// A long prompt computed on the decode node (several seconds here) is reported on: a
+/// `DecodeProgress` between steps once a second has passed, until the first token, its
+/// computed count growing and never past the prompt, so the router's stall clock sees a busy
+/// node, not a hung one.
+async fn a_prompt_computed_on_the_decode_node_reports_progress_until_its_first_token(
+    c: Arc<Cluster>,
+) {
+    let prompt = long_prompt(0);
+    let mut decode = c.router().await.decode;
+    let (_, mut stream) = compute_on_the_decode_node(&mut decode, "long-here", &prompt).await;
     let t0 = Instant::now();
     let (mut progress, mut tokens, mut first_at) = (Vec::new(), 0, None);
     while let Some(m) = stream.message().await.unwrap() {
@@ -616,32 +638,9 @@ async fn a_prompt_computed_on_the_decode_node_reports_progress_until_its_first_t
 /// gone, and the node gives those blocks back at once. A long prompt on the decode node keeps
 /// its engine in multi-millisecond steps while calls with timeouts of 1–24 ms are made.
 async fn reserve_calls_cancelled_while_the_engine_is_busy_strand_no_blocks(c: Arc<Cluster>) {
-    let prompt: Vec<u32> = (0..1200u32).map(|i| 100 + i * 37 % 40_000).collect();
     let mut decode = c.router().await.decode;
-    let target = decode
-        .reserve(pb::ReserveRequest {
-            request_id: "busy".into(),
-            prompt_tokens: prompt.len() as u32,
-            max_new_tokens: 2,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .target
-        .unwrap();
-    let mut stream = decode
-        .decode(pb::DecodeRequest {
-            request_id: "busy".into(),
-            reservation_id: target.reservation_id,
-            epoch: target.epoch,
-            prompt_token_ids: prompt,
-            sampling: Some(greedy(2)),
-            prefill_here: true,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let (target, mut stream) =
+        compute_on_the_decode_node(&mut decode, "busy", &long_prompt(1)).await;
     let busy = tokio::spawn(async move {
         let mut tokens = 0;
         while let Some(m) = stream.message().await.unwrap() {
